@@ -1,0 +1,38 @@
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from utils.config import load_config  # noqa: E402
+
+
+def write_random_box(path, box, seed=0, in_channels=4, out_channels=5):
+    """A small HDF5 file in the real layout with smooth-ish random values in (-1, 1)."""
+    rng = np.random.default_rng(seed)
+    with h5py.File(path, "w") as f:
+        f["Nbody"] = rng.uniform(-0.9, 0.9, (in_channels, box, box, box)).astype(np.float32)
+        f["Hydro"] = rng.uniform(-0.9, 0.9, (out_channels, box, box, box)).astype(np.float32)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_files(tmp_path_factory):
+    """(train, val) HDF5 files: a 24^3 training box and a 16^3 validation box of random values."""
+    folder = tmp_path_factory.mktemp("tiny_data")
+    return write_random_box(folder / "train.h5", 24, seed=1), write_random_box(folder / "val.h5", 16, seed=2)
+
+
+@pytest.fixture
+def tiny_params(tiny_files):
+    """A CPU-sized config on the tiny files: 2-level U-Net on 8^3 crops."""
+    def make(**overrides):
+        values = {"train_path": str(tiny_files[0]), "val_path": str(tiny_files[1]), "box_size": [24, 16],
+                  "model_channels": [4, 8], "global_batch_size": 4, "Nsamples": 32, "Nsamples_val": 8,
+                  "num_epochs": 1, "num_data_workers": 0, "generate_data": None, "data_size": 8, **overrides}
+        return load_config("quickstart", overrides=values)
+    return make
