@@ -1,0 +1,106 @@
+import pytest
+import yaml
+
+from train import config_overrides, parse_args
+from utils.config import DEFAULT_YAML, ConfigError, load_config, save_config
+
+NAMED = ["base", "short", "short_opt", "bs64_opt", "bs256_opt", "bs512_test", "bs512_opt", "bs2048_opt",
+         "bs8192_opt", "quickstart"]
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_every_named_config_validates(name):
+    params = load_config(name)
+    assert params.config_name == name
+
+
+def test_reference_values():
+    base = load_config("base")
+    assert base.global_batch_size == 64 and base.Nsamples == 65536 and base.Nsamples_val == 8192
+    assert base.lr_schedule == {"scaling": "sqrt", "start_lr": 2e-4, "end_lr": 0.0, "warmup_steps": 128}
+    assert base.box_size == [1024, 512] and base.data_size == 64 and base.num_epochs == 10
+    short = load_config("short")
+    assert (short.Nsamples, short.Nsamples_val, short.num_epochs) == (4096, 512, 4)
+    assert [load_config(n).global_batch_size for n in ("bs256_opt", "bs512_opt", "bs2048_opt", "bs8192_opt")] == \
+        [256, 512, 2048, 8192]
+    assert [load_config(n).num_epochs for n in ("bs256_opt", "bs512_opt", "bs2048_opt", "bs8192_opt")] == \
+        [20, 40, 160, 320]
+
+
+def overrides_from(argv, world_size=1):
+    return config_overrides(parse_args(argv), world_size)
+
+
+def test_precedence_base_named_flags():
+    # named config beats base; an absent flag changes nothing
+    opt = load_config("short_opt", overrides=overrides_from([]))
+    assert opt.enable_fused and opt.enable_jit and opt.amp_mode == "bf16" and opt.Nsamples == 4096
+    # a given flag beats the named config
+    opt = load_config("short_opt", overrides=overrides_from(["--amp_mode=none", "--num_epochs", "2"]))
+    assert opt.amp_mode == "none" and opt.num_epochs == 2 and opt.enable_fused
+    assert load_config("base", overrides=overrides_from(["--enable_amp"])).amp_mode == "fp16"
+    assert load_config("base", overrides=overrides_from(["--disable_tf32"])).enable_tf32 is False
+    assert load_config("base", overrides=overrides_from(["--local_batch_size", "16"], world_size=4)).global_batch_size == 64
+
+
+def test_contradicting_flags():
+    with pytest.raises(ConfigError, match="contradicts"):
+        overrides_from(["--enable_amp", "--amp_mode=bf16"])
+
+
+def test_unknown_config_lists_available():
+    with pytest.raises(ConfigError, match=r"unknown config 'nope'.*available: base, short"):
+        load_config("nope")
+
+
+def write_yaml(tmp_path, mutate):
+    configs = yaml.safe_load(DEFAULT_YAML.read_text())
+    mutate(configs["base"])
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"base": configs["base"]}))
+    return path
+
+
+def test_misspelt_key_is_named(tmp_path):
+    path = write_yaml(tmp_path, lambda c: c.update(num_epoch=3))
+    with pytest.raises(ConfigError, match="unknown config key num_epoch in config 'base'"):
+        load_config("base", path)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("num_epochs", "ten", "'num_epochs' must be a positive integer"),
+    ("amp_mode", "fp8", "'amp_mode' must be one of none, fp16, bf16"),
+    ("full_scale", "yes", "'full_scale' must be true or false"),
+    ("box_size", [1024], "'box_size' must be a list of 2 positive integers"),
+])
+def test_bad_values_are_named(tmp_path, key, value, expected):
+    path = write_yaml(tmp_path, lambda c: c.update({key: value}))
+    with pytest.raises(ConfigError, match=expected):
+        load_config("base", path)
+
+
+def test_nested_key_checked(tmp_path):
+    path = write_yaml(tmp_path, lambda c: c["lr_schedule"].update(start_rate=1.0))
+    with pytest.raises(ConfigError, match="unknown config key start_rate"):
+        load_config("base", path)
+
+
+def test_malformed_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("base:\n  num_epochs: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"malformed YAML in .*bad.yaml at line"):
+        load_config("base", path)
+
+
+def test_crop_larger_than_box_and_divisibility():
+    with pytest.raises(ConfigError, match="crop size data_size=128 is larger than the validation box"):
+        load_config("base", overrides={"data_size": 128, "box_size": [1024, 64]})
+    with pytest.raises(ConfigError, match="divisible by 2\\^6"):
+        load_config("base", overrides={"data_size": 48})
+
+
+def test_resolved_config_round_trips(tmp_path):
+    params = load_config("short_opt", overrides={"num_epochs": 7})
+    save_config(params, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["num_epochs"] == 7 and saved["config_name"] == "short_opt" and saved["enable_jit"] is True

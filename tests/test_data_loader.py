@@ -1,0 +1,147 @@
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from utils import symmetry
+from utils.config import ConfigError, load_config
+from utils.data_loader import DataError, RandomCropDataset, ShardedSampler, get_data_loader, sample_plan
+
+
+def collect(params, rank=0, world_size=1, epoch=0, split="train"):
+    """All samples a rank sees in an epoch, keyed by global sample index."""
+    loader, sampler = get_data_loader(params, split, rank, world_size)
+    sampler.set_epoch(epoch)
+    inputs = torch.cat([inp for inp, _ in loader])
+    targets = torch.cat([tar for _, tar in loader])
+    return dict(zip(sampler.indices(), zip(inputs, targets)))
+
+
+def assert_same_stream(a, b):
+    assert sorted(a) == sorted(b)
+    for index in a:
+        assert torch.equal(a[index][0], b[index][0]) and torch.equal(a[index][1], b[index][1])
+
+
+def test_plan_is_a_pure_function_of_seed_epoch_index():
+    corners, elements = sample_plan(0, "train", 3, 100, 24, 8)
+    corners2, elements2 = sample_plan(0, "train", 3, 200, 24, 8)
+    # index i is the same whatever the epoch length; epochs and seeds differ
+    np.testing.assert_array_equal(corners, corners2[:100])
+    np.testing.assert_array_equal(elements, elements2[:100])
+    assert not np.array_equal(corners, sample_plan(0, "train", 4, 100, 24, 8)[0])
+    assert not np.array_equal(corners, sample_plan(1, "train", 3, 100, 24, 8)[0])
+    assert corners.min() >= 0 and corners.max() <= 24 - 8
+    assert len(np.unique(sample_plan(0, "train", 3, 1000, 24, 8)[1])) == 48  # every symmetry is used
+
+
+def test_same_stream_for_1_and_3_workers(tiny_params):
+    serial = collect(tiny_params(num_data_workers=0), epoch=1)
+    parallel = collect(tiny_params(num_data_workers=3), epoch=1)
+    assert len(serial) == 32
+    assert_same_stream(serial, parallel)
+
+
+def test_ranks_take_disjoint_shares_whose_union_is_the_single_rank_stream(tiny_params):
+    params = tiny_params()
+    single = collect(params, epoch=2)
+    rank0, rank1 = collect(params, 0, 2, epoch=2), collect(params, 1, 2, epoch=2)
+    assert not set(rank0) & set(rank1)
+    assert_same_stream(single, {**rank0, **rank1})
+    # different ranks never train on identical crops at the same step
+    assert not torch.equal(next(iter(rank0.values()))[0], next(iter(rank1.values()))[0])
+
+
+def test_global_batches_do_not_depend_on_world_size():
+    one = ShardedSampler(64, 8, 0, 1)
+    two = [ShardedSampler(64, 8, r, 2) for r in range(2)]
+    for step in range(8):
+        batch = sorted(one.indices()[step * 8:(step + 1) * 8])
+        assert batch == sorted(two[0].indices()[step * 4:(step + 1) * 4] + two[1].indices()[step * 4:(step + 1) * 4])
+
+
+def test_validation_covers_every_sample_once_with_uneven_shares():
+    shares = [list(ShardedSampler(10, 4, r, 4, split="val").indices()) for r in range(4)]
+    assert sorted(sum(shares, [])) == list(range(10)) and [len(s) for s in shares] == [3, 3, 2, 2]
+
+
+def test_lowmem_equals_inmem_and_augmentation_is_the_group_transform(tiny_params):
+    inmem = RandomCropDataset(tiny_params(data_loader_config="inmem"), "train")
+    lowmem = RandomCropDataset(tiny_params(data_loader_config="lowmem"), "train")
+    with h5py.File(tiny_params().train_path) as f:
+        nbody, hydro = f["Nbody"][...], f["Hydro"][...]
+    corners, elements = inmem.plan(0)
+    for index in range(6):
+        inp, tar = inmem[(0, index)]
+        inp2, tar2 = lowmem[(0, index)]
+        assert torch.equal(inp, inp2) and torch.equal(tar, tar2)
+        x, y, z = corners[index]
+        raw_inp = nbody[:, x:x + 8, y:y + 8, z:z + 8]
+        np.testing.assert_array_equal(inp.numpy(), symmetry.transform(raw_inp, int(elements[index])))
+        assert inp.shape == (4, 8, 8, 8) and tar.shape == (5, 8, 8, 8) and inp.dtype == torch.float32
+
+
+def test_validation_is_not_augmented_and_fixed(tiny_params):
+    dataset = RandomCropDataset(tiny_params(), "val")
+    assert (dataset.plan(0)[1] == symmetry.IDENTITY).all()
+
+
+def test_synthetic_mode_needs_no_file(tiny_params):
+    params = tiny_params(data_loader_config="synthetic", train_path="/nonexistent/train.h5")
+    inp, tar = RandomCropDataset(params, "train")[(0, 0)]
+    assert inp.shape == (4, 8, 8, 8) and tar.shape == (5, 8, 8, 8)
+
+
+# --- bad input: one-line messages that name the problem ---
+
+def test_missing_file(tiny_params, tmp_path):
+    with pytest.raises(DataError, match=r"missing\.h5 does not exist; generate one with `python -m utils.make_dataset"):
+        RandomCropDataset(tiny_params(train_path=str(tmp_path / "missing.h5")), "train")
+
+
+def test_missing_dataset_key(tiny_params, tmp_path):
+    path = tmp_path / "nokey.h5"
+    with h5py.File(path, "w") as f:
+        f["Nbody"] = np.zeros((4, 24, 24, 24), np.float32)
+    with pytest.raises(DataError, match="has no dataset 'Hydro'"):
+        RandomCropDataset(tiny_params(train_path=str(path)), "train")
+
+
+def test_wrong_channel_count(tiny_params, tmp_path):
+    path = tmp_path / "channels.h5"
+    with h5py.File(path, "w") as f:
+        f["Nbody"] = np.zeros((3, 24, 24, 24), np.float32)
+        f["Hydro"] = np.zeros((5, 24, 24, 24), np.float32)
+    with pytest.raises(DataError, match=r"'Nbody' has shape \(3, 24, 24, 24\), expected \(4, N, N, N\)"):
+        RandomCropDataset(tiny_params(train_path=str(path)), "train")
+
+
+def test_non_cubic_box(tiny_params, tmp_path):
+    path = tmp_path / "flat.h5"
+    with h5py.File(path, "w") as f:
+        f["Nbody"] = np.zeros((4, 24, 24, 12), np.float32)
+        f["Hydro"] = np.zeros((5, 24, 24, 12), np.float32)
+    with pytest.raises(DataError, match="is not a cubic box"):
+        RandomCropDataset(tiny_params(train_path=str(path)), "train")
+
+
+def test_not_hdf5(tiny_params, tmp_path):
+    path = tmp_path / "text.h5"
+    path.write_text("not hdf5")
+    with pytest.raises(DataError, match="cannot read .*text.h5 as HDF5"):
+        RandomCropDataset(tiny_params(train_path=str(path)), "train")
+
+
+def test_box_size_mismatch(tiny_params):
+    with pytest.raises(DataError, match="holds a 24\\^3 box but the config's box_size says 32"):
+        RandomCropDataset(tiny_params(box_size=[32, 16]), "train")
+
+
+def test_crop_larger_than_box(tiny_params):
+    with pytest.raises(ConfigError, match="crop size data_size=32 is larger than the training box"):
+        tiny_params(data_size=32)
+
+
+def test_batch_not_divisible_by_world_size():
+    with pytest.raises(DataError, match="global batch size 6 is not divisible by the world size 4"):
+        ShardedSampler(64, 6, 0, 4)

@@ -1,0 +1,384 @@
+"""Train the 3D U-Net that maps N-body (dark matter) volumes to hydro (gas) volumes.
+
+    python train.py --config=quickstart                       # laptop CPU, a few minutes
+    python train.py --config=short --amp_mode=bf16            # one GPU
+    torchrun --nproc_per_node=4 train.py --config=bs256_opt   # one node, DDP
+    sbatch -N 8 submit_pm.sh --config=bs512_opt               # Slurm
+
+Config precedence: base values < named config < flags given on the command line (utils/config.py).
+Runs write ``out.log``, ``config.yaml`` and TensorBoard ``logs/`` to
+``expdir/<config>/<N>GPU/<run_num>/``.
+"""
+import argparse
+import logging
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.tensorboard import SummaryWriter
+
+from networks.UNet import build_model, loss_func
+from utils import metrics
+from utils.config import DEFAULT_YAML, ConfigError, load_config, resolve_path, save_config
+from utils.data_loader import DataError, get_data_loader
+from utils.distributed import DistInfo, all_reduce_sum, cleanup, init_distributed
+from utils.lr_schedule import learning_rate, total_steps
+
+logger = logging.getLogger("train")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--yaml_config", default=str(DEFAULT_YAML), help="YAML file of named configs")
+    parser.add_argument("--config", default="base", help="named config in the YAML file")
+    parser.add_argument("--run_num", default="0", help="run name inside expdir/<config>/<N>GPU/")
+    parser.add_argument("--expdir", help="root of run folders (default: config's expdir, or $EXPDIR)")
+    # Every flag below defaults to None = "not given": only given flags override the config.
+    flag = dict(action="store_const", const=True, default=None)
+    parser.add_argument("--amp_mode", choices=["none", "fp16", "bf16"], help="mixed precision")
+    parser.add_argument("--enable_amp", action="store_const", const="fp16", dest="amp_mode_fp16",
+                        help="same as --amp_mode=fp16 (the SC21 flag)")
+    parser.add_argument("--enable_fused", help="fused Adam", **flag)
+    parser.add_argument("--enable_apex", help="apex FusedAdam if importable, else PyTorch's fused Adam", **flag)
+    parser.add_argument("--enable_jit", help="torch.compile the model and loss", **flag)
+    parser.add_argument("--channels_last", help="channels-last-3d model and batches", **flag)
+    parser.add_argument("--disable_tf32", dest="enable_tf32", action="store_const", const=False, default=None,
+                        help="full fp32 matmuls/convolutions on GPU (TF32 is on by default)")
+    parser.add_argument("--enable_benchy", help="benchmark mode: IO, SYNTHETIC and FULL trials", **flag)
+    parser.add_argument("--enable_manual_profiling", help="NVTX ranges + CUDA profiler window", **flag)
+    parser.add_argument("--data_loader_config", help="synthetic | inmem | lowmem")
+    parser.add_argument("--local_batch_size", type=int, help="per-rank batch; sets global = local x world size")
+    parser.add_argument("--global_batch_size", type=int)
+    parser.add_argument("--num_epochs", type=int)
+    parser.add_argument("--num_data_workers", type=int)
+    parser.add_argument("--Nsamples", type=int, help="training crops per epoch")
+    parser.add_argument("--Nsamples_val", type=int, help="validation crops")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--train_path")
+    parser.add_argument("--val_path")
+    parser.add_argument("--log_every_n_steps", type=int)
+    parser.add_argument("--peak_tflops", type=float,
+                        help="device peak TFLOP/s for MFU (looked up for known GPUs when not given)")
+    return parser.parse_args(argv)
+
+
+def config_overrides(args, world_size):
+    """The config keys the given flags override (None = flag not given)."""
+    overrides = {key: getattr(args, key) for key in (
+        "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32", "enable_benchy",
+        "enable_manual_profiling", "data_loader_config", "global_batch_size", "num_epochs", "num_data_workers",
+        "Nsamples", "Nsamples_val", "seed", "train_path", "val_path", "log_every_n_steps", "peak_tflops")}
+    if args.amp_mode_fp16:
+        if args.amp_mode not in (None, "fp16"):
+            raise ConfigError(f"--enable_amp means --amp_mode=fp16 and contradicts --amp_mode={args.amp_mode}")
+        overrides["amp_mode"] = "fp16"
+    if args.local_batch_size is not None:
+        if args.global_batch_size is not None:
+            raise ConfigError("give --local_batch_size or --global_batch_size, not both")
+        overrides["global_batch_size"] = args.local_batch_size * world_size
+    return overrides
+
+
+def setup_logging(run_dir, info):
+    logger.handlers.clear()
+    logger.propagate = False
+    formatter = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    stream = logging.StreamHandler(sys.stdout)
+    stream.setFormatter(formatter)
+    logger.addHandler(stream)
+    if info.is_main:
+        logger.setLevel(logging.INFO)
+        file_handler = logging.FileHandler(run_dir / "out.log")
+        file_handler.setFormatter(formatter)
+        logger.addHandler(file_handler)
+    else:
+        logger.setLevel(logging.WARNING)  # one rank reports; the others speak only on problems
+
+
+def make_run_dir(args, params, info):
+    expdir = args.expdir or os.environ.get("EXPDIR")
+    root = Path(expdir).resolve() if expdir else resolve_path(params.expdir)
+    run_dir = root / params.config_name / f"{info.world_size}GPU" / str(args.run_num)
+    if info.is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe = run_dir / ".write_test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(f"run directory {run_dir} is not writable ({err.strerror}); "
+                              f"choose another with --expdir or $EXPDIR") from None
+    return run_dir
+
+
+def prepare_data(params, info):
+    """Generate the quickstart dataset on first use; never generate for configs that name user files."""
+    if params.generate_data is None or params.data_loader_config == "synthetic":
+        return
+    if info.is_main:
+        from utils.make_dataset import ensure_dataset
+        for path, box, seed in ((params.train_path, params.box_size[0], params.generate_data["train_seed"]),
+                                (params.val_path, params.box_size[1], params.generate_data["val_seed"])):
+            path = resolve_path(path)
+            if not path.exists():
+                logger.info(f"Generating {box}^3 dataset {path} (seed {seed}), first use only")
+                ensure_dataset(path, box, seed)
+    if info.enabled:
+        dist.barrier()
+
+
+@dataclass
+class TrainState:
+    """Everything one training step needs; train_graph.py swaps in its own step function."""
+    params: dict
+    info: DistInfo
+    model: torch.nn.Module              # the plain module (what checkpoints and FLOP counts see)
+    train_model: torch.nn.Module        # what the step calls: maybe DDP-wrapped, maybe compiled
+    loss_fn: object
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    autocast: object
+    memory_format: torch.memory_format
+    global_step: int = 0
+    notes: list = field(default_factory=list)
+
+    def to_device(self, tensor):
+        # non_blocking: from pinned memory the copy overlaps with the step already queued on the GPU
+        return tensor.to(self.info.device, non_blocking=True, memory_format=self.memory_format)
+
+    def set_lr(self, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+
+def build_optimizer(model, params, device):
+    """Adam; fused (one kernel for all parameters) when asked for, else foreach (PyTorch's default)."""
+    lr = params.lr_schedule["start_lr"]
+    if params.enable_apex:
+        try:
+            from apex.optimizers import FusedAdam  # in NVIDIA's containers; never pip-install "apex"
+            return FusedAdam(model.parameters(), lr=lr, adam_w_mode=False), "apex FusedAdam"
+        except ImportError:
+            logger.info("apex is not importable here; --enable_apex uses PyTorch's fused Adam instead")
+    if params.enable_fused or params.enable_apex:
+        return torch.optim.Adam(model.parameters(), lr=lr, fused=True), "torch Adam (fused)"
+    return torch.optim.Adam(model.parameters(), lr=lr), "torch Adam (foreach)"
+
+
+def build_training(params, info):
+    device = info.device
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # pick the fastest conv algorithms for the fixed crop shape
+        torch.backends.cuda.matmul.allow_tf32 = params.enable_tf32
+        torch.backends.cudnn.allow_tf32 = params.enable_tf32
+    torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
+    memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
+    model = build_model(params).to(device, memory_format=memory_format)
+    optimizer, optimizer_name = build_optimizer(model, params, device)
+    train_model = model
+    if info.enabled:
+        train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    loss_fn = loss_func
+    if params.enable_jit:
+        # Compile what the step actually calls (the reference scripted a model it never used).
+        train_model = torch.compile(train_model)
+        loss_fn = torch.compile(loss_func)
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(params.amp_mode)
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=params.amp_mode == "fp16")
+    state = TrainState(params, info, model, train_model, loss_fn, optimizer, scaler, autocast, memory_format)
+    state.notes.append(f"optimizer: {optimizer_name}")
+    return state
+
+
+def eager_step(state, inp, tar):
+    """One optimiser step; returns the loss as a device tensor (no host sync here)."""
+    state.optimizer.zero_grad(set_to_none=True)
+    with state.autocast:
+        prediction = state.train_model(inp)
+    loss = state.loss_fn(prediction.float(), tar, state.params.lambda_rho)
+    state.scaler.scale(loss).backward()
+    state.scaler.step(state.optimizer)
+    state.scaler.update()
+    return loss.detach()
+
+
+@torch.no_grad()
+def validate(state, loader):
+    """Mean validation loss over all ranks, weighted by samples (rank shares may differ)."""
+    state.model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=state.info.device)
+    count = 0
+    for inp, tar in loader:
+        inp, tar = state.to_device(inp), state.to_device(tar)
+        with state.autocast:
+            prediction = state.model(inp)
+        loss_sum += state.loss_fn(prediction.float(), tar, state.params.lambda_rho).double() * inp.shape[0]
+        count += inp.shape[0]
+    state.model.train()
+    total, total_count = all_reduce_sum([loss_sum.item(), count], state.info)
+    return total / total_count
+
+
+@torch.no_grad()
+def mean_predictor_l1(params, train_loader, val_loader, state):
+    """Validation L1 of the trivial predictor that always outputs the training-set mean."""
+    dataset = train_loader.dataset
+    if dataset.mode == "inmem":
+        mean = torch.from_numpy(dataset.tar.mean(axis=(1, 2, 3), dtype=np.float64))
+    else:  # estimate from the first epoch's crops (an unbiased sample of the training set)
+        sums, count = 0, 0
+        for index in range(min(len(dataset), 256)):
+            sums = sums + dataset[(0, index)][1].double().mean(dim=(1, 2, 3))
+            count += 1
+        mean = sums / count
+    mean = mean.to(state.info.device).float().view(1, -1, 1, 1, 1)
+    total, count = 0.0, 0
+    for _, tar in val_loader:
+        tar = state.to_device(tar)
+        total += (tar - mean).abs().mean().item() * tar.shape[0]
+        count += tar.shape[0]
+    total, count = all_reduce_sum([total, count], state.info)
+    return total / count
+
+
+def log_startup(params, state, run_dir, steps_per_epoch):
+    info = state.info
+    logger.info(f"Run directory: {run_dir}")
+    logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
+                f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
+                f"global batch {params.global_batch_size} ({params.global_batch_size // info.world_size} per rank), "
+                f"{steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
+    num_params = sum(p.numel() for p in state.model.parameters())
+    logger.info(f"Model: U-Net {params.model_channels} full_scale={params.full_scale}, {num_params:,} parameters, "
+                f"{state.model.flops_per_sample(params.data_size) / 1e9:.2f} GFLOP/sample forward")
+    active = [f"amp_mode={params.amp_mode}"] + [name for name in (
+        "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
+    if info.device.type == "cuda":
+        active.append(f"tf32={'on' if params.enable_tf32 else 'off'}")
+    logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}; "
+                f"data loader: {params.data_loader_config} with {params.num_data_workers} workers")
+    for name in ("enable_benchy", "enable_manual_profiling"):
+        if params[name]:
+            logger.warning(f"NOTE: {name} is accepted but not implemented yet; it does nothing in this run")
+
+
+def train(params, state, run_dir, make_step=eager_step):
+    info = state.info
+    writer = SummaryWriter(log_dir=str(run_dir / "logs")) if info.is_main else None
+    train_loader, train_sampler = get_data_loader(params, "train", info.rank, info.world_size, info.device)
+    val_loader, _ = get_data_loader(params, "val", info.rank, info.world_size, info.device)
+    steps_per_epoch = len(train_sampler) // train_sampler.local_batch_size
+    num_steps = total_steps(params)
+    log_startup(params, state, run_dir, steps_per_epoch)
+    step = make_step(state)
+    flops_per_step = 3 * state.model.flops_per_sample(params.data_size) * params.global_batch_size
+    peak = metrics.peak_flops(info.device, params.amp_mode, params.enable_tf32, params.peak_tflops)
+    peak = peak * info.world_size if peak else None  # MFU of the whole job
+
+    def lr_at(step_number):
+        return learning_rate(step_number, params.lr_schedule, params.global_batch_size, params.base_batch_size,
+                             num_steps)
+
+    val_loss = validate(state, val_loader)
+    logger.info(f"Initial val loss={val_loss:.6f}")
+    if writer:
+        writer.add_scalar("Loss/valid", val_loss, 0)
+        writer.add_scalar("Learning Rate", lr_at(0), 0)
+
+    for epoch in range(params.num_epochs):
+        train_sampler.set_epoch(epoch)
+        meter = metrics.StepMeter(info.device, state.global_step)
+        loss_sum = torch.zeros((), device=info.device)
+        epoch_start = time.perf_counter()
+        batches = iter(train_loader)
+        for step_in_epoch in range(steps_per_epoch):
+            with meter.waiting():
+                inp, tar = next(batches)
+                inp, tar = state.to_device(inp), state.to_device(tar)
+            lr = lr_at(state.global_step)
+            state.set_lr(lr)
+            loss = step(state, inp, tar)
+            loss_sum += loss
+            state.global_step += 1
+            if state.global_step % params.log_every_n_steps == 0 or step_in_epoch == steps_per_epoch - 1:
+                loss_value = loss.item()  # host sync: only at log steps
+                rates = meter.interval(steps=state.global_step, samples_per_step=params.global_batch_size)
+                eta = (num_steps - state.global_step) / max(rates["steps_per_sec"], 1e-9)
+                logger.info(f"epoch {epoch + 1} step {step_in_epoch + 1}/{steps_per_epoch} "
+                            f"(global {state.global_step}/{num_steps}) | loss {loss_value:.5f} | lr {lr:.3e} | "
+                            f"{rates['samples_per_sec']:.1f} samples/s | data wait {100 * rates['wait_share']:.0f}% "
+                            f"| ETA {metrics.format_duration(eta)}")
+                if writer:
+                    writer.add_scalar("Learning Rate", lr, state.global_step)
+        epoch_time = time.perf_counter() - epoch_start
+        train_loss = all_reduce_sum([loss_sum.item()], info)[0] / (steps_per_epoch * info.world_size)
+        summary = meter.summary(epoch_time, steps_per_epoch, params.global_batch_size, flops_per_step, peak)
+        logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, "
+                    f"avg {summary['samples_per_sec']:.2f} samples/sec")
+        logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
+                    f"MFU {metrics.format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
+                    f"({summary['memory_kind']})")
+        logger.info(f"  Avg train loss={train_loss:.6f}")
+        val_start = time.perf_counter()
+        val_loss = validate(state, val_loader)
+        logger.info(f"  Avg val loss={val_loss:.6f}")
+        logger.info(f"  Total validation time: {time.perf_counter() - val_start:.1f} sec")
+        if writer:
+            writer.add_scalar("Loss/train", train_loss, state.global_step)
+            writer.add_scalar("Loss/valid", val_loss, state.global_step)
+            writer.add_scalar("Avg iters per sec", steps_per_epoch / epoch_time, state.global_step)
+            writer.add_scalar("Perf/samples_per_sec", summary["samples_per_sec"], state.global_step)
+            writer.add_scalar("Perf/data_wait_share", summary["wait_share"], state.global_step)
+            writer.add_scalar("Perf/peak_memory_GB", summary["peak_memory_gb"], state.global_step)
+            if summary["mfu"] is not None:
+                writer.add_scalar("Perf/MFU", summary["mfu"], state.global_step)
+            writer.flush()
+
+    if params.data_loader_config != "synthetic":
+        baseline = mean_predictor_l1(params, train_loader, val_loader, state)
+        logger.info(f"Final validation L1 {val_loss:.5f} vs {baseline:.5f} for the mean predictor "
+                    f"(ratio {val_loss / baseline:.3f}; lower is better)")
+    if writer:
+        writer.close()
+    return val_loss
+
+
+def main(argv=None, make_step=lambda state: eager_step):
+    args = parse_args(argv)
+    info = init_distributed()
+    try:
+        params = load_config(args.config, args.yaml_config, config_overrides(args, info.world_size))
+        if params.global_batch_size % info.world_size:
+            raise ConfigError(f"global batch size {params.global_batch_size} is not divisible by the world size "
+                              f"{info.world_size}; use a multiple of {info.world_size}")
+        run_dir = make_run_dir(args, params, info)
+        setup_logging(run_dir, info)
+        if info.is_main:
+            save_config(params, run_dir / "config.yaml")
+        prepare_data(params, info)
+        state = build_training(params, info)
+        return train(params, state, run_dir, make_step)
+    finally:
+        cleanup(info)
+
+
+def cli(entry=main):
+    """Run ``entry`` and turn user errors into one line on stderr and exit code 2 (no traceback)."""
+    try:
+        entry()
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,244 @@
+"""Configuration: one YAML file of named configs, validated against a schema, plus CLI overrides.
+
+Precedence is one path, applied in this order and nowhere else:
+
+    base values  <  named config (``--config=NAME``)  <  command-line flags that were given
+
+A flag that was not given is ``None`` and changes nothing, so a config that turns an optimisation
+on is never silently turned off by an absent flag (a defect of the reference tutorial).
+"""
+import os
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_YAML = REPO_ROOT / "config" / "UNet.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message says what and how."""
+
+
+def _choice(*options):
+    def check(value):
+        if value not in options:
+            raise TypeError(f"one of {', '.join(map(str, options))}")
+        return value
+    return check
+
+
+def _int(value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("an integer")
+    return value
+
+
+def _positive_int(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise TypeError("a positive integer")
+    return value
+
+
+def _non_negative_int(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError("an integer >= 0")
+    return value
+
+
+def _float(value):
+    # PyYAML (YAML 1.1) reads `2e-4` as a string; accept it rather than punish the user.
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("a number")
+    return float(value)
+
+
+def _bool(value):
+    if not isinstance(value, bool):
+        raise TypeError("true or false")
+    return value
+
+
+def _str(value):
+    if not isinstance(value, str) or not value:
+        raise TypeError("a non-empty string")
+    return value
+
+
+def _int_list(length=None):
+    def check(value):
+        if (not isinstance(value, list) or not value or (length and len(value) != length)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+            raise TypeError(f"a list of {length or 'one or more'} positive integers")
+        return value
+    return check
+
+
+def _section(schema):
+    def check(value):
+        if not isinstance(value, dict):
+            raise TypeError(f"a mapping with keys {', '.join(schema)}")
+        _check_keys(value, schema, "")
+        return {key: _validate(f"{key}", value[key], schema[key][0]) for key in schema}
+    return check
+
+
+def _optional(check):
+    def optional(value):
+        return None if value is None else check(value)
+    return optional
+
+
+# key: (validator, one-line meaning). Every key of every named config must be here.
+LR_SCHEDULE_SCHEMA = {
+    "scaling": (_choice("none", "linear", "sqrt"), "scale start_lr with global/base batch size"),
+    "start_lr": (_float, "learning rate at base_batch_size, before scaling"),
+    "end_lr": (_float, "learning rate at the end of the cosine decay"),
+    "warmup_steps": (_non_negative_int, "linear warm-up steps (only when the rate is scaled up)"),
+}
+WEIGHT_INIT_SCHEMA = {
+    "conv_init": (_choice("normal"), "initialisation of conv weights"),
+    "conv_scale": (_float, "standard deviation of the normal initialisation"),
+    "conv_bias": (_float, "initial value of conv biases"),
+}
+GENERATE_DATA_SCHEMA = {
+    "train_seed": (_int, "seed of the generated training box"),
+    "val_seed": (_int, "seed of the generated validation box"),
+}
+SCHEMA = {
+    "weight_init": (_section(WEIGHT_INIT_SCHEMA), "weight initialisation"),
+    "model_channels": (_int_list(), "U-Net widths, one per level, finest first"),
+    "full_scale": (_bool, "use every level of model_channels (False drops the coarsest)"),
+    "N_in_channels": (_positive_int, "input channels (N-body: density, vx, vy, vz)"),
+    "N_out_channels": (_positive_int, "output channels (hydro: density, vx, vy, vz, temperature)"),
+    "lambda_rho": (_float, "weight of the L1 term on exp(14 x) of the gas density"),
+    "global_batch_size": (_positive_int, "samples per optimiser step over all ranks"),
+    "base_batch_size": (_positive_int, "batch size that lr_schedule.start_lr is tuned for"),
+    "lr_schedule": (_section(LR_SCHEDULE_SCHEMA), "learning-rate schedule"),
+    "num_epochs": (_positive_int, "training epochs"),
+    "Nsamples": (_positive_int, "random crops per training epoch"),
+    "Nsamples_val": (_positive_int, "crops per validation pass"),
+    "seed": (_int, "seed of weight init and of the crop/augmentation stream"),
+    "amp_mode": (_choice("none", "fp16", "bf16"), "mixed precision"),
+    "enable_fused": (_bool, "fused Adam"),
+    "enable_apex": (_bool, "apex FusedAdam when importable"),
+    "enable_jit": (_bool, "torch.compile the model and loss"),
+    "channels_last": (_bool, "channels-last-3d memory format"),
+    "enable_tf32": (_bool, "TF32 matmuls and convolutions on GPU"),
+    "enable_benchy": (_bool, "benchmark mode"),
+    "enable_manual_profiling": (_bool, "NVTX ranges and a CUDA profiler window"),
+    "data_loader_config": (_choice("synthetic", "inmem", "lowmem"), "data loader"),
+    "train_path": (_str, "training HDF5 file"),
+    "val_path": (_str, "validation HDF5 file"),
+    "box_size": (_int_list(2), "edge of the training and validation boxes, cells"),
+    "data_size": (_positive_int, "crop edge, cells"),
+    "num_data_workers": (_non_negative_int, "DataLoader worker processes per rank"),
+    "enable_augmentation": (_bool, "random cube-symmetry augmentation"),
+    "generate_data": (_optional(_section(GENERATE_DATA_SCHEMA)), "generate missing data files"),
+    "expdir": (_str, "root folder of runs"),
+    "log_every_n_steps": (_positive_int, "steps between progress lines"),
+    "peak_tflops": (_optional(_float), "device peak TFLOP/s for MFU; null looks it up for known GPUs"),
+}
+
+
+def _check_keys(values, schema, where):
+    unknown = sorted(set(values) - set(schema))
+    if unknown:
+        raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+                          f"{where}; valid keys: {', '.join(sorted(schema))}")
+    missing = sorted(set(schema) - set(values))
+    if missing:
+        raise ConfigError(f"missing config key{'s' if len(missing) > 1 else ''} {', '.join(missing)}{where}")
+
+
+def _validate(key, value, check):
+    try:
+        return check(value)
+    except TypeError as err:
+        raise ConfigError(f"config key '{key}' must be {err}, got {value!r}") from None
+
+
+class Params(dict):
+    """A validated config: a dict whose keys are also attributes (``params.global_batch_size``)."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key, value):
+        self[key] = value
+
+
+def read_yaml(yaml_path):
+    path = Path(yaml_path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    try:
+        configs = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"malformed YAML in {path}{where}: {getattr(err, 'problem', err)}") from None
+    if not isinstance(configs, dict):
+        raise ConfigError(f"{path} must map config names to configs")
+    return configs
+
+
+def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
+    """Return the validated ``Params`` of config ``name`` with the given CLI ``overrides`` applied.
+
+    ``overrides`` maps config keys to values; ``None`` values mean "flag not given" and are skipped.
+    Nested keys are written ``section.key`` (e.g. ``lr_schedule.start_lr``).
+    """
+    configs = read_yaml(yaml_path)
+    if name not in configs:
+        raise ConfigError(f"unknown config '{name}' in {yaml_path}; available: {', '.join(configs)}")
+    values = dict(configs[name] or {})
+    _check_keys(values, SCHEMA, f" in config '{name}'")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, sub = key.partition(".")
+        if section not in SCHEMA:
+            raise ConfigError(f"unknown override '{key}'; valid keys: {', '.join(sorted(SCHEMA))}")
+        if sub:
+            values[section] = {**values[section], sub: value}
+        else:
+            values[key] = value
+    params = Params({key: _validate(key, values[key], check) for key, (check, _) in SCHEMA.items()})
+    params["config_name"] = name
+    _check_consistency(params)
+    return params
+
+
+def _check_consistency(params):
+    if not params.full_scale and len(params.model_channels) < 2:
+        raise ConfigError("full_scale: false needs at least two model_channels levels")
+    levels = len(params.model_channels) - (0 if params.full_scale else 1)
+    if params.data_size % 2 ** levels:
+        raise ConfigError(f"data_size {params.data_size} must be divisible by 2^{levels} "
+                          f"(the U-Net halves the crop {levels} times)")
+    for box, split in zip(params.box_size, ("training", "validation")):
+        if params.data_size > box:
+            raise ConfigError(f"crop size data_size={params.data_size} is larger than the {split} box "
+                              f"({box}); lower data_size or use a larger box")
+
+
+def resolve_path(path):
+    """Relative data paths are relative to the repository root, so runs work from any directory."""
+    path = Path(os.path.expanduser(path))
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def save_config(params, path):
+    with open(path, "w") as f:
+        yaml.safe_dump(dict(params), f, sort_keys=False)

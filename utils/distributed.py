@@ -1,0 +1,71 @@
+"""Process-group set-up that works the same under torchrun, Slurm (export_DDP_vars.sh) and alone.
+
+torchrun and export_DDP_vars.sh both export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT; with WORLD_SIZE unset or 1 the script runs as a single process without a group.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def enabled(self):
+        return self.world_size > 1
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed():
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    info = DistInfo(rank, local_rank, world_size, device)
+    if world_size > 1:
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+        if missing:
+            raise RuntimeError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with torchrun "
+                               f"or source export_DDP_vars.sh inside each Slurm task")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", init_method="env://",
+                                world_size=world_size, rank=rank,
+                                device_id=device if device.type == "cuda" else None)
+    return info
+
+
+def all_reduce_sum(values, info):
+    """Sum a list of floats over ranks (one collective); identity when single-process."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=info.device)
+    if info.enabled:
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def cleanup(info):
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,77 @@
+"""Throughput, data-wait share, MFU and peak memory: the numbers the tutorial teaches people to read."""
+import resource
+import time
+from contextlib import contextmanager
+
+import torch
+
+# Dense peak TFLOP/s by device-name fragment and math mode (datasheet values, no sparsity).
+PEAK_TFLOPS = {
+    "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},  # SXM
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+    "V100": {"fp32": 15.7, "tf32": 15.7, "bf16": 15.7, "fp16": 125.0},
+}
+
+
+def peak_flops(device, amp_mode, tf32, peak_tflops=None):
+    """Peak FLOP/s of one device for this math mode; None when unknown (MFU is then not reported)."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    mode = amp_mode if amp_mode in ("fp16", "bf16") else ("tf32" if tf32 else "fp32")
+    for fragment, table in PEAK_TFLOPS.items():
+        if fragment in name:
+            return table[mode] * 1e12
+    return None
+
+
+def peak_memory(device):
+    """(GB, kind): the device's peak allocated memory on GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9, "GPU allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "host RSS"  # ru_maxrss is in KiB
+
+
+class StepMeter:
+    """Accumulates time spent waiting for data against wall time, per log interval and per epoch."""
+
+    def __init__(self, device, start_step=0):
+        self.device = device
+        self.last_time = time.perf_counter()
+        self.wait = self.last_wait = 0.0
+        self.last_steps = start_step
+
+    @contextmanager
+    def waiting(self):
+        begin = time.perf_counter()
+        yield
+        self.wait += time.perf_counter() - begin
+
+    def interval(self, steps, samples_per_step):
+        """Rates since the previous call; the caller has just synchronised (via .item())."""
+        now = time.perf_counter()
+        steps_done = steps - self.last_steps
+        elapsed = max(now - self.last_time, 1e-9)
+        wait = self.wait - self.last_wait
+        self.last_time, self.last_wait, self.last_steps = now, self.wait, steps
+        return {"steps_per_sec": steps_done / elapsed, "samples_per_sec": steps_done * samples_per_step / elapsed,
+                "wait_share": wait / elapsed}
+
+    def summary(self, elapsed, steps, samples_per_step, flops_per_step, peak):
+        samples_per_sec = steps * samples_per_step / elapsed
+        memory, kind = peak_memory(self.device)
+        return {"samples_per_sec": samples_per_sec, "wait_share": self.wait / elapsed,
+                "mfu": flops_per_step * steps / elapsed / peak if peak else None,
+                "peak_memory_gb": memory, "memory_kind": kind}
+
+
+def format_mfu(mfu):
+    return f"{100 * mfu:.1f}%" if mfu is not None else "n/a (pass --peak_tflops)"
+
+
+def format_duration(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
