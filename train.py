@@ -21,14 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
 from networks.UNet import build_model, loss_func
 from utils import metrics
 from utils.config import DEFAULT_YAML, ConfigError, load_config, resolve_path, save_config
 from utils.data_loader import DataError, get_data_loader
-from utils.distributed import DistInfo, all_reduce_sum, cleanup, init_distributed
+from utils.distributed import DistInfo, all_reduce_sum, cleanup, init_distributed, wrap_ddp
 from utils.lr_schedule import learning_rate, total_steps
 
 logger = logging.getLogger("train")
@@ -65,6 +64,14 @@ def parse_args(argv=None):
     parser.add_argument("--train_path")
     parser.add_argument("--val_path")
     parser.add_argument("--log_every_n_steps", type=int)
+    parser.add_argument("--bucket_cap_mb", type=int, help="DDP gradient bucket size in MB")
+    parser.add_argument("--disable_broadcast_buffers", dest="broadcast_buffers", action="store_const", const=False,
+                        default=None, help="DDP: do not broadcast buffers every forward (the U-Net has none)")
+    parser.add_argument("--gradient_as_bucket_view", help="DDP: gradients are views into the buckets", **flag)
+    parser.add_argument("--static_graph", help="DDP: static-graph optimisations", **flag)
+    parser.add_argument("--ddp_comm_hook", choices=["none", "bf16"], help="DDP gradient compression")
+    parser.add_argument("--noddp", help="no gradient sync across ranks: measures compute alone; NOT real training",
+                        **flag)
     parser.add_argument("--peak_tflops", type=float,
                         help="device peak TFLOP/s for MFU (looked up for known GPUs when not given)")
     return parser.parse_args(argv)
@@ -75,7 +82,8 @@ def config_overrides(args, world_size):
     overrides = {key: getattr(args, key) for key in (
         "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32", "enable_benchy",
         "enable_manual_profiling", "data_loader_config", "global_batch_size", "num_epochs", "num_data_workers",
-        "Nsamples", "Nsamples_val", "seed", "train_path", "val_path", "log_every_n_steps", "peak_tflops")}
+        "Nsamples", "Nsamples_val", "seed", "train_path", "val_path", "log_every_n_steps", "peak_tflops",
+        "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook", "noddp")}
     if args.amp_mode_fp16:
         if args.amp_mode not in (None, "fp16"):
             raise ConfigError(f"--enable_amp means --amp_mode=fp16 and contradicts --amp_mode={args.amp_mode}")
@@ -156,7 +164,10 @@ class TrainState:
 
     def set_lr(self, lr):
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if torch.is_tensor(group["lr"]):
+                group["lr"].fill_(lr)  # a CUDA-graph-captured optimizer reads its lr from this tensor
+            else:
+                group["lr"] = lr
 
 
 def build_optimizer(model, params, device):
@@ -183,9 +194,7 @@ def build_training(params, info):
     memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
     model = build_model(params).to(device, memory_format=memory_format)
     optimizer, optimizer_name = build_optimizer(model, params, device)
-    train_model = model
-    if info.enabled:
-        train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    train_model, ddp_description = wrap_ddp(model, params, info)
     loss_fn = loss_func
     if params.enable_jit:
         # Compile what the step actually calls (the reference scripted a model it never used).
@@ -195,7 +204,7 @@ def build_training(params, info):
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
     scaler = torch.amp.GradScaler(device.type, enabled=params.amp_mode == "fp16")
     state = TrainState(params, info, model, train_model, loss_fn, optimizer, scaler, autocast, memory_format)
-    state.notes.append(f"optimizer: {optimizer_name}")
+    state.notes += [f"optimizer: {optimizer_name}", ddp_description]
     return state
 
 
@@ -266,6 +275,9 @@ def log_startup(params, state, run_dir, steps_per_epoch):
         active.append(f"tf32={'on' if params.enable_tf32 else 'off'}")
     logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}; "
                 f"data loader: {params.data_loader_config} with {params.num_data_workers} workers")
+    if params.noddp and info.enabled:
+        logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "
+                       "communication and is NOT real training.")
     for name in ("enable_benchy", "enable_manual_profiling"):
         if params[name]:
             logger.warning(f"NOTE: {name} is accepted but not implemented yet; it does nothing in this run")

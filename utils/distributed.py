@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass
@@ -69,3 +70,43 @@ def all_reduce_sum(values, info):
 def cleanup(info):
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def bf16_gradient_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: all-reduce gradients in bfloat16 (half the bytes), average, write back in fp32.
+
+    The same algorithm as torch's ``default_hooks.bf16_compress_hook``, which only supports NCCL;
+    this one also runs on gloo, so CPU tests cover it.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+def wrap_ddp(model, params, info):
+    """Wrap ``model`` in DistributedDataParallel with the config's knobs; returns (module, description)."""
+    if not info.enabled:
+        return model, "single process"
+    if params.noddp:
+        return model, "NO gradient synchronisation (--noddp: measures compute without communication; NOT real training)"
+    ddp = DistributedDataParallel(
+        model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+        bucket_cap_mb=params.bucket_cap_mb, broadcast_buffers=params.broadcast_buffers,
+        gradient_as_bucket_view=params.gradient_as_bucket_view, static_graph=params.static_graph)
+    if params.ddp_comm_hook == "bf16":
+        if dist.get_backend() == "nccl":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        else:
+            ddp.register_comm_hook(None, bf16_gradient_hook)
+    knobs = (f"bucket_cap_mb={params.bucket_cap_mb}, broadcast_buffers={params.broadcast_buffers}, "
+             f"gradient_as_bucket_view={params.gradient_as_bucket_view}, static_graph={params.static_graph}, "
+             f"comm_hook={params.ddp_comm_hook}")
+    return ddp, f"DDP ({dist.get_backend()}): {knobs}"
