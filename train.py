@@ -25,6 +25,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from networks.UNet import build_model, loss_func
 from utils import metrics
+from utils.benchy import run_benchmark
 from utils.config import DEFAULT_YAML, ConfigError, load_config, resolve_path, save_config
 from utils.data_loader import DataError, get_data_loader
 from utils.distributed import DistInfo, all_reduce_sum, cleanup, init_distributed, wrap_ddp
@@ -52,6 +53,8 @@ def parse_args(argv=None):
     parser.add_argument("--disable_tf32", dest="enable_tf32", action="store_const", const=False, default=None,
                         help="full fp32 matmuls/convolutions on GPU (TF32 is on by default)")
     parser.add_argument("--enable_benchy", help="benchmark mode: IO, SYNTHETIC and FULL trials", **flag)
+    parser.add_argument("--benchy_continue", dest="benchy.continue_training", help="train after the benchmark",
+                        **flag)
     parser.add_argument("--enable_manual_profiling", help="NVTX ranges + CUDA profiler window", **flag)
     parser.add_argument("--data_loader_config", help="synthetic | inmem | lowmem")
     parser.add_argument("--local_batch_size", type=int, help="per-rank batch; sets global = local x world size")
@@ -83,7 +86,8 @@ def config_overrides(args, world_size):
         "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32", "enable_benchy",
         "enable_manual_profiling", "data_loader_config", "global_batch_size", "num_epochs", "num_data_workers",
         "Nsamples", "Nsamples_val", "seed", "train_path", "val_path", "log_every_n_steps", "peak_tflops",
-        "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook", "noddp")}
+        "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook", "noddp",
+        "benchy.continue_training")}
     if args.amp_mode_fp16:
         if args.amp_mode not in (None, "fp16"):
             raise ConfigError(f"--enable_amp means --amp_mode=fp16 and contradicts --amp_mode={args.amp_mode}")
@@ -278,7 +282,7 @@ def log_startup(params, state, run_dir, steps_per_epoch):
     if params.noddp and info.enabled:
         logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "
                        "communication and is NOT real training.")
-    for name in ("enable_benchy", "enable_manual_profiling"):
+    for name in ("enable_manual_profiling",):
         if params[name]:
             logger.warning(f"NOTE: {name} is accepted but not implemented yet; it does nothing in this run")
 
@@ -299,6 +303,12 @@ def train(params, state, run_dir, make_step=eager_step):
     def lr_at(step_number):
         return learning_rate(step_number, params.lr_schedule, params.global_batch_size, params.base_batch_size,
                              num_steps)
+
+    if params.enable_benchy:
+        run_benchmark(params, state, step, train_loader, train_sampler, run_dir, logger.info)
+        if not params.benchy["continue_training"]:
+            logger.info("Benchmark mode done; exiting (--benchy_continue trains afterwards)")
+            return None
 
     val_loss = validate(state, val_loader)
     logger.info(f"Initial val loss={val_loss:.6f}")

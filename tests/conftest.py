@@ -8,7 +8,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from utils.config import load_config  # noqa: E402
+import yaml  # noqa: E402
+
+from utils.config import DEFAULT_YAML, load_config  # noqa: E402
 
 
 def write_random_box(path, box, seed=0, in_channels=4, out_channels=5):
@@ -36,3 +38,19 @@ def tiny_params(tiny_files):
                   "num_epochs": 1, "num_data_workers": 0, "generate_data": None, "data_size": 8, **overrides}
         return load_config("quickstart", overrides=values)
     return make
+
+
+TINY_OVERRIDES = {"box_size": [24, 16], "model_channels": [4, 8], "global_batch_size": 4, "base_batch_size": 4,
+                  "Nsamples": 32, "Nsamples_val": 8, "num_epochs": 2, "num_data_workers": 0,
+                  "generate_data": None, "data_size": 8, "log_every_n_steps": 2}
+
+
+@pytest.fixture
+def tiny_argv(tiny_files, tmp_path):
+    """train.py arguments for a seconds-long run on the tiny files: a YAML with config 'tiny'."""
+    configs = yaml.safe_load(DEFAULT_YAML.read_text())
+    tiny = {**configs["quickstart"], **TINY_OVERRIDES, "train_path": str(tiny_files[0]),
+            "val_path": str(tiny_files[1])}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({"tiny": tiny}))
+    return ["--yaml_config", str(path), "--config", "tiny", "--expdir", str(tmp_path / "runs")]

@@ -106,6 +106,12 @@ WEIGHT_INIT_SCHEMA = {
     "conv_scale": (_float, "standard deviation of the normal initialisation"),
     "conv_bias": (_float, "initial value of conv biases"),
 }
+BENCHY_SCHEMA = {
+    "warmup_trials": (_non_negative_int, "trials run before the measured ones"),
+    "trials": (_positive_int, "measured trials per mode"),
+    "batches_per_trial": (_positive_int, "batches (steps) per trial"),
+    "continue_training": (_bool, "train normally after the trials instead of exiting"),
+}
 GENERATE_DATA_SCHEMA = {
     "train_seed": (_int, "seed of the generated training box"),
     "val_seed": (_int, "seed of the generated validation box"),
@@ -131,6 +137,7 @@ SCHEMA = {
     "channels_last": (_bool, "channels-last-3d memory format"),
     "enable_tf32": (_bool, "TF32 matmuls and convolutions on GPU"),
     "enable_benchy": (_bool, "benchmark mode"),
+    "benchy": (_section(BENCHY_SCHEMA), "benchmark-mode trials"),
     "enable_manual_profiling": (_bool, "NVTX ranges and a CUDA profiler window"),
     "profile_dir": (_optional(_str), "write a torch.profiler trace of the profiler window here"),
     "profile_window": (_int_list(2), "global steps [start, stop) of the profiler window"),

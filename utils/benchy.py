@@ -1,0 +1,114 @@
+"""Benchmark mode (``--enable_benchy``): separate I/O, compute and full-training throughput.
+
+Three trials, each with warm-up trials excluded from the statistics:
+- IO: the data loader alone, batches copied to the device (what the GPU could be fed);
+- SYNTHETIC: one batch cached on the device and replayed through the training step (compute only);
+- FULL: real training, loader and step together.
+FULL is bounded by the slower of IO and SYNTHETIC: that is what the tutorial teaches people to read.
+Throughput is samples/s over all ranks (global batch over the slowest rank's trial time).
+
+The model and optimiser are restored in place after the trials, so ``benchy.continue_training``
+trains from the same initial state as a run without benchmark mode (the reference crashed here).
+"""
+import json
+import math
+import os
+import time
+from itertools import count
+
+import torch
+import torch.distributed as dist
+
+MODES = ("IO", "SYNTHETIC", "FULL")
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(loader, sampler, state):
+    """Endless device batches; epochs far from the training ones (the plan is pure, so any works)."""
+    for epoch in count(10 ** 6):
+        sampler.set_epoch(epoch)
+        for inp, tar in loader:
+            yield state.to_device(inp), state.to_device(tar)
+
+
+def _snapshot(state):
+    model = [p.detach().clone() for p in state.model.parameters()]
+    optim = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+             for p, s in state.optimizer.state.items()}
+    return model, optim, state.scaler.state_dict()
+
+
+@torch.no_grad()
+def _restore(state, snapshot):
+    """Copy saved values back *in place*: a captured CUDA graph keeps pointing at the same tensors."""
+    model, optim, scaler = snapshot
+    for param, saved in zip(state.model.parameters(), model):
+        param.copy_(saved)
+    for param, param_state in state.optimizer.state.items():
+        saved = optim.get(id(param))  # None: the state was created by the trials (a fresh optimiser)
+        for key, value in param_state.items():
+            if torch.is_tensor(value):
+                value.copy_(saved[key]) if saved else value.zero_()
+            elif saved:
+                param_state[key] = saved[key]
+    if scaler:
+        state.scaler.load_state_dict(scaler)
+    for param in state.model.parameters():
+        param.grad = None
+
+
+def _trial_rate(work, num_batches, global_batch, state):
+    info = state.info
+    synchronize(info.device)
+    if info.enabled:
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(num_batches):
+        work()
+    synchronize(info.device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=info.device)
+    if info.enabled:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the job is as fast as its slowest rank
+    return num_batches * global_batch / elapsed.item()
+
+
+def run_benchmark(params, state, step, train_loader, train_sampler, run_dir, log):
+    """Run the IO, SYNTHETIC and FULL trials; log the summary lines and write the JSON; return results."""
+    settings = params.benchy
+    batches = _batches(train_loader, train_sampler, state)
+    cached = next(batches)
+    snapshot = _snapshot(state)
+
+    # IO: the trial's closing synchronize waits for the queued host-to-device copies too.
+    work = {"IO": lambda: next(batches),
+            "SYNTHETIC": lambda: step(state, *cached),
+            "FULL": lambda: step(state, *next(batches))}
+    results = {"world_size": state.info.world_size, "global_batch_size": params.global_batch_size,
+               "data_loader_config": params.data_loader_config, "config": params.config_name,
+               "device": torch.cuda.get_device_name(state.info.device) if state.info.device.type == "cuda" else "cpu"}
+    for mode in MODES:
+        rates = []
+        for trial in range(settings["warmup_trials"] + settings["trials"]):
+            rate = _trial_rate(work[mode], settings["batches_per_trial"], params.global_batch_size, state)
+            phase = "warm-up" if trial < settings["warmup_trials"] else "trial"
+            log(f"BENCHY::{mode}::{phase} {trial + 1}: {rate:.3f} samples/s")
+            if phase == "trial":
+                rates.append(rate)
+        mean = sum(rates) / len(rates)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rates) / len(rates))
+        results[mode] = {"trials": rates, "mean": mean, "std": std}
+    for mode in MODES:
+        log(f"BENCHY::SUMMARY::{mode} average trial throughput: {results[mode]['mean']:.3f} "
+            f"+/- {results[mode]['std']:.3f}")
+    _restore(state, snapshot)
+    if state.info.is_main:
+        # BENCHY_OUTPUT (set by submit_pm.sh) names the file; a relative name lands in the run directory
+        path = run_dir / os.environ.get("BENCHY_OUTPUT", "benchy.json")
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+        log(f"BENCHY::JSON written to {path}")
+    return results
