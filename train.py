@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import h5py
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -26,10 +27,15 @@ from torch.utils.tensorboard import SummaryWriter
 from networks.UNet import build_model, loss_func
 from utils import metrics
 from utils.benchy import run_benchmark
+from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, CheckpointError, check_compatible, config_differences,
+                              latest_valid_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
+                              load_optimizer_state, plain_state_dict, rng_state, save_checkpoint, set_rng_state)
 from utils.config import DEFAULT_YAML, ConfigError, load_config, resolve_path, save_config
 from utils.data_loader import DataError, get_data_loader
 from utils.distributed import DistInfo, all_reduce_sum, cleanup, init_distributed, wrap_ddp
 from utils.lr_schedule import learning_rate, total_steps
+from utils.profiling import Profiler
+from utils.run_control import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteLoss, Preempted, RunControl
 
 logger = logging.getLogger("train")
 
@@ -56,7 +62,7 @@ def parse_args(argv=None):
     parser.add_argument("--benchy_continue", dest="benchy.continue_training", help="train after the benchmark",
                         **flag)
     parser.add_argument("--enable_manual_profiling", help="NVTX ranges + CUDA profiler window", **flag)
-    parser.add_argument("--data_loader_config", help="synthetic | inmem | lowmem")
+    parser.add_argument("--data_loader_config", help="synthetic | inmem | lowmem | dali-lowmem")
     parser.add_argument("--local_batch_size", type=int, help="per-rank batch; sets global = local x world size")
     parser.add_argument("--global_batch_size", type=int)
     parser.add_argument("--num_epochs", type=int)
@@ -75,6 +81,12 @@ def parse_args(argv=None):
     parser.add_argument("--ddp_comm_hook", choices=["none", "bf16"], help="DDP gradient compression")
     parser.add_argument("--noddp", help="no gradient sync across ranks: measures compute alone; NOT real training",
                         **flag)
+    parser.add_argument("--resume", default="auto",
+                        help="auto: continue from the newest valid checkpoint in the run directory; never; or a path")
+    parser.add_argument("--checkpoint_every_n_steps", type=int, help="0: only at the end of each epoch")
+    parser.add_argument("--keep_checkpoints", type=int, help="newest checkpoints kept")
+    parser.add_argument("--deterministic", help="deterministic algorithms (bit-reproducible resumes)", **flag)
+    parser.add_argument("--profile_dir", help="write a torch.profiler trace of profile_window here")
     parser.add_argument("--peak_tflops", type=float,
                         help="device peak TFLOP/s for MFU (looked up for known GPUs when not given)")
     return parser.parse_args(argv)
@@ -87,7 +99,7 @@ def config_overrides(args, world_size):
         "enable_manual_profiling", "data_loader_config", "global_batch_size", "num_epochs", "num_data_workers",
         "Nsamples", "Nsamples_val", "seed", "train_path", "val_path", "log_every_n_steps", "peak_tflops",
         "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook", "noddp",
-        "benchy.continue_training")}
+        "benchy.continue_training", "checkpoint_every_n_steps", "keep_checkpoints", "deterministic", "profile_dir")}
     if args.amp_mode_fp16:
         if args.amp_mode not in (None, "fp16"):
             raise ConfigError(f"--enable_amp means --amp_mode=fp16 and contradicts --amp_mode={args.amp_mode}")
@@ -142,7 +154,8 @@ def prepare_data(params, info):
             path = resolve_path(path)
             if not path.exists():
                 logger.info(f"Generating {box}^3 dataset {path} (seed {seed}), first use only")
-                ensure_dataset(path, box, seed)
+            # writes only what is missing (for DALI also the .npy twins of an existing file)
+            ensure_dataset(path, box, seed, npy=params.data_loader_config == "dali-lowmem")
     if info.enabled:
         dist.barrier()
 
@@ -159,6 +172,7 @@ class TrainState:
     scaler: torch.amp.GradScaler
     autocast: object
     memory_format: torch.memory_format
+    profiler: Profiler
     global_step: int = 0
     notes: list = field(default_factory=list)
 
@@ -174,9 +188,14 @@ class TrainState:
                 group["lr"] = lr
 
 
-def build_optimizer(model, params, device):
+def build_optimizer(model, params, device, capturable=False):
     """Adam; fused (one kernel for all parameters) when asked for, else foreach (PyTorch's default)."""
     lr = params.lr_schedule["start_lr"]
+    if capturable:  # train_graph.py captures step(): the lr must live in a device tensor that set_lr fills
+        fused = params.enable_fused
+        lr = torch.tensor(lr, dtype=torch.float32, device=device)
+        return (torch.optim.Adam(model.parameters(), lr=lr, fused=fused, capturable=True),
+                f"torch Adam ({'fused' if fused else 'foreach'}, capturable, lr on device)")
     if params.enable_apex:
         try:
             from apex.optimizers import FusedAdam  # in NVIDIA's containers; never pip-install "apex"
@@ -188,16 +207,20 @@ def build_optimizer(model, params, device):
     return torch.optim.Adam(model.parameters(), lr=lr), "torch Adam (foreach)"
 
 
-def build_training(params, info):
+def build_training(params, info, capturable=False, run_dir=None):
     device = info.device
+    if params.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
+        torch.use_deterministic_algorithms(True)
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # pick the fastest conv algorithms for the fixed crop shape
+        # pick the fastest conv algorithms for the fixed crop shape (some are not bit-reproducible)
+        torch.backends.cudnn.benchmark = not params.deterministic
         torch.backends.cuda.matmul.allow_tf32 = params.enable_tf32
         torch.backends.cudnn.allow_tf32 = params.enable_tf32
     torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
     model = build_model(params).to(device, memory_format=memory_format)
-    optimizer, optimizer_name = build_optimizer(model, params, device)
+    optimizer, optimizer_name = build_optimizer(model, params, device, capturable)
     train_model, ddp_description = wrap_ddp(model, params, info)
     loss_fn = loss_func
     if params.enable_jit:
@@ -207,20 +230,25 @@ def build_training(params, info):
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(params.amp_mode)
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
     scaler = torch.amp.GradScaler(device.type, enabled=params.amp_mode == "fp16")
-    state = TrainState(params, info, model, train_model, loss_fn, optimizer, scaler, autocast, memory_format)
+    state = TrainState(params, info, model, train_model, loss_fn, optimizer, scaler, autocast, memory_format,
+                       profiler=Profiler(params, run_dir or Path.cwd(), device))
     state.notes += [f"optimizer: {optimizer_name}", ddp_description]
     return state
 
 
 def eager_step(state, inp, tar):
     """One optimiser step; returns the loss as a device tensor (no host sync here)."""
+    ranges = state.profiler
     state.optimizer.zero_grad(set_to_none=True)
-    with state.autocast:
-        prediction = state.train_model(inp)
-    loss = state.loss_fn(prediction.float(), tar, state.params.lambda_rho)
-    state.scaler.scale(loss).backward()
-    state.scaler.step(state.optimizer)
-    state.scaler.update()
+    with ranges.range("forward"):
+        with state.autocast:
+            prediction = state.train_model(inp)  # (B, C_out, S, S, S)
+        loss = state.loss_fn(prediction.float(), tar, state.params.lambda_rho)
+    with ranges.range("backward"):
+        state.scaler.scale(loss).backward()
+    with ranges.range("optimizer"):
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
     return loss.detach()
 
 
@@ -242,22 +270,20 @@ def validate(state, loader):
 
 
 @torch.no_grad()
-def mean_predictor_l1(params, train_loader, val_loader, state):
-    """Validation L1 of the trivial predictor that always outputs the training-set mean."""
-    dataset = train_loader.dataset
-    if dataset.mode == "inmem":
-        mean = torch.from_numpy(dataset.tar.mean(axis=(1, 2, 3), dtype=np.float64))
-    else:  # estimate from the first epoch's crops (an unbiased sample of the training set)
-        sums, count = 0, 0
-        for index in range(min(len(dataset), 256)):
-            sums = sums + dataset[(0, index)][1].double().mean(dim=(1, 2, 3))
-            count += 1
-        mean = sums / count
-    mean = mean.to(state.info.device).float().view(1, -1, 1, 1, 1)
+def mean_predictor_l1(params, val_loader, val_sampler, state):
+    """Validation L1 of the trivial predictor that always outputs the training-set mean per channel."""
+    if params.data_loader_config == "synthetic":
+        return None
+    with h5py.File(resolve_path(params.train_path), "r") as f:
+        hydro = f["Hydro"]  # (C, N, N, N)
+        stride = max(1, hydro.shape[1] // 256)  # boxes above 256^3: the mean of an even sub-grid
+        mean = np.stack([hydro[c, ::stride, ::stride, ::stride].mean(dtype=np.float64) for c in range(hydro.shape[0])])
+    mean = torch.from_numpy(mean).float().to(state.info.device).view(1, -1, 1, 1, 1)
     total, count = 0.0, 0
+    val_sampler.set_epoch(0)
     for _, tar in val_loader:
         tar = state.to_device(tar)
-        total += (tar - mean).abs().mean().item() * tar.shape[0]
+        total += (tar.float() - mean).abs().mean().item() * tar.shape[0]
         count += tar.shape[0]
     total, count = all_reduce_sum([total, count], state.info)
     return total / count
@@ -282,19 +308,74 @@ def log_startup(params, state, run_dir, steps_per_epoch):
     if params.noddp and info.enabled:
         logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "
                        "communication and is NOT real training.")
-    for name in ("enable_manual_profiling",):
-        if params[name]:
-            logger.warning(f"NOTE: {name} is accepted but not implemented yet; it does nothing in this run")
 
 
-def train(params, state, run_dir, make_step=eager_step):
+def checkpoint_payload(state, epoch_loss_sum):
+    return {"step": state.global_step, "config": dict(state.params), "model": plain_state_dict(state.model),
+            "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(), "rng": rng_state(),
+            "epoch_loss_sum": epoch_loss_sum}
+
+
+def save(state, run_dir, epoch_loss_sum, reason):
+    """Checkpoint on rank 0; callers first agree (RunControl.agree) that every loss so far was finite."""
+    # The epoch's loss so far, summed over ranks: the resumed rank 0 carries it for everyone.
+    loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
+    if state.info.is_main:
+        path = save_checkpoint(run_dir / "checkpoints", checkpoint_payload(state, loss_sum), state.global_step,
+                               state.params.keep_checkpoints)
+        logger.info(f"Checkpoint ({reason}) written: {path}")
+    if state.info.enabled:
+        dist.barrier()  # nobody exits or reads before the file is complete
+
+
+def raise_nonfinite(bad_step, run_dir):
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    last = f"the last good checkpoint is {checkpoints[0]}" if checkpoints else "no checkpoint was written yet"
+    raise NonFiniteLoss(f"non-finite loss (NaN or Inf) at global step {bad_step + 1}; training stopped and no "
+                        f"checkpoint was written after it; {last}. Check the data for NaNs, lower the learning rate "
+                        f"or use amp_mode=bf16 instead of fp16, then rerun (it resumes from that checkpoint)")
+
+
+def resume(state, run_dir, resume_from):
+    """Load the newest valid checkpoint (or ``resume_from``); returns the epoch's saved loss sum (or 0)."""
+    info, params = state.info, state.params
+    if resume_from == "never":
+        return 0.0
+    if resume_from == "auto":
+        found = latest_valid_checkpoint(run_dir / "checkpoints", log=logger.warning) if info.is_main else None
+        chosen = [str(found[0]) if found else None]
+        if info.enabled:
+            dist.broadcast_object_list(chosen, src=0)  # every rank loads the file rank 0 chose
+        if chosen[0] is None:
+            return 0.0
+        path = Path(chosen[0])
+    else:
+        path = Path(resume_from).expanduser().resolve()
+    payload = load_checkpoint(path)
+    check_compatible(payload["config"], params, source=f"checkpoint {path}")
+    changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
+    load_model_state(state.train_model, payload["model"], source=f"checkpoint {path}")
+    load_optimizer_state(state.optimizer, payload["optimizer"], source=f"checkpoint {path}")
+    if params.amp_mode == "fp16" and payload["config"].get("amp_mode") == "fp16":
+        state.scaler.load_state_dict(payload["scaler"])
+    set_rng_state(payload["rng"])
+    state.global_step = payload["step"]
+    logger.info(f"Resumed from {path} at global step {state.global_step}"
+                + (f"; changed settings: {', '.join(f'{k} {a} -> {b}' for k, a, b in changed)}" if changed else ""))
+    return payload["epoch_loss_sum"] if info.is_main else 0.0
+
+
+def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
     info = state.info
-    writer = SummaryWriter(log_dir=str(run_dir / "logs")) if info.is_main else None
     train_loader, train_sampler = get_data_loader(params, "train", info.rank, info.world_size, info.device)
-    val_loader, _ = get_data_loader(params, "val", info.rank, info.world_size, info.device)
-    steps_per_epoch = len(train_sampler) // train_sampler.local_batch_size
-    num_steps = total_steps(params)
+    val_loader, val_sampler = get_data_loader(params, "val", info.rank, info.world_size, info.device)
+    steps_per_epoch, num_steps = train_sampler.steps_per_epoch, total_steps(params)
     log_startup(params, state, run_dir, steps_per_epoch)
+    resumed_loss_sum = resume(state, run_dir, resume_from)
+    if state.global_step >= num_steps:
+        logger.info(f"This run already finished ({state.global_step} of {num_steps} steps); nothing to do. "
+                    f"Use a new --run_num (or --resume never) to train again")
+        return None
     step = make_step(state)
     flops_per_step = 3 * state.model.flops_per_sample(params.data_size) * params.global_batch_size
     peak = metrics.peak_flops(info.device, params.amp_mode, params.enable_tf32, params.peak_tflops)
@@ -310,71 +391,110 @@ def train(params, state, run_dir, make_step=eager_step):
             logger.info("Benchmark mode done; exiting (--benchy_continue trains afterwards)")
             return None
 
-    val_loss = validate(state, val_loader)
-    logger.info(f"Initial val loss={val_loss:.6f}")
-    if writer:
-        writer.add_scalar("Loss/valid", val_loss, 0)
-        writer.add_scalar("Learning Rate", lr_at(0), 0)
-
-    for epoch in range(params.num_epochs):
-        train_sampler.set_epoch(epoch)
-        meter = metrics.StepMeter(info.device, state.global_step)
-        loss_sum = torch.zeros((), device=info.device)
-        epoch_start = time.perf_counter()
-        batches = iter(train_loader)
-        for step_in_epoch in range(steps_per_epoch):
-            with meter.waiting():
-                inp, tar = next(batches)
-                inp, tar = state.to_device(inp), state.to_device(tar)
-            lr = lr_at(state.global_step)
-            state.set_lr(lr)
-            loss = step(state, inp, tar)
-            loss_sum += loss
-            state.global_step += 1
-            if state.global_step % params.log_every_n_steps == 0 or step_in_epoch == steps_per_epoch - 1:
-                loss_value = loss.item()  # host sync: only at log steps
-                rates = meter.interval(steps=state.global_step, samples_per_step=params.global_batch_size)
-                eta = (num_steps - state.global_step) / max(rates["steps_per_sec"], 1e-9)
-                logger.info(f"epoch {epoch + 1} step {step_in_epoch + 1}/{steps_per_epoch} "
-                            f"(global {state.global_step}/{num_steps}) | loss {loss_value:.5f} | lr {lr:.3e} | "
-                            f"{rates['samples_per_sec']:.1f} samples/s | data wait {100 * rates['wait_share']:.0f}% "
-                            f"| ETA {metrics.format_duration(eta)}")
-                if writer:
-                    writer.add_scalar("Learning Rate", lr, state.global_step)
-        epoch_time = time.perf_counter() - epoch_start
-        train_loss = all_reduce_sum([loss_sum.item()], info)[0] / (steps_per_epoch * info.world_size)
-        summary = meter.summary(epoch_time, steps_per_epoch, params.global_batch_size, flops_per_step, peak)
-        logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, "
-                    f"avg {summary['samples_per_sec']:.2f} samples/sec")
-        logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
-                    f"MFU {metrics.format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
-                    f"({summary['memory_kind']})")
-        logger.info(f"  Avg train loss={train_loss:.6f}")
-        val_start = time.perf_counter()
+    # purge_step: TensorBoard drops what a killed run logged after the checkpoint we resume from.
+    writer = (SummaryWriter(log_dir=str(run_dir / "logs"), purge_step=state.global_step + 1 if state.global_step
+                            else None) if info.is_main else None)
+    if state.global_step == 0:
         val_loss = validate(state, val_loader)
-        logger.info(f"  Avg val loss={val_loss:.6f}")
-        logger.info(f"  Total validation time: {time.perf_counter() - val_start:.1f} sec")
+        logger.info(f"Initial val loss={val_loss:.6f}")
         if writer:
-            writer.add_scalar("Loss/train", train_loss, state.global_step)
-            writer.add_scalar("Loss/valid", val_loss, state.global_step)
-            writer.add_scalar("Avg iters per sec", steps_per_epoch / epoch_time, state.global_step)
-            writer.add_scalar("Perf/samples_per_sec", summary["samples_per_sec"], state.global_step)
-            writer.add_scalar("Perf/data_wait_share", summary["wait_share"], state.global_step)
-            writer.add_scalar("Perf/peak_memory_GB", summary["peak_memory_gb"], state.global_step)
-            if summary["mfu"] is not None:
-                writer.add_scalar("Perf/MFU", summary["mfu"], state.global_step)
-            writer.flush()
+            writer.add_scalar("Loss/valid", val_loss, 0)
+            writer.add_scalar("Learning Rate", lr_at(0), 0)
 
-    if params.data_loader_config != "synthetic":
-        baseline = mean_predictor_l1(params, train_loader, val_loader, state)
+    control = RunControl(info)
+    profiler = state.profiler
+    try:
+        for epoch in range(state.global_step // steps_per_epoch, params.num_epochs):
+            first_step = state.global_step - epoch * steps_per_epoch  # > 0 only in a resumed epoch
+            train_sampler.set_epoch(epoch, first_step)
+            meter = metrics.StepMeter(info.device, state.global_step)
+            loss_sum = torch.full((), resumed_loss_sum if first_step else 0.0, device=info.device)
+            epoch_start = time.perf_counter()
+            batches = iter(train_loader)
+            for step_in_epoch in range(first_step, steps_per_epoch):
+                profiler.step(state.global_step)
+                with profiler.range("step"):
+                    with meter.waiting(), profiler.range("data copy"):
+                        inp, tar = next(batches)
+                        inp, tar = state.to_device(inp), state.to_device(tar)
+                    lr = lr_at(state.global_step)
+                    state.set_lr(lr)
+                    loss = step(state, inp, tar)
+                    loss_sum += loss
+                    control.track(loss, state.global_step)
+                    state.global_step += 1
+                last_in_epoch = step_in_epoch == steps_per_epoch - 1
+                if state.global_step % params.log_every_n_steps == 0 or last_in_epoch:
+                    loss_value = loss.item()  # host sync: only at log steps
+                    rates = meter.interval(steps=state.global_step, samples_per_step=params.global_batch_size)
+                    eta = (num_steps - state.global_step) / max(rates["steps_per_sec"], 1e-9)
+                    logger.info(f"epoch {epoch + 1} step {step_in_epoch + 1}/{steps_per_epoch} "
+                                f"(global {state.global_step}/{num_steps}) | loss {loss_value:.5f} | lr {lr:.3e} | "
+                                f"{rates['samples_per_sec']:.1f} samples/s | data wait "
+                                f"{100 * rates['wait_share']:.0f}% | ETA {metrics.format_duration(eta)}")
+                    if writer:
+                        writer.add_scalar("Learning Rate", lr, state.global_step)
+                # Between epoch ends: checkpoint every N steps, or at once when a stop signal arrived.
+                # Under DDP a signal is acted on at log steps, where every rank agrees on it.
+                if last_in_epoch:
+                    continue
+                periodic = params.checkpoint_every_n_steps and state.global_step % params.checkpoint_every_n_steps == 0
+                may_stop = control.stop_requested_locally and not info.enabled
+                if periodic or may_stop or (info.enabled and state.global_step % params.log_every_n_steps == 0):
+                    stop, bad_step = control.agree()
+                    if bad_step is not None:
+                        raise_nonfinite(bad_step, run_dir)
+                    if stop or periodic:
+                        save(state, run_dir, loss_sum, "preemption" if stop else "periodic")
+                    if stop:
+                        raise Preempted(f"stopped by {control.signal_name or 'a signal on another rank'} at global "
+                                        f"step {state.global_step}; rerun the same command to continue")
+            stop, bad_step = control.agree()
+            if bad_step is not None:
+                raise_nonfinite(bad_step, run_dir)
+            epoch_time = time.perf_counter() - epoch_start
+            epoch_steps = steps_per_epoch - first_step
+            train_loss = all_reduce_sum([loss_sum.item()], info)[0] / (steps_per_epoch * info.world_size)
+            summary = meter.summary(epoch_time, epoch_steps, params.global_batch_size, flops_per_step, peak)
+            logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, "
+                        f"avg {summary['samples_per_sec']:.2f} samples/sec")
+            logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
+                        f"MFU {metrics.format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
+                        f"({summary['memory_kind']})")
+            logger.info(f"  Avg train loss={train_loss:.6f}")
+            val_start = time.perf_counter()
+            val_loss = validate(state, val_loader)
+            logger.info(f"  Avg val loss={val_loss:.6f}")
+            logger.info(f"  Total validation time: {time.perf_counter() - val_start:.1f} sec")
+            if writer:
+                writer.add_scalar("Loss/train", train_loss, state.global_step)
+                writer.add_scalar("Loss/valid", val_loss, state.global_step)
+                writer.add_scalar("Avg iters per sec", epoch_steps / epoch_time, state.global_step)
+                writer.add_scalar("Perf/samples_per_sec", summary["samples_per_sec"], state.global_step)
+                writer.add_scalar("Perf/data_wait_share", summary["wait_share"], state.global_step)
+                writer.add_scalar("Perf/peak_memory_GB", summary["peak_memory_gb"], state.global_step)
+                if summary["mfu"] is not None:
+                    writer.add_scalar("Perf/MFU", summary["mfu"], state.global_step)
+                writer.flush()
+            save(state, run_dir, 0.0, f"end of epoch {epoch + 1}")
+            if stop:
+                raise Preempted(f"stopped by {control.signal_name or 'a signal on another rank'} after epoch "
+                                f"{epoch + 1}; rerun the same command to continue")
+            resumed_loss_sum = 0.0
+    finally:
+        profiler.close()
+        control.close()
+        if writer:
+            writer.close()
+
+    baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
+    if baseline is not None:
         logger.info(f"Final validation L1 {val_loss:.5f} vs {baseline:.5f} for the mean predictor "
                     f"(ratio {val_loss / baseline:.3f}; lower is better)")
-    if writer:
-        writer.close()
     return val_loss
 
 
-def main(argv=None, make_step=lambda state: eager_step):
+def main(argv=None, make_step=lambda state: eager_step, capturable=False):
     args = parse_args(argv)
     info = init_distributed()
     try:
@@ -387,19 +507,23 @@ def main(argv=None, make_step=lambda state: eager_step):
         if info.is_main:
             save_config(params, run_dir / "config.yaml")
         prepare_data(params, info)
-        state = build_training(params, info)
-        return train(params, state, run_dir, make_step)
+        state = build_training(params, info, capturable, run_dir)
+        return train(params, state, run_dir, make_step, args.resume)
     finally:
         cleanup(info)
 
 
+EXIT_CODES = {ConfigError: 2, DataError: 2, CheckpointError: 2, Preempted: PREEMPTED_EXIT_CODE,
+              NonFiniteLoss: NONFINITE_EXIT_CODE}
+
+
 def cli(entry=main):
-    """Run ``entry`` and turn user errors into one line on stderr and exit code 2 (no traceback)."""
+    """Run ``entry``; a user error, a preemption or a non-finite loss ends with one line and its exit code."""
     try:
         entry()
-    except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except tuple(EXIT_CODES) as err:
+        print(f"{'stopped' if isinstance(err, Preempted) else 'error'}: {err}", file=sys.stderr)
+        sys.exit(EXIT_CODES[type(err)])
 
 
 if __name__ == "__main__":

@@ -166,6 +166,7 @@ class ShardedSampler(Sampler):
 
     training: step s of global batch B gives rank r the indices s*B + r*(B/W) ... + B/W - 1, so
     global batches do not depend on the world size W; the last Nsamples % B samples are dropped.
+    ``set_epoch(epoch, start_step)`` starts mid-epoch, as a resumed run does.
     validation: every sample once, rank r taking indices r, r + W, ... (shares may differ by one).
     """
 
@@ -176,17 +177,18 @@ class ShardedSampler(Sampler):
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.rank, self.world_size, self.split = rank, world_size, split
         self.local_batch_size = global_batch_size // world_size
-        self.epoch = 0
+        self.steps_per_epoch = num_samples // global_batch_size
+        self.epoch = self.start_step = 0
 
-    def set_epoch(self, epoch):
-        self.epoch = epoch
+    def set_epoch(self, epoch, start_step=0):
+        self.epoch, self.start_step = epoch, start_step
 
     def indices(self):
         if self.split == "val":
             return range(self.rank, self.num_samples, self.world_size)
-        num_steps = self.num_samples // self.global_batch_size
         offsets = self.rank * self.local_batch_size + np.arange(self.local_batch_size)
-        return (np.arange(num_steps)[:, None] * self.global_batch_size + offsets).ravel().tolist()
+        steps = np.arange(self.start_step, self.steps_per_epoch)
+        return (steps[:, None] * self.global_batch_size + offsets).ravel().tolist()
 
     def __iter__(self):
         return ((self.epoch, index) for index in self.indices())
@@ -195,14 +197,27 @@ class ShardedSampler(Sampler):
         return len(self.indices())
 
 
-def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
-    """The loader factory: returns ``(loader, sampler)`` for ``split`` ('train' or 'val')."""
-    dataset = RandomCropDataset(params, split)
+def build_sampler(params, split, rank=0, world_size=1):
+    """This rank's ShardedSampler for ``split``, shared by every loader."""
     num_samples = params.Nsamples if split == "train" else params.Nsamples_val
     sampler = ShardedSampler(num_samples, params.global_batch_size, rank, world_size, split)
-    if split == "train" and len(sampler) == 0:
+    if split == "train" and sampler.steps_per_epoch == 0:
         raise DataError(f"Nsamples={num_samples} is smaller than global_batch_size={params.global_batch_size}: "
                         f"an epoch would have no step")
+    return sampler
+
+
+def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
+    """The loader factory: returns ``(loader, sampler)`` for ``split`` ('train' or 'val').
+
+    Every loader yields batches ``(input (B, 4, S, S, S), target (B, 5, S, S, S))`` of the same
+    sample stream, in the sampler's order, after ``sampler.set_epoch(epoch)``.
+    """
+    if params.data_loader_config == "dali-lowmem":
+        from utils.dali_loader import get_dali_loader  # optional extra: imported only when asked for
+        return get_dali_loader(params, split, rank, world_size, device)
+    dataset = RandomCropDataset(params, split)
+    sampler = build_sampler(params, split, rank, world_size)
     workers = params.num_data_workers
     loader = DataLoader(
         dataset, batch_size=sampler.local_batch_size, sampler=sampler, num_workers=workers,

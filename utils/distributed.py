@@ -3,6 +3,7 @@
 torchrun and export_DDP_vars.sh both export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT; with WORLD_SIZE unset or 1 the script runs as a single process without a group.
 """
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -96,10 +97,15 @@ def wrap_ddp(model, params, info):
         return model, "single process"
     if params.noddp:
         return model, "NO gradient synchronisation (--noddp: measures compute without communication; NOT real training)"
+    buffer_sync = {}
+    if not params.broadcast_buffers:
+        # torch >= 2.13 renamed the option (and warns about the old name); older releases only know the old one.
+        new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+        buffer_sync = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
     ddp = DistributedDataParallel(
         model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-        bucket_cap_mb=params.bucket_cap_mb, broadcast_buffers=params.broadcast_buffers,
-        gradient_as_bucket_view=params.gradient_as_bucket_view, static_graph=params.static_graph)
+        bucket_cap_mb=params.bucket_cap_mb, gradient_as_bucket_view=params.gradient_as_bucket_view,
+        static_graph=params.static_graph, **buffer_sync)
     if params.ddp_comm_hook == "bf16":
         if dist.get_backend() == "nccl":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -1,0 +1,295 @@
+"""The single-GPU optimisation ladder: compute-only training throughput of the U-Net, one rung at a time.
+
+    python benchmarks/ladder.py                # full model (116,977,029 parameters), batch 64, 64^3 crops, GPU
+    python benchmarks/ladder.py --tiny         # CPU smoke test: widths [4, 8], batch 2, 16^3 crops
+
+Each rung adds one optimisation to the previous rung (bf16 replaces fp16):
+
+    fp32 (TF32 off) -> TF32 -> AMP fp16 + GradScaler -> bf16 -> fused Adam -> torch.compile
+    -> channels-last-3d -> CUDA graph of the whole step (train_graph.py)
+
+Every rung builds the model as train.py does (``train.build_training``: same seed, same initial
+weights) and trains on one batch of generated N-body -> hydro crops cached on the device, so the
+numbers measure compute alone (the tutorial's SYNTHETIC trial), not data loading. Per rung:
+
+- loss check: the loss at step 1 and at step ``--loss_steps`` on that batch at the config's initial
+  learning rate; each optimisation should track fp32 to within its rounding (fp16's GradScaler
+  also skips any step whose scaled gradients overflow).
+- throughput: ``--warmup_steps`` untimed steps, then ``--windows`` timed windows of
+  ``--steps_per_window`` steps, synchronising before each timer read; the median window is reported.
+  MFU = 3 x forward FLOPs per sample x samples/s / the device's peak for the rung's math mode.
+
+Prints a markdown table and writes it (``.md``) and the raw numbers (``.json``: device, versions,
+per-window rates) to ``--out``, default ``benchmarks/results/<device>.json``. A rung that fails is
+reported as failed (traceback on stderr), the ladder goes on, and the exit code is 1.
+Without CUDA, rungs that need it are skipped with the reason, and their settings are not carried up.
+"""
+import argparse
+import gc
+import json
+import re
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+import train  # noqa: E402
+from networks.UNet import build_model  # noqa: E402
+from train_graph import capture_train_step  # noqa: E402
+from utils import metrics  # noqa: E402
+from utils.config import REPO_ROOT, load_config  # noqa: E402
+from utils.distributed import DistInfo  # noqa: E402
+from utils.lr_schedule import initial_lr  # noqa: E402
+from utils.make_dataset import make_dataset  # noqa: E402
+
+
+@dataclass
+class Rung:
+    name: str
+    label: str
+    settings: dict = field(default_factory=dict)  # config overrides this rung adds
+    graph: bool = False                            # capture the whole step (train_graph.capture_train_step)
+    needs_cuda: str = ""                           # why the rung is skipped without CUDA ("" = runs anywhere)
+
+
+RUNGS = (
+    Rung("fp32", "fp32 (TF32 off)", {"enable_tf32": False}),
+    Rung("tf32", "TF32", {"enable_tf32": True}, needs_cuda="TF32 is a math mode of NVIDIA tensor cores"),
+    Rung("fp16", "+ AMP fp16 (GradScaler)", {"amp_mode": "fp16"},
+         needs_cuda="fp16 autocast with GradScaler is the GPU recipe (CPU autocast is bf16)"),
+    Rung("bf16", "bf16 instead of fp16", {"amp_mode": "bf16"}),
+    Rung("fused_adam", "+ fused Adam", {"enable_fused": True}),
+    Rung("compile", "+ torch.compile", {"enable_jit": True},
+         needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
+    Rung("channels_last", "+ channels-last-3d", {"channels_last": True}),
+    Rung("cuda_graph", "+ CUDA graph", graph=True, needs_cuda="CUDA graphs need a CUDA GPU"),
+)
+
+FULL = dict(model_channels=None, batch_size=64, crop_size=64,  # None: the base config's (reference) widths
+            loss_steps=20, warmup_steps=5, windows=5, steps_per_window=10)
+TINY = dict(model_channels=[4, 8], batch_size=2, crop_size=16,
+            loss_steps=3, warmup_steps=1, windows=3, steps_per_window=2)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small model, batch 2, 16^3 crops: a CPU smoke test")
+    parser.add_argument("--batch_size", type=int, help="per-step batch (default 64; 2 with --tiny)")
+    parser.add_argument("--loss_steps", type=int, help="steps of the loss check (default 20; 3 with --tiny)")
+    parser.add_argument("--warmup_steps", type=int, help="untimed steps before the windows (default 5; 1)")
+    parser.add_argument("--windows", type=int, help="timed windows; the median is reported (default 5; 3)")
+    parser.add_argument("--steps_per_window", type=int, help="steps per timed window (default 10; 2)")
+    parser.add_argument("--rungs", help="comma-separated subset of: " + ", ".join(r.name for r in RUNGS))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated batch")
+    parser.add_argument("--out", type=Path, help="results .json (a .md beside it); "
+                                                 "default benchmarks/results/<device>.json")
+    args = parser.parse_args(argv)
+    for key, value in (TINY if args.tiny else FULL).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    for key in ("batch_size", "loss_steps", "windows", "steps_per_window"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key} must be at least 1")
+    if args.warmup_steps < 0:
+        parser.error("--warmup_steps must be at least 0")
+    names = [r.name for r in RUNGS]
+    args.rungs = args.rungs.split(",") if args.rungs else names
+    unknown = [name for name in args.rungs if name not in names]
+    if unknown:
+        parser.error(f"unknown rung(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    return args
+
+
+def make_batch(batch_size, crop_size, seed):
+    """(inp, tar) CPU tensors (B, 4, S, S, S), (B, 5, S, S, S): random crops of a generated 2S^3 box.
+
+    Real structure (not noise), so the loss check shows learning rather than a flat line.
+    """
+    box = 2 * crop_size
+    nbody, hydro = make_dataset(box, seed, progress=False)  # (4, N, N, N), (5, N, N, N) float32
+    corners = np.random.default_rng(seed).integers(0, box - crop_size + 1, size=(batch_size, 3))
+    crops = [(nbody[:, x:x + crop_size, y:y + crop_size, z:z + crop_size],
+              hydro[:, x:x + crop_size, y:y + crop_size, z:z + crop_size]) for x, y, z in corners]
+    return (torch.from_numpy(np.stack([inp for inp, _ in crops])),
+            torch.from_numpy(np.stack([tar for _, tar in crops])))
+
+
+def rung_params(args, settings):
+    overrides = {"model_channels": args.model_channels, "data_size": args.crop_size,
+                 "global_batch_size": args.batch_size, "base_batch_size": args.batch_size,  # lr = start_lr
+                 "amp_mode": "none", "enable_fused": False, "enable_apex": False, "enable_jit": False,
+                 "channels_last": False, **settings}
+    return load_config("base", overrides=overrides)
+
+
+def describe(params, device):
+    math_mode = params.amp_mode if params.amp_mode != "none" else (
+        "tf32" if params.enable_tf32 and device.type == "cuda" else "fp32")
+    extras = [name for name, on in (("fused Adam", params.enable_fused), ("compile", params.enable_jit),
+                                    ("channels-last", params.channels_last)) if on]
+    return ", ".join([math_mode] + extras)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_rung(rung, params, device, batch, args):
+    """Loss check, then timed windows, for one rung; returns its numbers."""
+    info = DistInfo(device=device)
+    state = train.build_training(params, info, capturable=True) if rung.graph else train.build_training(params, info)
+    # One batch, cached on the device in the rung's memory format: the steps measure compute alone.
+    inp, tar = (tensor.to(device, memory_format=state.memory_format) for tensor in batch)
+    state.set_lr(initial_lr(params.lr_schedule, params.global_batch_size, params.base_batch_size))
+    step = capture_train_step(state, inp, tar) if rung.graph else train.eager_step
+
+    # clone: a graph step returns its static loss tensor, which the next replay overwrites
+    losses = [step(state, inp, tar).clone() for _ in range(args.loss_steps)]
+
+    for _ in range(args.warmup_steps):
+        step(state, inp, tar)
+    window_rates = []
+    for _ in range(args.windows):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(args.steps_per_window):
+            step(state, inp, tar)
+        synchronize(device)
+        window_rates.append(args.batch_size * args.steps_per_window / (time.perf_counter() - start))
+
+    samples_per_sec = statistics.median(window_rates)
+    flops_per_sample = 3 * state.model.flops_per_sample(args.crop_size)  # forward + backward (2x forward)
+    peak = metrics.peak_flops(device, params.amp_mode, params.enable_tf32)
+    return {"samples_per_sec": samples_per_sec, "window_samples_per_sec": window_rates,
+            "ms_per_step": 1000 * args.batch_size / samples_per_sec,
+            "mfu": flops_per_sample * samples_per_sec / peak if peak else None,
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+            "loss_first": losses[0].item(), "loss_last": losses[-1].item()}
+
+
+def release(params, device):
+    """Free a finished rung's model, optimizer, graph and compiled code before the next rung."""
+    if params.enable_jit:
+        torch._dynamo.reset()
+    if device.type == "cuda":
+        gc.collect()  # the graph's private memory pool goes with the last reference to the graph
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run_ladder(args, device):
+    batch = make_batch(args.batch_size, args.crop_size, args.seed)
+    results, settings = [], {}
+    for rung in RUNGS:
+        if rung.name not in args.rungs:
+            continue
+        if rung.needs_cuda and device.type != "cuda":
+            print(f"[{rung.name}] skipped: {rung.needs_cuda}", flush=True)
+            results.append({"name": rung.name, "label": rung.label, "status": "skipped", "reason": rung.needs_cuda})
+            continue
+        settings.update(rung.settings)
+        params = rung_params(args, settings)
+        row = {"name": rung.name, "label": rung.label, "settings": describe(params, device) + (
+            ", CUDA graph" if rung.graph else "")}
+        print(f"[{rung.name}] {row['settings']} ...", flush=True)
+        try:
+            row.update(status="ok", **run_rung(rung, params, device, batch, args))
+            print(f"[{rung.name}] {row['samples_per_sec']:.1f} samples/s, loss {row['loss_first']:.5f} -> "
+                  f"{row['loss_last']:.5f}", flush=True)
+        except Exception as err:  # report it and go on: one broken rung must not hide the others
+            traceback.print_exc()
+            row.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
+        release(params, device)
+        results.append(row)
+    add_comparisons(results)
+    return results
+
+
+def add_comparisons(results):
+    """Speed-up and loss difference of each rung relative to the fp32 rung (when fp32 ran)."""
+    base = next((r for r in results if r["name"] == "fp32" and r["status"] == "ok"), None)
+    for row in results:
+        if row["status"] == "ok":
+            row["speedup"] = row["samples_per_sec"] / base["samples_per_sec"] if base else None
+            row["loss_last_rel_diff"] = (row["loss_last"] - base["loss_last"]) / base["loss_last"] if base else None
+
+
+def environment(device):
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def markdown(report):
+    env, setup = report["environment"], report["setup"]
+
+    def number(value, spec, scale=1.0, unit=""):
+        return "n/a" if value is None else f"{value * scale:{spec}}{unit}"
+
+    lines = [f"Optimisation ladder on {env['device']} (torch {env['torch']}, CUDA {env['cuda']}, "
+             f"cuDNN {env['cudnn']}), {env['date']}",
+             "",
+             f"U-Net {setup['model_channels']} ({setup['num_parameters']:,} parameters, "
+             f"{setup['forward_gflop_per_sample']:.1f} GFLOP/sample forward), batch {setup['batch_size']}, "
+             f"{setup['crop_size']}^3 crops, one batch cached on the device; median of {setup['windows']} windows "
+             f"of {setup['steps_per_window']} steps after {setup['warmup_steps']} warm-up steps; loss at step 1 "
+             f"and step {setup['loss_steps']} of training on that batch.",
+             "",
+             f"| rung | settings | samples/s | speed-up vs fp32 | ms/step | MFU | peak memory (GB) | loss@1 | "
+             f"loss@{setup['loss_steps']} | loss@{setup['loss_steps']} vs fp32 |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in report["rungs"]:
+        if row["status"] != "ok":
+            why = row.get("reason") or row.get("error")
+            lines.append(f"| {row['label']} | {row['status']}: {why} |" + " |" * 8)
+            continue
+        lines.append(
+            f"| {row['label']} | {row['settings']} | {row['samples_per_sec']:.1f} | "
+            f"{number(row['speedup'], '.2f', unit='x')} | {row['ms_per_step']:.1f} | "
+            f"{number(row['mfu'], '.1f', 100, '%')} | {number(row['peak_memory_gb'], '.2f')} | "
+            f"{row['loss_first']:.6f} | {row['loss_last']:.6f} | "
+            f"{number(row['loss_last_rel_diff'], '+.3f', 100, '%')} |")
+    return "\n".join(lines) + "\n"
+
+
+def default_out(device_name, tiny):
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    return REPO_ROOT / "benchmarks" / "results" / f"{slug}{'-tiny' if tiny else ''}.json"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    env = environment(device)
+    params = rung_params(args, {})
+    model = build_model(params)
+    setup = {"model_channels": params.model_channels, "num_parameters": sum(p.numel() for p in model.parameters()),
+             "forward_gflop_per_sample": model.flops_per_sample(args.crop_size) / 1e9,
+             **{key: getattr(args, key) for key in ("batch_size", "crop_size", "loss_steps", "warmup_steps",
+                                                    "windows", "steps_per_window", "seed")}}
+    del model
+    print(f"{env['device']}: torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}", flush=True)
+    report = {"environment": env, "setup": setup, "rungs": run_ladder(args, device)}
+
+    out = args.out or default_out(env["device"], args.tiny)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    out.with_suffix(".md").write_text(table)
+    print("\n" + table)
+    print(f"Wrote {out} and {out.with_suffix('.md')}")
+    return 1 if any(row["status"] == "failed" for row in report["rungs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

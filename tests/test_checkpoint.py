@@ -1,0 +1,325 @@
+import errno
+import io
+import random
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from networks.UNet import UNet, loss_func
+from utils import checkpoint
+from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, RUN_DEFINING_KEYS, CheckpointError, check_compatible,
+                              config_differences, latest_valid_checkpoint, list_checkpoints, load_checkpoint,
+                              load_model_state, load_optimizer_state, plain_state_dict, rng_state, save_checkpoint,
+                              set_rng_state)
+from utils.config import REPO_ROOT, SCHEMA, load_config
+
+
+def tiny_model(seed=0, channels=(4, 8)):
+    torch.manual_seed(seed)
+    model = UNet(list(channels))
+    model.init_weights(0.02, 0.0)
+    return model
+
+
+def payload(step, model=None, optimizer=None):
+    model = tiny_model() if model is None else model
+    optimizer = torch.optim.Adam(model.parameters()) if optimizer is None else optimizer
+    return {"step": step, "config": dict(load_config("quickstart")), "model": plain_state_dict(model),
+            "optimizer": optimizer.state_dict(), "rng": rng_state()}
+
+
+def names(directory):
+    return sorted(path.name for path in directory.iterdir())
+
+
+def test_save_is_atomic_and_keeps_last_k(tmp_path, monkeypatch):
+    real_save = torch.save
+    written_to = []
+
+    def watching_save(obj, f):
+        # While the bytes are written, the final name must not exist yet: readers never see a partial file.
+        written_to.append(f.name)
+        assert not checkpoint.checkpoint_path(tmp_path, obj["step"]).exists()
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", watching_save)
+    for step in range(1, 6):
+        path = save_checkpoint(tmp_path, payload(step), step, keep_last=2)
+        assert path == tmp_path / f"ckpt_step{step:08d}.pt"
+    assert all(name.endswith(".tmp") for name in written_to) and len(written_to) == 5
+    assert names(tmp_path) == ["ckpt_step00000004.pt", "ckpt_step00000005.pt"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt_step00000005.pt", "ckpt_step00000004.pt"]
+    assert load_checkpoint(tmp_path / "ckpt_step00000005.pt")["step"] == 5
+
+
+def test_save_after_going_back_drops_the_abandoned_timeline(tmp_path):
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, payload(step), step, keep_last=5)
+    save_checkpoint(tmp_path, payload(25), 25, keep_last=5)  # resumed from step 20 (30 was unusable)
+    assert names(tmp_path) == ["ckpt_step00000010.pt", "ckpt_step00000020.pt", "ckpt_step00000025.pt"]
+    save_checkpoint(tmp_path, payload(25), 25, keep_last=1)  # same step again: replaced, never deleted
+    assert names(tmp_path) == ["ckpt_step00000025.pt"]
+
+
+def test_save_rejects_bad_arguments(tmp_path):
+    with pytest.raises(CheckpointError, match="keep_last must be at least 1"):
+        save_checkpoint(tmp_path, payload(1), 1, keep_last=0)
+    with pytest.raises(CheckpointError, match="missing optimizer, step 1"):
+        save_checkpoint(tmp_path, {"step": 1, "config": {}, "model": {}}, 1, keep_last=1)
+    with pytest.raises(CheckpointError, match="step == 2; missing nothing, step 1"):
+        save_checkpoint(tmp_path, payload(1), 2, keep_last=1)
+    assert names(tmp_path) == []
+
+
+def half_then_raise(exception):
+    """A torch.save that writes half of the real serialisation and then fails like a crash or a full disk."""
+    def save(obj, f):
+        real = io.BytesIO()
+        torch.serialization.save(obj, real)
+        f.write(real.getvalue()[: len(real.getvalue()) // 2])
+        raise exception
+    return save
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, payload(1), 1, keep_last=3)
+    monkeypatch.setattr(torch, "save", half_then_raise(RuntimeError("killed mid-save")))
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        save_checkpoint(tmp_path, payload(2), 2, keep_last=3)
+    assert names(tmp_path) == ["ckpt_step00000001.pt"]  # no temporary file, no partial step 2
+    path, loaded = latest_valid_checkpoint(tmp_path)
+    assert path.name == "ckpt_step00000001.pt" and loaded["step"] == 1
+
+
+@pytest.mark.parametrize("where", ["write", "fsync"])  # NFS and Lustre may report ENOSPC only at fsync
+def test_disk_full_names_the_intact_checkpoint(tmp_path, monkeypatch, where):
+    save_checkpoint(tmp_path, payload(1), 1, keep_last=3)
+    disk_full = OSError(errno.ENOSPC, "No space left on device")
+    if where == "write":
+        monkeypatch.setattr(torch, "save", half_then_raise(disk_full))
+    else:
+        def failing_fsync(fd):
+            raise disk_full
+        monkeypatch.setattr(checkpoint.os, "fsync", failing_fsync)
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(tmp_path, payload(2), 2, keep_last=3)
+    assert str(caught.value) == (
+        f"disk full while writing checkpoint {tmp_path / 'ckpt_step00000002.pt'} (ENOSPC: No space left on device); "
+        f"the previous checkpoint {tmp_path / 'ckpt_step00000001.pt'} is intact; "
+        f"free space there or point --expdir at a file system with room")
+    assert names(tmp_path) == ["ckpt_step00000001.pt"]
+    assert load_checkpoint(tmp_path / "ckpt_step00000001.pt")["step"] == 1
+
+
+def test_other_write_errors(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "save", half_then_raise(OSError(errno.EDQUOT, "Disk quota exceeded")))
+    with pytest.raises(CheckpointError, match=r"^disk quota exceeded while writing .*EDQUOT.*no earlier checkpoint"):
+        save_checkpoint(tmp_path, payload(1), 1, keep_last=1)
+    monkeypatch.setattr(torch, "save", half_then_raise(OSError(errno.EACCES, "Permission denied")))
+    with pytest.raises(CheckpointError, match=r"^cannot write checkpoint .*EACCES: Permission denied.*writable"):
+        save_checkpoint(tmp_path, payload(1), 1, keep_last=1)
+    assert names(tmp_path) == []
+
+
+def test_leftover_of_a_killed_save_is_ignored_then_removed(tmp_path):
+    save_checkpoint(tmp_path, payload(1), 1, keep_last=3)
+    leftover = tmp_path / "ckpt_step00000002.pt.4242.tmp"  # SIGKILL during torch.save
+    leftover.write_bytes(b"partial")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt_step00000001.pt"]
+    assert latest_valid_checkpoint(tmp_path)[0].name == "ckpt_step00000001.pt"
+    save_checkpoint(tmp_path, payload(3), 3, keep_last=3)
+    assert names(tmp_path) == ["ckpt_step00000001.pt", "ckpt_step00000003.pt"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, payload(step), step, keep_last=3)
+    newest = tmp_path / "ckpt_step00000002.pt"
+    data = newest.read_bytes()
+    newest.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"not a zip" * 50}[damage])
+    with pytest.raises(CheckpointError, match=rf"^{newest} is truncated or not a checkpoint \(.+\)$"):
+        load_checkpoint(newest)
+    warnings = []
+    path, loaded = latest_valid_checkpoint(tmp_path, log=warnings.append)
+    assert path.name == "ckpt_step00000001.pt" and loaded["step"] == 1
+    assert len(warnings) == 1 and warnings[0].startswith("skipping checkpoint ckpt_step00000002.pt: ")
+
+
+def test_incomplete_or_unsafe_payloads_are_refused(tmp_path):
+    incomplete = tmp_path / "ckpt_step00000001.pt"
+    torch.save({"step": 1, "model": {}}, incomplete)
+    with pytest.raises(CheckpointError, match=r"is not a training checkpoint of this code \(missing config, optimizer\)"):
+        load_checkpoint(incomplete)
+    unsafe = tmp_path / "ckpt_step00000002.pt"
+    torch.save({**payload(2), "config": load_config("quickstart")}, unsafe)  # a Params object, not a dict
+    with pytest.raises(CheckpointError, match=r"holds Python objects .* save plain dicts \(e.g. dict\(params\)\)"):
+        load_checkpoint(unsafe)
+    warnings = []
+    assert latest_valid_checkpoint(tmp_path, log=warnings.append) is None and len(warnings) == 2
+    assert latest_valid_checkpoint(tmp_path / "never_created") is None
+
+
+def train_step(model, optimizer):
+    # The batch comes from the global torch generator, so a resume must restore it to see the same batch.
+    inp, tar = torch.rand(2, 4, 8, 8, 8) * 2 - 1, torch.rand(2, 5, 8, 8, 8) * 2 - 1  # (B, C, D, H, W)
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_func(model(inp), tar)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def test_resume_is_bit_identical_to_an_unbroken_run(tmp_path):
+    model = tiny_model(seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        train_step(model, optimizer)
+    save_checkpoint(tmp_path, payload(2, model, optimizer), 2, keep_last=1)
+    unbroken_loss = train_step(model, optimizer)
+
+    torch.manual_seed(123)  # a new process: other weights, other generator state
+    resumed = tiny_model(seed=1)
+    resumed_optimizer = torch.optim.Adam(resumed.parameters(), lr=1e-3)
+    assert not torch.equal(resumed.conv_last.weight, model.conv_last.weight)
+    _, loaded = latest_valid_checkpoint(tmp_path)
+    load_model_state(resumed, loaded["model"])
+    load_optimizer_state(resumed_optimizer, loaded["optimizer"])
+    set_rng_state(loaded["rng"])
+    assert train_step(resumed, resumed_optimizer) == unbroken_loss
+    for (name, expected), actual in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(expected, actual), name
+    assert resumed_optimizer.param_groups[0]["lr"] == 1e-2
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-process gloo group, which DistributedDataParallel needs even on one rank."""
+    if dist.is_initialized():  # another test module's group: use it, leave it to its owner
+        yield
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+WRAPPINGS = {
+    "plain": lambda model: model,
+    "compiled": lambda model: torch.compile(model, backend="eager"),
+    "ddp": lambda model: DistributedDataParallel(model),
+    "ddp+compiled": lambda model: torch.compile(DistributedDataParallel(model), backend="eager"),
+}
+
+
+@pytest.mark.parametrize("source", WRAPPINGS)
+@pytest.mark.parametrize("target", WRAPPINGS)
+def test_weights_load_across_wrappings(tmp_path, process_group, source, target):
+    reference = tiny_model(seed=0)
+    written = WRAPPINGS[source](reference)
+    assert all(not key.startswith(("module.", "_orig_mod.")) for key in plain_state_dict(written))
+    save_checkpoint(tmp_path, {**payload(1), "model": plain_state_dict(written)}, 1, keep_last=1)
+    fresh = tiny_model(seed=1)
+    wrapped = WRAPPINGS[target](fresh)
+    load_model_state(wrapped, load_checkpoint(tmp_path / "ckpt_step00000001.pt")["model"])
+    for (name, expected), actual in zip(reference.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(expected, actual), name
+    # A wrapped module's own state_dict() (prefixed keys) loads too.
+    load_model_state(tiny_model(seed=2), written.state_dict())
+
+
+def test_weights_seen_by_the_compiled_model_after_loading():
+    reference, fresh = tiny_model(seed=0), tiny_model(seed=1)
+    compiled = torch.compile(fresh, backend="eager")
+    load_model_state(compiled, plain_state_dict(reference))
+    inp = torch.rand(1, 4, 8, 8, 8)
+    assert torch.equal(compiled(inp), reference(inp))
+
+
+def test_checkpoint_of_another_model_is_refused():
+    model = tiny_model(channels=(4, 8))
+    with pytest.raises(CheckpointError, match=r"shape down\.0\.0\.weight \(16, 4, 4, 4, 4\) vs \(4, 4, 4, 4, 4\) here.*"
+                                              r"different model config"):
+        load_model_state(model, plain_state_dict(tiny_model(channels=(16, 8))), source="checkpoint ckpt_step1.pt")
+    with pytest.raises(CheckpointError, match=r"^the checkpoint holds weights of a different model \("
+                                              r"unexpected down\.2\.0\.weight, down\.2\.0\.bias, up\.1\.0\.weight \.\.\."):
+        load_model_state(model, plain_state_dict(tiny_model(channels=(4, 8, 8))))
+    with pytest.raises(CheckpointError, match=r"missing down\.2\.0\.weight"):
+        load_model_state(tiny_model(channels=(4, 8, 8)), plain_state_dict(model))
+    bigger = tiny_model(channels=(4, 8, 8))
+    with pytest.raises(CheckpointError, match=r"optimizer state for \[8\] parameters per group, this optimizer has "
+                                              r"\[12\]; it comes from a different model config"):
+        load_optimizer_state(torch.optim.Adam(bigger.parameters()), torch.optim.Adam(model.parameters()).state_dict())
+
+
+def test_optimizer_keeps_its_implementation_and_refuses_another_optimizer():
+    model = tiny_model()
+    saved = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.8, 0.9))
+    train_step(model, saved)
+    fused = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # enable_fused turned on at resume
+    load_optimizer_state(fused, saved.state_dict())
+    group = fused.param_groups[0]
+    assert group["fused"] is True and group["betas"] == (0.8, 0.9) and group["lr"] == 1e-2
+    first = model.conv_last.weight
+    assert torch.equal(fused.state[first]["exp_avg"], saved.state[first]["exp_avg"])
+    assert fused.state[first]["step"].item() == 1.0
+    older_torch = saved.state_dict()  # written before PyTorch had decoupled_weight_decay
+    older_torch["param_groups"] = [{key: value for key, value in group.items() if key != "decoupled_weight_decay"}
+                                   for group in older_torch["param_groups"]]
+    load_optimizer_state(fused, older_torch)
+    assert fused.param_groups[0]["decoupled_weight_decay"] is False
+    apex_like = saved.state_dict()
+    apex_like["param_groups"] = [{**group, "adam_w_mode": False} for group in apex_like["param_groups"]]
+    with pytest.raises(CheckpointError, match=r"different optimizer \(settings adam_w_mode are unknown here"):
+        load_optimizer_state(fused, apex_like)
+
+
+def test_every_config_key_is_classified_for_resume():
+    assert set(RUN_DEFINING_KEYS).isdisjoint(RESUME_MAY_CHANGE_KEYS)
+    unclassified = set(SCHEMA) - set(RUN_DEFINING_KEYS) - set(RESUME_MAY_CHANGE_KEYS)
+    assert not unclassified, f"add {sorted(unclassified)} to RUN_DEFINING_KEYS or RESUME_MAY_CHANGE_KEYS"
+    assert set(RUN_DEFINING_KEYS) | set(RESUME_MAY_CHANGE_KEYS) <= set(SCHEMA)
+
+
+def test_config_differences_name_run_defining_keys_only():
+    saved = dict(load_config("quickstart"))
+    same_run = load_config("quickstart", overrides={
+        "num_data_workers": 4, "amp_mode": "bf16", "enable_jit": True, "log_every_n_steps": 1,
+        "data_loader_config": "lowmem", "train_path": str(REPO_ROOT / "data" / "quickstart_train.h5")})
+    assert config_differences(saved, same_run) == []
+    check_compatible(saved, same_run)
+    other_run = load_config("quickstart", overrides={
+        "global_batch_size": 4, "num_epochs": 8, "lr_schedule.start_lr": 1e-3, "data_loader_config": "synthetic"})
+    assert config_differences(saved, other_run) == [
+        ("data_loader_config", "inmem", "synthetic"), ("global_batch_size", 8, 4),
+        ("lr_schedule.start_lr", 2e-3, 1e-3), ("num_epochs", 4, 8)]
+    with pytest.raises(CheckpointError) as caught:
+        check_compatible(saved, other_run, source="checkpoint run/ckpt_step00000016.pt")
+    assert str(caught.value) == (
+        "checkpoint run/ckpt_step00000016.pt was written with a different config: data_loader_config inmem -> "
+        "synthetic, global_batch_size 8 -> 4, lr_schedule.start_lr 0.002 -> 0.001, num_epochs 4 -> 8; "
+        "use --resume never or a new --run_num")
+    older_format = {key: value for key, value in saved.items() if key != "lambda_rho"}
+    assert config_differences(older_format, saved) == [("lambda_rho", "<absent>", 0.0)]
+
+
+def test_rng_round_trip_through_a_checkpoint(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.standard_normal()  # leaves a cached Gaussian in numpy's state
+    save_checkpoint(tmp_path, {**payload(1), "rng": rng_state()}, 1, keep_last=1)
+
+    def draws():
+        return random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()
+
+    expected = draws()
+    assert draws() != expected  # the generators moved on
+    set_rng_state(load_checkpoint(tmp_path / "ckpt_step00000001.pt")["rng"])
+    assert draws() == expected

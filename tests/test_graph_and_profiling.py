@@ -1,0 +1,178 @@
+"""train_graph.py's refusals and warm-up undo, the profiler window, and the ladder's CPU smoke run."""
+import gzip
+import json
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+import train
+import train_graph
+from benchmarks import ladder
+from networks.UNet import UNet, loss_func
+from utils.config import ConfigError, load_config
+from utils.profiling import Profiler
+
+
+# --- train_graph.py -----------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_train_graph_without_cuda_exits_with_one_line_before_any_work(tmp_path, capsys):
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    argv = ["--config=quickstart", "--expdir", str(runs), "--train_path", str(data / "train.h5"),
+            "--val_path", str(data / "val.h5")]
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(lambda: train_graph.main(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: train_graph.py captures the training step in a CUDA graph and needs a CUDA GPU")
+    assert "use train.py" in err and len(err.strip().splitlines()) == 1
+    assert not runs.exists() and not data.exists()  # no run folder, no generated data
+
+
+@pytest.mark.parametrize("flags, world_size, expected", [
+    (["--amp_mode=fp16"], 1, "use --amp_mode=bf16"),
+    (["--enable_amp"], 1, "use --amp_mode=bf16"),
+    (["--enable_apex"], 1, "use --enable_fused"),
+    ([], 2, "use train.py for multi-GPU"),
+])
+def test_train_graph_refuses_what_a_graph_cannot_run(tmp_path, monkeypatch, capsys, flags, world_size, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the GPU check to the config checks
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(lambda: train_graph.main(["--config=quickstart", "--expdir", str(tmp_path / "runs"), *flags]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and expected in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def tiny_model_and_adam(seed=0, **adam):
+    torch.manual_seed(seed)
+    model = UNet([4, 8])
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
+
+
+def adam_step(model, optimizer, seed):
+    generator = torch.Generator().manual_seed(seed)
+    inp = torch.rand(2, 4, 8, 8, 8, generator=generator) * 2 - 1
+    tar = torch.rand(2, 5, 8, 8, 8, generator=generator) * 2 - 1
+    optimizer.zero_grad(set_to_none=True)
+    loss_func(model(inp), tar).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("steps_before", [0, 2], ids=["fresh", "resumed"])
+def test_undoing_the_warm_up_continues_exactly_as_without_it(steps_before):
+    runs = {}
+    for warm_up in (False, True):
+        model, optimizer = tiny_model_and_adam()
+        for step in range(steps_before):
+            adam_step(model, optimizer, seed=step)
+        if warm_up:
+            snapshot = train_graph.snapshot_training_state(model, optimizer)
+            for step in range(3):
+                adam_step(model, optimizer, seed=100 + step)
+            train_graph.restore_training_state(model, optimizer, snapshot)
+        adam_step(model, optimizer, seed=10)
+        runs[warm_up] = (model.state_dict(), optimizer.state_dict()["state"])
+    (weights, adam_state), (weights_warm, adam_state_warm) = runs[False], runs[True]
+    for name in weights:
+        assert torch.equal(weights[name], weights_warm[name]), name
+    for index in adam_state:
+        assert adam_state[index]["step"].item() == steps_before + 1
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(adam_state[index][key], adam_state_warm[index][key]), (index, key)
+
+
+def test_a_float_learning_rate_is_refused_for_capture():
+    model, optimizer = tiny_model_and_adam(capturable=True)  # lr=1e-2: a float would be baked into the graph
+    with pytest.raises(RuntimeError, match="lr must be a tensor on cpu"):
+        train_graph.check_capturable(optimizer, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="capturable=True"):
+        train_graph.check_capturable(tiny_model_and_adam()[1], torch.device("cpu"))
+    tensor_lr = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2), capturable=True)
+    train_graph.check_capturable(tensor_lr, torch.device("cpu"))
+
+
+# --- utils/profiling.py -------------------------------------------------------------------------
+def profiled_run(profiler, num_steps):
+    """A training-like loop with the ranges train.py uses."""
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for global_step in range(num_steps):
+        profiler.step(global_step)
+        with profiler.range("step"):
+            with profiler.range("data copy"):
+                inp = torch.randn(4, 8)
+            with profiler.range("forward"):
+                loss = model(inp).square().mean()
+            with profiler.range("backward"):
+                loss.backward()
+            with profiler.range("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad()
+    profiler.close()
+
+
+def trace_event_names(trace_dir):
+    files = sorted(trace_dir.glob("*.pt.trace.json*"))
+    assert len(files) == 1, files
+    opener = gzip.open if files[0].suffix == ".gz" else open
+    with opener(files[0], "rt") as f:
+        return [event.get("name") for event in json.load(f)["traceEvents"]]
+
+
+@pytest.mark.parametrize("num_steps, recorded", [(6, 2), (3, 1)], ids=["whole window", "run ends inside"])
+def test_profile_window_writes_a_trace_of_exactly_its_steps(tmp_path, num_steps, recorded):
+    params = load_config("quickstart", overrides={"profile_dir": "profile", "profile_window": [2, 4]})
+    profiled_run(Profiler(params, tmp_path, torch.device("cpu")), num_steps)
+    names = trace_event_names(tmp_path / "profile")  # relative profile_dir: inside the run directory
+    for name in ("step", "data copy", "forward", "backward", "optimizer"):
+        assert names.count(name) == recorded, name  # the warm-up step (1) and steps after the window: not recorded
+    assert sum(1 for name in names if name and name.startswith("ProfilerStep#")) == recorded
+
+
+def test_profiling_off_costs_nothing_and_writes_nothing(tmp_path):
+    for manual in (False, True):  # manual profiling without CUDA: NVTX has nothing to mark
+        params = load_config("quickstart", overrides={"enable_manual_profiling": manual, "profile_window": [1, 3]})
+        profiler = Profiler(params, tmp_path, torch.device("cpu"))
+        assert isinstance(profiler.range("forward"), nullcontext)
+        profiled_run(profiler, 4)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_profile_window_must_be_a_nonempty_range(tmp_path):
+    params = load_config("quickstart", overrides={"profile_window": [5, 5]})
+    with pytest.raises(ConfigError, match="0 < start < stop"):
+        Profiler(params, tmp_path, torch.device("cpu"))
+
+
+# --- benchmarks/ladder.py -----------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke run")
+def test_ladder_tiny_runs_on_cpu_and_skips_cuda_rungs(tmp_path):
+    out = tmp_path / "cpu.json"
+    code = ladder.main(["--tiny", "--out", str(out), "--loss_steps", "3", "--warmup_steps", "0",
+                        "--windows", "2", "--steps_per_window", "1"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["environment"]["device"] == "cpu" and report["setup"]["batch_size"] == 2
+    rows = {row["name"]: row for row in report["rungs"]}
+    assert list(rows) == [rung.name for rung in ladder.RUNGS]
+    assert {name for name, row in rows.items() if row["status"] == "skipped"} == {"tf32", "fp16", "compile",
+                                                                                  "cuda_graph"}
+    assert rows["cuda_graph"]["reason"] == "CUDA graphs need a CUDA GPU"
+    # Skipped rungs' settings are not carried up: no compile on CPU.
+    assert rows["channels_last"]["settings"] == "bf16, fused Adam, channels-last"
+    ran = [rows[name] for name in ("fp32", "bf16", "fused_adam", "channels_last")]
+    assert all(row["status"] == "ok" and row["samples_per_sec"] > 0 for row in ran)
+    assert rows["fp32"]["speedup"] == 1.0 and len(rows["fp32"]["window_samples_per_sec"]) == 2
+    assert rows["fp32"]["loss_last"] < rows["fp32"]["loss_first"]  # it learns from the generated batch
+    # Same seed, same weights: bf16 and bf16 + fused Adam share step 1 exactly, then differ by rounding.
+    assert rows["fused_adam"]["loss_first"] == rows["bf16"]["loss_first"]
+    assert rows["fused_adam"]["loss_last"] == pytest.approx(rows["bf16"]["loss_last"], rel=1e-4)
+    for row in ran:
+        assert row["loss_last"] == pytest.approx(rows["fp32"]["loss_last"], rel=2e-2)
+    table = out.with_suffix(".md").read_text()
+    assert "| rung | settings | samples/s |" in table
+    assert "| + CUDA graph | skipped: CUDA graphs need a CUDA GPU |" in table
+    assert table.count("\n| ") == 2 + len(ladder.RUNGS)  # header, separator, one row per rung

@@ -1,0 +1,187 @@
+"""Nothing lost: kill -9, signals, elastic restarts, truncated checkpoints and NaNs, through the real CLI."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO_ROOT, write_random_box
+
+# 32 steps over 2 epochs, a checkpoint after every step, deterministic kernels.
+RUN_FLAGS = ["--Nsamples", "64", "--checkpoint_every_n_steps", "1", "--keep_checkpoints", "2", "--deterministic",
+             "--log_every_n_steps", "4"]
+FINAL_STEP = 32
+
+
+def run_dir(tmp_path, run_num, world_size=1, config="tiny"):
+    return tmp_path / "runs" / config / f"{world_size}GPU" / run_num
+
+
+def final_weights(tmp_path, run_num, world_size=1):
+    path = run_dir(tmp_path, run_num, world_size) / "checkpoints" / f"ckpt_step{FINAL_STEP:08d}.pt"
+    return torch.load(path, weights_only=True)["model"]
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def command(tiny_argv, run_num, launcher=None, extra=()):
+    launcher = launcher or [sys.executable]
+    return launcher + [str(REPO_ROOT / "train.py")] + tiny_argv + RUN_FLAGS + ["--run_num", run_num, *extra]
+
+
+def environment():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(cmd, timeout=300):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environment(), cwd=REPO_ROOT)
+
+
+def newest_step(directory):
+    steps = [int(p.name[9:17]) for p in directory.glob("ckpt_step*.pt")]
+    return max(steps, default=-1)
+
+
+def start_and_wait_for_step(cmd, checkpoints, step, timeout=240):
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(),
+                               cwd=REPO_ROOT, start_new_session=True)
+    deadline = time.time() + timeout
+    while newest_step(checkpoints) < step:
+        assert process.poll() is None, process.communicate()
+        assert time.time() < deadline, "run did not reach the step in time"
+        time.sleep(0.05)
+    return process
+
+
+
+
+@pytest.fixture
+def reference(tiny_argv, tmp_path):
+    result = run(command(tiny_argv, "reference"))
+    assert result.returncode == 0, result.stderr
+    return final_weights(tmp_path, "reference")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill_9_at_a_random_step_then_rerun_gives_identical_weights(tiny_argv, tmp_path, reference, seed):
+    kill_after = int(np.random.default_rng(seed).integers(2, FINAL_STEP - 2))
+    cmd = command(tiny_argv, "killed")
+    process = start_and_wait_for_step(cmd, run_dir(tmp_path, "killed") / "checkpoints", kill_after)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert newest_step(run_dir(tmp_path, "killed") / "checkpoints") < FINAL_STEP
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr
+    assert "Resumed from" in (run_dir(tmp_path, "killed") / "out.log").read_text()
+    assert_identical(final_weights(tmp_path, "killed"), reference)
+
+
+def test_sigusr1_checkpoints_exits_3_and_continues_exactly(tiny_argv, tmp_path, reference):
+    cmd = command(tiny_argv, "signalled")
+    checkpoints = run_dir(tmp_path, "signalled") / "checkpoints"
+    process = start_and_wait_for_step(cmd, checkpoints, 5)
+    process.send_signal(signal.SIGUSR1)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 3, stderr
+    assert stderr.strip().startswith("stopped: stopped by SIGUSR1 at global step") and len(stderr.strip().splitlines()) == 1
+    stopped_at = newest_step(checkpoints)
+    assert 5 <= stopped_at < FINAL_STEP
+    assert f"Checkpoint (preemption) written" in (run_dir(tmp_path, "signalled") / "out.log").read_text()
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr
+    assert_identical(final_weights(tmp_path, "signalled"), reference)
+
+
+def test_truncated_newest_checkpoint_is_skipped_with_a_warning(tiny_argv, tmp_path, reference):
+    cmd = command(tiny_argv, "reference")
+    checkpoints = run_dir(tmp_path, "reference") / "checkpoints"
+    newest = checkpoints / f"ckpt_step{FINAL_STEP:08d}.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr
+    assert f"skipping checkpoint {newest.name}: " in result.stdout
+    assert f"Resumed from {checkpoints / f'ckpt_step{FINAL_STEP - 1:08d}.pt'}" in result.stdout
+    assert_identical(final_weights(tmp_path, "reference"), reference)
+
+
+def test_a_finished_run_is_not_trained_again(tiny_argv, tmp_path, reference):
+    result = run(command(tiny_argv, "reference"))
+    assert result.returncode == 0 and "This run already finished (32 of 32 steps)" in result.stdout
+
+
+def test_resume_with_a_run_changing_config_is_refused(tiny_argv, tmp_path, reference):
+    result = run(command(tiny_argv, "reference", extra=["--global_batch_size", "8"]))
+    assert result.returncode == 2
+    assert "was written with a different config: global_batch_size 4 -> 8" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_nan_loss_stops_and_names_the_step_and_the_last_good_checkpoint(tiny_argv, tmp_path):
+    bad = write_random_box(tmp_path / "nan.h5", 24, seed=1)
+    with h5py.File(bad, "r+") as f:
+        f["Hydro"][0, :, :, :] = np.nan  # every crop of the target holds NaNs
+    cmd = command(tiny_argv, "nan", extra=["--train_path", str(bad)])
+    result = run(cmd)
+    assert result.returncode == 4, result.stderr
+    message = result.stderr.strip()
+    assert message.startswith("error: non-finite loss (NaN or Inf) at global step 1;") and len(message.splitlines()) == 1
+    assert "no checkpoint was written yet" in message
+    assert not list((run_dir(tmp_path, "nan") / "checkpoints").glob("*.pt"))
+
+
+def test_ddp_sigusr1_all_ranks_stop_at_the_same_step_and_continue(tiny_argv, tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    reference = run(command(tiny_argv, "ddp_ref", torchrun))
+    assert reference.returncode == 0, reference.stderr
+    cmd = command(tiny_argv, "ddp", torchrun)
+    checkpoints = run_dir(tmp_path, "ddp", 2) / "checkpoints"
+    process = start_and_wait_for_step(cmd, checkpoints, 5)
+    for pid in worker_pids(process.pid):  # as Slurm does: every task gets the signal, not the launcher
+        if "RANK=" in environ_of(pid):
+            os.kill(pid, signal.SIGUSR1)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0 and stderr.count("stopped: stopped by SIGUSR1 at global step") == 2
+    steps = {line.split("global step ")[1].split(";")[0] for line in stderr.splitlines() if "stopped:" in line}
+    assert len(steps) == 1  # both ranks stopped at the same step
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr
+    assert_identical(final_weights(tmp_path, "ddp", 2), final_weights(tmp_path, "ddp_ref", 2))
+
+
+def test_torchrun_max_restarts_recovers_a_killed_worker(tiny_argv, tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "--max_restarts=1"]
+    cmd = command(tiny_argv, "elastic", torchrun)
+    checkpoints = run_dir(tmp_path, "elastic", 2) / "checkpoints"
+    process = start_and_wait_for_step(cmd, checkpoints, 6)
+    worker = next(pid for pid in worker_pids(process.pid) if "RANK=1" in environ_of(pid))
+    os.kill(worker, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    log = (run_dir(tmp_path, "elastic", 2) / "out.log").read_text()
+    assert "Resumed from" in log and newest_step(checkpoints) == FINAL_STEP
+
+
+def worker_pids(parent):
+    children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+    found = []
+    for child in map(int, children):
+        found.append(child)
+        found += worker_pids(child)
+    return found
+
+
+def environ_of(pid):
+    try:
+        return (open(f"/proc/{pid}/environ", "rb").read().replace(b"\0", b"\n")).decode(errors="replace")
+    except OSError:
+        return ""

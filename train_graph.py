@@ -1,0 +1,180 @@
+"""train.py with the whole training step (forward, loss, backward, Adam) captured once in a CUDA graph.
+
+    python train_graph.py --config=short --amp_mode=bf16 --enable_fused --channels_last
+
+Same flags, config, logging, validation and TensorBoard output as train.py (it runs train.main with
+a different step). Each step copies the batch into static input buffers and replays the graph: one
+launch instead of hundreds of kernel launches and Python dispatches, so the GPU never waits for
+the CPU. What a graph cannot do, and so what this script refuses with a one-line error:
+
+- no GPU: a CUDA graph is a CUDA object; use train.py.
+- ``amp_mode=fp16``: GradScaler checks for inf/NaN gradients on the host (a CPU-GPU sync) and
+  skips steps, neither of which can live in a graph; bf16 needs no scaler.
+- ``enable_apex``: apex FusedAdam is not the capturable optimizer; ``--enable_fused`` selects
+  PyTorch's fused Adam, which is.
+- more than one rank: graphing DDP's all-reduce needs NCCL-specific set-up (DDP built on a side
+  stream, 11+ eager warm-up iterations, async error handling off) that is not implemented here;
+  train.py is the multi-GPU path.
+
+``--enable_jit`` is allowed: the model and loss are compiled (torch.compile's default mode) during
+the warm-up, before capture, and the graph replays Inductor's kernels. The compile-only
+alternative, ``torch.compile(mode="reduce-overhead")``, graphs forward and backward but not the
+optimizer step.
+
+The optimizer is Adam with ``capturable=True`` and a learning rate held in a device tensor, so the
+LR schedule (``TrainState.set_lr`` fills that tensor) needs no re-capture.
+"""
+import os
+import warnings
+
+import torch
+
+import train
+from utils.config import ConfigError, load_config
+
+NUM_WARMUP_STEPS = 3  # eager steps before capture: cuDNN autotuning, lazy optimizer state, compilation
+
+
+def check_graph_support(params, world_size):
+    """Refuse, before any work, what a whole-step CUDA graph cannot run (see the module docstring)."""
+    if world_size > 1:
+        raise ConfigError(f"train_graph.py runs on one GPU (WORLD_SIZE={world_size}); "
+                          f"use train.py for multi-GPU (DDP) runs")
+    if params.amp_mode == "fp16":
+        raise ConfigError("amp_mode=fp16 needs GradScaler, whose inf/NaN checks sync with the host and cannot be "
+                          "captured in a CUDA graph; use --amp_mode=bf16 (or none)")
+    if params.enable_apex:
+        raise ConfigError("apex FusedAdam cannot be graph-captured here; drop --enable_apex and use --enable_fused "
+                          "(PyTorch's fused Adam)")
+
+
+def train_step_body(state, inp, tar):
+    """eager_step without zero_grad and GradScaler (disabled for none/bf16): what the graph records."""
+    with state.autocast:
+        prediction = state.train_model(inp)
+    loss = state.loss_fn(prediction.float(), tar, state.params.lambda_rho)
+    loss.backward()
+    state.optimizer.step()
+    return loss.detach()
+
+
+def snapshot_training_state(model, optimizer):
+    """Copies of the weights and of the optimizer state (empty before the first step; full on resume)."""
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    moments = {param: {key: value.clone() for key, value in param_state.items()}
+               for param, param_state in optimizer.state.items()}
+    return weights, moments
+
+
+@torch.no_grad()
+def restore_training_state(model, optimizer, snapshot):
+    """Undo the warm-up steps: weights and Adam state back to ``snapshot``, in place.
+
+    In place, because the graph records these tensors' addresses. State the warm-up created (a fresh
+    optimizer's first steps) goes to zero, which is exactly a fresh Adam's state (moments 0, step
+    count 0), so graph training continues where train.py would, resumed runs included.
+    """
+    weights, moments = snapshot
+    for name, tensor in model.state_dict().items():
+        tensor.copy_(weights[name])
+    for param, param_state in optimizer.state.items():
+        saved = moments.get(param)
+        for key, value in param_state.items():
+            if saved is None:
+                value.zero_()
+            else:
+                value.copy_(saved[key])
+
+
+def check_capturable(optimizer, device):
+    for group in optimizer.param_groups:
+        if not group.get("capturable"):
+            raise RuntimeError("the optimizer was not built with capturable=True; "
+                               "build it with train.build_training(params, info, capturable=True)")
+        lr = group["lr"]
+        if not (torch.is_tensor(lr) and lr.device == device):
+            # A Python float would be baked into the graph: the LR schedule would silently stop.
+            raise RuntimeError(f"the optimizer's lr must be a tensor on {device} for a CUDA graph, got {lr!r}; "
+                               f"build it with train.build_training(params, info, capturable=True) and keep it a "
+                               f"tensor when loading optimizer state")
+
+
+def capture_train_step(state, example_inp, example_tar, num_warmup_steps=NUM_WARMUP_STEPS):
+    """Capture one whole training step; returns ``step(state, inp, tar) -> loss`` that replays it.
+
+    example_inp (B, C_in, S, S, S) and example_tar (B, C_out, S, S, S) fix the shapes and memory
+    format. The warm-up steps train on them and are then undone (restore_training_state). The
+    returned loss is the graph's static loss tensor: read it (or add it up) before the next step.
+    """
+    device = state.info.device
+    check_capturable(state.optimizer, device)
+    static_inp, static_tar = example_inp.clone(), example_tar.clone()  # clone keeps channels-last strides
+    snapshot = snapshot_training_state(state.model, state.optimizer)
+
+    # Warm up on a side stream (the PyTorch docs' whole-network recipe), the same stream the capture
+    # uses: libraries create per-stream handles and workspaces on first use, which must not happen
+    # mid-capture.
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*capturable=True.*")  # eager steps of a capturable Adam, on purpose
+        for _ in range(num_warmup_steps):
+            state.optimizer.zero_grad(set_to_none=True)
+            train_step_body(state, static_inp, static_tar)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    restore_training_state(state.model, state.optimizer, snapshot)
+    del snapshot
+
+    graph = torch.cuda.CUDAGraph()
+    # No grads at capture: backward then allocates them from the graph's private pool, and every
+    # replay overwrites them in place, so no zero_grad is needed between replays.
+    state.optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph, stream=stream):
+        static_loss = train_step_body(state, static_inp, static_tar)
+
+    def graph_step(state, inp, tar):
+        if inp.shape != static_inp.shape or tar.shape != static_tar.shape:  # copy_ would broadcast silently
+            raise RuntimeError(f"the CUDA graph was captured for batches {tuple(static_inp.shape)} -> "
+                               f"{tuple(static_tar.shape)}, got {tuple(inp.shape)} -> {tuple(tar.shape)}")
+        static_inp.copy_(inp)
+        static_tar.copy_(tar)
+        graph.replay()
+        return static_loss
+
+    return graph_step
+
+
+def make_graph_step(state):
+    """train.main's make_step: capture on a random batch of the configured shape, before training starts.
+
+    Capturing here, rather than at the first real batch, means no DataLoader iterator (and so no
+    pin-memory thread making CUDA calls) exists during capture.
+    """
+    params, info = state.params, state.info
+    crop = (params.data_size,) * 3
+    batch = params.global_batch_size // info.world_size
+    # Any finite values will do (the warm-up is undone); (-1, 1) is the range of the normalised data.
+    example_inp = torch.empty((batch, params.N_in_channels, *crop), device=info.device,
+                              memory_format=state.memory_format).uniform_(-1, 1)
+    example_tar = torch.empty((batch, params.N_out_channels, *crop), device=info.device,
+                              memory_format=state.memory_format).uniform_(-1, 1)
+    step = capture_train_step(state, example_inp, example_tar)
+    train.logger.info(f"Captured the training step in a CUDA graph after {NUM_WARMUP_STEPS} warm-up steps "
+                      f"(undone); batch {tuple(example_inp.shape)}")
+    return step
+
+
+def main(argv=None):
+    args = train.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise ConfigError("train_graph.py captures the training step in a CUDA graph and needs a CUDA GPU, "
+                          "but none is visible (torch.cuda.is_available() is False); use train.py here")
+    world_size = int(os.environ.get("WORLD_SIZE") or 1)
+    # The same config train.main will load; checked here so a refusal comes before data loading.
+    params = load_config(args.config, args.yaml_config, train.config_overrides(args, world_size))
+    check_graph_support(params, world_size)
+    return train.main(argv, make_step=make_graph_step, capturable=True)
+
+
+if __name__ == "__main__":
+    train.cli(main)

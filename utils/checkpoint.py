@@ -1,0 +1,326 @@
+"""Checkpoints that survive crashes, full disks and changes of wrapping (DDP, torch.compile).
+
+A run directory holds one timeline of checkpoints ``ckpt_step{step:08d}.pt`` written by one process
+(rank 0 of the run that owns the directory):
+
+- ``save_checkpoint`` writes a temporary file, fsyncs it and renames it over the final name, so a
+  checkpoint file is either complete or absent; a failed save leaves every earlier one untouched.
+- ``latest_valid_checkpoint`` returns the newest checkpoint that loads, skipping (with a warning)
+  one that a crash or a full disk of another tool left truncated.
+- Model weights are stored without the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile)
+  prefixes, so a checkpoint loads into the model however either run wrapped it.
+- ``check_compatible`` refuses to continue a run under a config that would make it a different
+  run (``RUN_DEFINING_KEYS``); everything else may change between the pieces of a run.
+
+Checkpoints are read with ``torch.load(weights_only=True)``: a payload holds tensors and plain
+Python data only (dicts, lists, tuples, numbers, strings), so loading one never runs code. Store
+the config as ``dict(params)``, not the ``Params`` object.
+"""
+import errno
+import os
+import random
+import re
+import sys
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from utils.config import resolve_path
+
+CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")
+# Keys every payload must have for a run to continue from it.
+REQUIRED_KEYS = ("step", "config", "model", "optimizer")
+# Prefixes DDP and torch.compile put in front of the wrapped module's state-dict keys.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# Optimizer param-group entries that choose the implementation, not the maths: the current run's win.
+OPTIMIZER_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+# Config keys whose change would make a resumed run a different run: the model, the loss, the
+# optimisation trajectory (batch size, LR schedule and its length: num_epochs and Nsamples set the
+# cosine's total_steps; noddp stops gradient averaging), and the data (which crops, in which order,
+# validated on which crops).
+RUN_DEFINING_KEYS = (
+    "model_channels", "full_scale", "N_in_channels", "N_out_channels",
+    "lambda_rho",
+    "global_batch_size", "base_batch_size", "lr_schedule", "num_epochs", "Nsamples", "noddp",
+    "train_path", "val_path", "box_size", "data_size", "seed", "enable_augmentation", "Nsamples_val",
+    "data_loader_config",
+)
+# Config keys that may change on resume: speed and precision knobs, DDP tuning and gradient
+# compression included (the problem optimised stays the same; only rounding and speed change, as
+# with a different world size), logging and profiling, where data is generated from (the files
+# exist by then), and the initialisation (weights come from the checkpoint).
+# The world size may change too: the loader gives every world size the same global batches.
+RESUME_MAY_CHANGE_KEYS = (
+    "weight_init", "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32",
+    "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook",
+    "num_data_workers", "generate_data", "enable_benchy", "benchy", "enable_manual_profiling", "profile_dir",
+    "profile_window", "expdir", "log_every_n_steps", "peak_tflops",
+    "checkpoint_every_n_steps", "keep_checkpoints", "deterministic",
+)
+ABSENT = "<absent>"  # how a key missing from one config shows in differences
+# How values are compared where equal meaning has several spellings: paths resolve against the
+# repository root; inmem and lowmem read the same files (only synthetic data is another run).
+_COMPARED_AS = {
+    "train_path": resolve_path,
+    "val_path": resolve_path,
+    "data_loader_config": lambda loader: "synthetic" if loader == "synthetic" else "files",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written, read or continued from; the message says what to do."""
+
+
+def print_warning(message):
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def checkpoint_path(directory, step):
+    return Path(directory) / f"ckpt_step{step:08d}.pt"
+
+
+def checkpoint_step(path):
+    return int(CHECKPOINT_NAME.fullmatch(Path(path).name).group(1))
+
+
+def list_checkpoints(directory):
+    """Checkpoint files in ``directory``, newest (highest step) first; [] if it does not exist."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    paths = [path for path in directory.iterdir() if CHECKPOINT_NAME.fullmatch(path.name)]
+    return sorted(paths, key=checkpoint_step, reverse=True)
+
+
+def _write_error(err, path, previous):
+    reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}.get(err.errno)
+    what = f"{reason} while writing" if reason else "cannot write"
+    advice = ("free space there or point --expdir at a file system with room" if reason
+              else "check that the directory is writable or point --expdir elsewhere")
+    intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    name = errno.errorcode.get(err.errno, "unknown errno")
+    return CheckpointError(f"{what} checkpoint {path} ({name}: {err.strerror}); {intact}; {advice}")
+
+
+def save_checkpoint(directory, payload, step, keep_last):
+    """Write ``payload`` as ``directory/ckpt_step{step:08d}.pt`` atomically; keep the newest ``keep_last``.
+
+    Checkpoints with a higher step than ``step`` belong to an abandoned timeline (the run went back to
+    an earlier checkpoint) and are removed, so that resuming never jumps forward into them.
+    """
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be at least 1 (the checkpoint just written), got {keep_last}")
+    missing = [key for key in REQUIRED_KEYS if key not in payload]
+    if missing or payload["step"] != step:
+        raise CheckpointError(f"checkpoint payload needs keys {', '.join(REQUIRED_KEYS)} with step == {step}; "
+                              f"missing {', '.join(missing) or 'nothing'}, step {payload.get('step')}")
+    directory = Path(directory)
+    path = checkpoint_path(directory, step)
+    existing = list_checkpoints(directory)
+    previous = existing[0] if existing else None
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # One writer per directory: any temporary file here is a leftover of a crashed save, and
+        # removing it first may be what makes room for this one.
+        for stale in directory.glob("ckpt_step*.pt.*.tmp"):
+            stale.unlink()
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        os.replace(tmp, path)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)  # ... and the rename itself survives a power loss
+        finally:
+            os.close(dir_fd)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise _write_error(err, path, previous) from err
+        raise
+    older = [old for old in existing if checkpoint_step(old) < step]
+    newer = [new for new in existing if checkpoint_step(new) > step]
+    for old in newer + older[keep_last - 1:]:
+        try:
+            old.unlink()
+        except OSError as err:
+            raise CheckpointError(f"wrote {path} but cannot remove the old checkpoint {old} ({err.strerror}); "
+                                  f"check the directory's permissions") from None
+    return path
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """The payload of checkpoint ``path``; CheckpointError if it is unreadable, truncated or incomplete."""
+    try:
+        f = open(path, "rb")
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: {err.strerror}") from None
+    # Opened here, because on damaged content torch.load raises anything, OSError included
+    # (EINVAL on some truncations), as well as RuntimeError, EOFError, KeyError, UnpicklingError.
+    with f:
+        # torch.save writes a zip archive whose directory is at the end: a cut-off file has none.
+        if not zipfile.is_zipfile(f):
+            raise CheckpointError(f"{path} is truncated or not a checkpoint (no complete zip archive)")
+        f.seek(0)
+        try:
+            payload = torch.load(f, map_location=map_location, weights_only=True)
+        except Exception as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else "no details"
+            if first_line.startswith("Weights only load failed"):
+                raise CheckpointError(f"{path} holds Python objects other than tensors and plain data, which a "
+                                      f"safe load refuses; save plain dicts (e.g. dict(params)) in checkpoints") from None
+            raise CheckpointError(f"{path} is truncated or not a checkpoint ({type(err).__name__}: "
+                                  f"{first_line})") from None
+    missing = [key for key in REQUIRED_KEYS if not isinstance(payload, dict) or key not in payload]
+    if missing:
+        raise CheckpointError(f"{path} is not a training checkpoint of this code (missing {', '.join(missing)})")
+    return payload
+
+
+def latest_valid_checkpoint(directory, log=print_warning, map_location="cpu"):
+    """(path, payload) of the newest checkpoint in ``directory`` that loads, or None if there is none.
+
+    A damaged checkpoint is skipped with a warning through ``log`` in favour of the previous one.
+    """
+    for path in list_checkpoints(directory):
+        try:
+            return path, load_checkpoint(path, map_location)
+        except CheckpointError as err:
+            log(f"skipping checkpoint {path.name}: {err}")
+    return None
+
+
+def unwrap_model(module):
+    """The plain module inside any nesting of DDP / DataParallel and torch.compile wrappers."""
+    while True:
+        if isinstance(module, (DistributedDataParallel, DataParallel)):
+            module = module.module
+        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            module = module._orig_mod
+        else:
+            return module
+
+
+def plain_state_dict(module):
+    """The state dict of the plain module: keys without ``module.`` or ``_orig_mod.`` prefixes."""
+    return unwrap_model(module).state_dict()
+
+
+def _strip_wrapper_prefixes(state_dict, expected_keys):
+    """Remove wrapper prefixes that a checkpoint of a wrapped module's own state_dict() carries."""
+    while set(state_dict) != expected_keys:
+        prefix = next((p for p in WRAPPER_PREFIXES if state_dict and all(k.startswith(p) for k in state_dict)), None)
+        if prefix is None:
+            break
+        stripped = OrderedDict(state_dict)
+        if hasattr(state_dict, "_metadata"):  # module versions; the torch helper rewrites it in place
+            stripped._metadata = OrderedDict(state_dict._metadata)
+        consume_prefix_in_state_dict_if_present(stripped, prefix)
+        state_dict = stripped
+    return state_dict
+
+
+def load_model_state(module, state_dict, source="the checkpoint"):
+    """Load plain (or wrapped) weights into ``module``, whether plain, DDP-wrapped or compiled."""
+    target = unwrap_model(module)
+    expected = target.state_dict()
+    state_dict = _strip_wrapper_prefixes(state_dict, set(expected))
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    shapes = [f"{key} {tuple(value.shape)} vs {tuple(expected[key].shape)} here" for key, value in state_dict.items()
+              if key in expected and value.shape != expected[key].shape]
+    if missing or unexpected or shapes:
+        problems = [f"{label} {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
+                    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", shapes)) if items]
+        raise CheckpointError(f"{source} holds weights of a different model ({'; '.join(problems)}); it comes from "
+                              f"a different model config (model_channels, full_scale, N_in/N_out_channels)")
+    target.load_state_dict(state_dict)
+
+
+def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
+    """Restore the optimizer's moments and hyperparameters but keep its implementation (fused, foreach, ...).
+
+    ``Optimizer.load_state_dict`` alone would also restore the saved implementation flags, silently
+    undoing a changed ``enable_fused``.
+    """
+    saved_groups, groups = state_dict["param_groups"], optimizer.param_groups
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
+        raise CheckpointError(f"{source} holds optimizer state for {[len(g['params']) for g in saved_groups]} "
+                              f"parameters per group, this optimizer has {[len(g['params']) for g in groups]}; "
+                              f"it comes from a different model config")
+    for saved, current in zip(saved_groups, groups):
+        unknown = sorted(set(saved) - set(current) - {"param_names"})
+        if unknown:
+            raise CheckpointError(f"{source} holds the state of a different optimizer (settings {', '.join(unknown)} "
+                                  f"are unknown here: apex FusedAdam vs torch Adam, or a newer PyTorch); "
+                                  f"resume with the optimizer flags and PyTorch it was written with")
+    # Settings a newer PyTorch added keep this optimizer's defaults; the implementation stays this one's.
+    merged = [{**current, **saved, **{key: current[key] for key in OPTIMIZER_IMPLEMENTATION_KEYS if key in current}}
+              for saved, current in zip(saved_groups, groups)]
+    optimizer.load_state_dict({**state_dict, "param_groups": merged})
+
+
+def rng_state():
+    """Generator states of python ``random``, numpy's global generator, torch CPU and the current CUDA device."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        # numpy arrays are not plain data for a weights-only load: keep the key as a list of ints
+        "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()}},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device, whatever else is visible
+    return state
+
+
+def set_rng_state(state):
+    """Restore ``rng_state()``; a CUDA state is restored where CUDA is available (a CPU run has no CUDA generator)."""
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    np.random.set_state({**numpy_state, "state": {**numpy_state["state"],
+                                                   "key": np.asarray(numpy_state["state"]["key"], dtype=np.uint32)}})
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _flatten(config, keys):
+    """{key: value} for ``keys``, with dict sections split into ``section.sub`` entries."""
+    flat = {}
+    for key in keys:
+        value = config.get(key, ABSENT)
+        if isinstance(value, dict):
+            flat.update({f"{key}.{sub}": sub_value for sub, sub_value in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def config_differences(saved, current, keys=RUN_DEFINING_KEYS):
+    """[(key, saved value, current value)] for the ``keys`` whose values differ (sections per entry)."""
+    saved_flat, current_flat = _flatten(saved, keys), _flatten(current, keys)
+    differences = []
+    for key in sorted(set(saved_flat) | set(current_flat)):
+        old, new = saved_flat.get(key, ABSENT), current_flat.get(key, ABSENT)
+        compare = _COMPARED_AS.get(key, lambda value: value)
+        if old != new and (ABSENT in (old, new) or compare(old) != compare(new)):
+            differences.append((key, old, new))
+    return differences
+
+
+def check_compatible(saved, current, source="the checkpoint"):
+    """CheckpointError naming every run-defining key whose value differs between the configs."""
+    differences = config_differences(saved, current)
+    if differences:
+        listed = ", ".join(f"{key} {old} -> {new}" for key, old, new in differences)
+        raise CheckpointError(f"{source} was written with a different config: {listed}; "
+                              f"use --resume never or a new --run_num")

@@ -1,0 +1,224 @@
+"""The DALI data path (``data_loader_config: dali-lowmem``): crops read and augmented by NVIDIA DALI.
+
+DALI reads each crop straight from ``.npy`` copies of the volumes (region-of-interest reads of a
+memory map: only the crop's rows are touched, never the whole box) and applies the cube symmetry
+in its pipeline, on the GPU when training on one. The ``.npy`` files sit next to the HDF5
+file of the split: ``data/train.h5`` -> ``data/train_data.npy`` (N, N, N, 4) and
+``data/train_label.npy`` (N, N, N, 5), float32 in (D, H, W, C) layout, as written by
+``python -m utils.make_dataset ... --npy``.
+
+Same stream as the PyTorch loaders: crop corners and symmetry elements come from
+``utils.data_loader.sample_plan`` through ``fn.external_source``, so sample ``index`` of ``epoch``
+is the same crop with the same element whatever the loader, and ranks take the same disjoint
+shares (``ShardedSampler``). DALI is an optional extra: ``pip install -r requirements-dali.txt``.
+"""
+import numpy as np
+import torch
+
+from utils import symmetry
+from utils.config import resolve_path
+from utils.data_loader import SPLITS, VECTOR_CHANNELS, DataError, build_sampler, sample_plan
+from utils.make_dataset import npy_paths
+
+
+def _import_dali():
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        raise DataError(f"data_loader_config 'dali-lowmem' needs NVIDIA DALI, which is not installed; "
+                        f"install it with `pip install -r requirements-dali.txt` or choose lowmem/inmem") from None
+
+
+def check_npy_file(path, box, channels, h5_path):
+    """Fail early, in one line, on a file DALI would reject or read wrongly; reads only the header."""
+    if not path.exists():
+        raise DataError(f"DALI input {path} does not exist; write the .npy copies of {h5_path.name} with "
+                        f"`python -m utils.make_dataset --box {box} --seed SEED --out {h5_path} --npy` "
+                        f"(SEED: the one that made the .h5; --force to rewrite an existing .h5)")
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+        except ValueError as err:
+            raise DataError(f"{path} is not a .npy file: {err}") from None
+        if version != (1, 0):  # DALI's reader parses format 1.0 headers only
+            raise DataError(f"{path} is .npy format {version[0]}.{version[1]}; DALI reads format 1.0 only")
+        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(f)
+    expected = (box, box, box, channels)
+    if shape != expected or dtype != np.float32 or fortran_order:
+        raise DataError(f"{path} holds a {'Fortran-order ' if fortran_order else ''}{dtype} array of shape {shape}; "
+                        f"expected C-order float32 {expected} (D, H, W, C) to match box_size and the channel count")
+    return path
+
+
+# Per-element arguments of the pipeline, indexed by element: the permutation's index in
+# symmetry.PERMUTATIONS, the flip of each new axis, and the (C, C) channel-mixing matrix that
+# moves the velocity components with the grid (identity on scalar channels).
+_ELEMENTS = [symmetry.element(g) for g in range(symmetry.NUM_ELEMENTS)]
+_PERM_INDEX = np.array([symmetry.PERMUTATIONS.index(perm) for perm, _ in _ELEMENTS], dtype=np.int32)  # (48,)
+_FLIPS = np.array([flips for _, flips in _ELEMENTS], dtype=np.int32)                                 # (48, 3)
+
+
+def _mixing_matrices(num_channels):
+    """(48, C, C) float32 ``M`` with out = M @ in per voxel: ``symmetry.matrix`` on the velocity channels."""
+    mix = np.tile(np.eye(num_channels, dtype=np.float32), (symmetry.NUM_ELEMENTS, 1, 1))
+    block = np.ix_(VECTOR_CHANNELS, VECTOR_CHANNELS)
+    for g in range(symmetry.NUM_ELEMENTS):
+        mix[g][block] = symmetry.matrix(g)
+    return mix
+
+
+class PlanFeed:
+    """The ``external_source`` of the pipeline: one epoch's crop corners and elements, batch by batch.
+
+    ``start`` loads an epoch; each call returns the next batch's arguments and raises StopIteration
+    after the last, which ends DALI's epoch. DALI's readers need full batches, so a short last
+    batch (validation) is padded by repeating its last sample; ``sizes`` says how many are real.
+    """
+
+    def __init__(self, params, split, batch_size):
+        self.split, self.batch_size = split, batch_size
+        self.seed, self.crop = params.seed, params.data_size
+        self.box = params.box_size[SPLITS[split]]
+        self.num_samples = params.Nsamples if split == "train" else params.Nsamples_val
+        self.augment = params.enable_augmentation and split == "train"
+        self.mix_in, self.mix_out = _mixing_matrices(params.N_in_channels), _mixing_matrices(params.N_out_channels)
+        self.sizes = []
+        self._batches = iter(())
+
+    def start(self, epoch, indices):
+        corners, elements = sample_plan(self.seed, self.split, epoch, self.num_samples, self.box, self.crop,
+                                        self.augment)
+        batch = self.batch_size
+        chunks = [np.asarray(indices[i:i + batch]) for i in range(0, len(indices), batch)]
+        self.sizes = [len(chunk) for chunk in chunks]
+        self._batches = (self._arguments(corners, elements, np.pad(chunk, (0, batch - len(chunk)), mode="edge"))
+                         for chunk in chunks)
+
+    def stop(self):
+        self._batches = iter(())
+
+    def _arguments(self, corners, elements, chunk):
+        g = elements[chunk]                                                       # (B,)
+        flips = np.ascontiguousarray(_FLIPS[g].T)                                # (3, B): DALI wants dense rows
+        return (corners[chunk].astype(np.int32), _PERM_INDEX[g], flips[0], flips[1], flips[2],
+                self.mix_in[g], self.mix_out[g])
+
+    def __call__(self):
+        return next(self._batches)
+
+
+def _transpose_to_channels_first(volume, perm_index, first=0):
+    """(S, S, S, C) -> (C, S, S, S) with new spatial axis k = old axis perm[k], one perm per sample.
+
+    ``fn.transpose`` takes one permutation for the whole batch, so the batch is split by
+    permutation with DALI conditionals (each ``if`` on a per-sample value routes samples).
+    """
+    from nvidia.dali import fn
+
+    def transpose(p):
+        return fn.transpose(volume, perm=[3, *symmetry.PERMUTATIONS[p]], output_layout="CDHW")
+
+    if first == len(symmetry.PERMUTATIONS) - 1:
+        return transpose(first)
+    if perm_index == first:
+        out = transpose(first)
+    else:
+        out = _transpose_to_channels_first(volume, perm_index, first + 1)
+    return out
+
+
+def _apply_element(volume, perm_index, flip_d, flip_h, flip_w, mix):
+    """A (S, S, S, C) crop -> its (C, S, S, S) image under the sample's cube-group element."""
+    from nvidia.dali import fn
+
+    volume = fn.coord_transform(volume, M=mix)             # per voxel: velocity components rotate
+    volume = _transpose_to_channels_first(volume, perm_index)
+    # Flips act on the *permuted* axes (new axis k reversed if flips[k]); flipping before the
+    # transpose would apply a different element (a defect of one reference version).
+    return fn.flip(volume, depthwise=flip_d, vertical=flip_h, horizontal=flip_w)
+
+
+def build_pipeline(feed, data_file, label_file, crop, batch_size, num_threads, device_id):
+    """The DALI pipeline: per sample, read the crop of both volumes and transform them alike.
+
+    device_id None runs every operator on the CPU; otherwise the crops go to that GPU right
+    after the read and the transform runs there.
+    """
+    from nvidia.dali import fn, pipeline_def
+
+    @pipeline_def(enable_conditionals=True)
+    def crops():
+        corner, perm_index, flip_d, flip_h, flip_w, mix_in, mix_out = fn.external_source(
+            source=feed, num_outputs=7, batch=True)
+        read = dict(roi_start=corner, roi_shape=[crop] * 3, roi_axes=[0, 1, 2],
+                    cache_header_information=True)        # the same file every sample: parse it once
+        inp = fn.readers.numpy(files=[str(data_file)], name="inputs", **read)    # (S, S, S, 4)
+        tar = fn.readers.numpy(files=[str(label_file)], name="targets", **read)  # (S, S, S, 5)
+        if device_id is not None:
+            inp, tar = inp.gpu(), tar.gpu()
+        return (_apply_element(inp, perm_index, flip_d, flip_h, flip_w, mix_in),
+                _apply_element(tar, perm_index, flip_d, flip_h, flip_w, mix_out))
+
+    return crops(batch_size=batch_size, num_threads=num_threads, device_id=device_id, prefetch_queue_depth=2,
+                 exec_dynamic=True)  # outputs outlive the next iteration: DaliLoader hands them out uncopied
+
+
+class DaliLoader:
+    """Iterates this rank's batches of the sampler's epoch: (inp (B, 4, S, S, S), tar (B, 5, S, S, S)).
+
+    Tensors are float32, on the pipeline's GPU (on the CPU in CPU mode). Call ``sampler.set_epoch``
+    before ``iter``; an epoch left unfinished is drained (at most the prefetched batches) when the
+    next one starts.
+    """
+
+    def __init__(self, pipe, feed, sampler):
+        self.pipe, self.feed, self.sampler = pipe, feed, sampler
+        self._epoch_open = False
+
+    def __len__(self):
+        return -(-len(self.sampler) // self.sampler.local_batch_size)
+
+    def _drain(self):
+        # DALI restarts only a source that reached its end: end it, then collect what is in flight.
+        self.feed.stop()
+        self.pipe.schedule_run()
+        while not self.pipe.empty():
+            self.pipe.outputs()
+        self._epoch_open = False
+
+    @staticmethod
+    def _to_torch(batch, size):
+        # No copy: the dynamic executor's output buffers live as long as the tensor that views
+        # them, and DLPack orders GPU reads after DALI's writes on the consumer's stream.
+        return torch.from_dlpack(batch.as_tensor())[:size]  # drop the padding of a short last batch
+
+    def __iter__(self):
+        if self._epoch_open:
+            self._drain()
+        self.pipe.reset()
+        self.feed.start(self.sampler.epoch, self.sampler.indices())
+        self._epoch_open = True
+        self.pipe.schedule_run()  # starts prefetch_queue_depth batches
+        for size in self.feed.sizes:
+            inp, tar = self.pipe.outputs()
+            self.pipe.schedule_run()  # keep the pipeline full while the caller trains on this batch
+            yield self._to_torch(inp, size), self._to_torch(tar, size)
+        self._drain()
+
+
+def get_dali_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
+    """The DALI loader factory: ``(loader, sampler)`` with the contract of ``get_data_loader``."""
+    _import_dali()
+    box = params.box_size[SPLITS[split]]
+    h5_path = resolve_path(params.train_path if split == "train" else params.val_path)
+    data_file, label_file = npy_paths(h5_path)  # no keys of their own: the .npy twins of train/val_path
+    check_npy_file(data_file, box, params.N_in_channels, h5_path)
+    check_npy_file(label_file, box, params.N_out_channels, h5_path)
+    sampler = build_sampler(params, split, rank, world_size)
+    device_id = None
+    if device.type == "cuda":
+        device_id = device.index if device.index is not None else torch.cuda.current_device()
+    feed = PlanFeed(params, split, sampler.local_batch_size)
+    pipe = build_pipeline(feed, data_file, label_file, params.data_size, sampler.local_batch_size,
+                          num_threads=max(1, params.num_data_workers), device_id=device_id)
+    return DaliLoader(pipe, feed, sampler), sampler

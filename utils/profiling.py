@@ -1,0 +1,123 @@
+"""Profiling hooks for the training loop: NVTX ranges, a CUDA profiler window and a torch.profiler trace.
+
+Two independent tools, both limited to the global steps ``[start, stop)`` of ``profile_window``:
+
+- ``enable_manual_profiling`` (CUDA only): NVTX ranges around the parts of every step, and
+  ``cudaProfilerStart/Stop`` at the window edges, so Nsight Systems records just the window::
+
+      nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop \\
+          -o unet python train.py --config=short --enable_manual_profiling
+
+- ``profile_dir``: a ``torch.profiler`` trace (CPU ops, and CUDA kernels on a GPU) of the window,
+  written by ``tensorboard_trace_handler``; a relative ``profile_dir`` is inside the run directory.
+  Open the ``*.pt.trace.json`` file in https://ui.perfetto.dev or chrome://tracing.
+
+Use one at a time on a GPU: Nsight Systems and torch.profiler both attach to CUPTI.
+"""
+import logging
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+
+from utils.config import ConfigError
+
+logger = logging.getLogger("train.profiling")
+
+_NO_RANGE = nullcontext()  # reusable: .range() is called several times per step
+
+
+class Profiler:
+    """Call ``step(global_step)`` before each training step, ``range(name)`` around its parts, ``close()`` at the end.
+
+    ``step(g)`` means "step ``g`` (0-based) is about to run"; the window covers steps ``start .. stop - 1``.
+    """
+
+    def __init__(self, params, run_dir, device):
+        self.start, self.stop = params.profile_window
+        if not 0 < self.start < self.stop:
+            raise ConfigError(f"profile_window {params.profile_window} must be [start, stop) with 0 < start < stop")
+        self.nvtx = bool(params.enable_manual_profiling) and device.type == "cuda"
+        if params.enable_manual_profiling and not self.nvtx:
+            logger.info("enable_manual_profiling: NVTX ranges and the CUDA profiler window need a GPU; "
+                        "they are off on this device")
+        self.trace_dir = None
+        if params.profile_dir is not None:
+            self.trace_dir = Path(run_dir) / Path(params.profile_dir).expanduser()  # an absolute path stays itself
+        if self.nvtx and self.trace_dir is not None:
+            logger.warning("NVTX/CUDA profiler window and torch.profiler are both on; if Nsight Systems is attached "
+                           "the two compete for CUPTI: profile with one at a time")
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.torch_profiler = None
+        self.cuda_profiler_running = False
+        self.last_step = None
+
+    def range(self, name):
+        """A context manager marking ``name`` in the Nsight timeline and/or the torch.profiler trace."""
+        if not self.nvtx and self.torch_profiler is None:
+            return _NO_RANGE
+        return self._range(name)
+
+    @contextmanager
+    def _range(self, name):
+        if self.nvtx:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            if self.torch_profiler is not None:
+                with torch.profiler.record_function(name):
+                    yield
+            else:
+                yield
+        finally:
+            if self.nvtx:
+                torch.cuda.nvtx.range_pop()
+
+    def step(self, global_step):
+        self.last_step = global_step
+        if self.trace_dir is not None:
+            if global_step == self.start - 1:
+                self._start_trace()
+            elif self.torch_profiler is not None:
+                self.torch_profiler.step()  # at stop this writes the trace (the schedule's last active step ended)
+                if global_step == self.stop:
+                    self._stop_trace(self.stop)
+        if self.nvtx:
+            if global_step == self.start:
+                torch.cuda.profiler.start()  # cudaProfilerStart: nsys --capture-range=cudaProfilerApi begins here
+                self.cuda_profiler_running = True
+            elif global_step == self.stop:
+                self._stop_cuda_profiler()
+
+    def close(self):
+        """Stop whatever is still running (the run ended inside the window); writes the partial trace."""
+        if self.torch_profiler is not None:
+            self._stop_trace(self.last_step + 1)
+        if self.cuda_profiler_running:
+            self._stop_cuda_profiler()
+
+    def _start_trace(self):
+        # Step start - 1 is the profiler's warm-up (tracing set up, events discarded), so the first
+        # recorded step does not carry the profiler's start-up cost; steps start .. stop - 1 are recorded.
+        self.torch_profiler = torch.profiler.profile(
+            activities=self.activities,
+            schedule=torch.profiler.schedule(wait=0, warmup=1, active=self.stop - self.start, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.trace_dir)),
+        )
+        self.torch_profiler.start()
+
+    def _stop_trace(self, end):
+        """Stop the trace after steps [start, end) ran; stopping inside the window writes what was recorded."""
+        self.torch_profiler.stop()
+        self.torch_profiler = None
+        if end <= self.start:
+            logger.info(f"Run ended before profile_window {[self.start, self.stop]}; no torch.profiler trace written")
+            return
+        logger.info(f"torch.profiler trace of steps [{self.start}, {end}) written to {self.trace_dir} "
+                    f"(open the .pt.trace.json in https://ui.perfetto.dev)")
+
+    def _stop_cuda_profiler(self):
+        torch.cuda.synchronize()  # the window's kernels must finish before the capture range closes
+        torch.cuda.profiler.stop()
+        self.cuda_profiler_running = False

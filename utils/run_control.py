@@ -1,0 +1,64 @@
+"""Stopping a run cleanly: preemption signals and non-finite losses, agreed on by every rank.
+
+Slurm (``#SBATCH --signal=USR1@90``), torchrun and most schedulers warn a job with SIGTERM or
+SIGUSR1 before killing it. The handler only sets a flag; the training loop finishes the current
+step, writes a checkpoint and exits with ``PREEMPTED_EXIT_CODE`` so the submit script can requeue.
+
+Under DDP every rank must stop at the same step, and a non-finite loss on any rank must stop all
+of them before a checkpoint is written. ``RunControl.agree`` does both with one small all-reduce,
+called only at steps that already synchronise with the host (log and checkpoint steps).
+"""
+import signal
+
+import torch
+import torch.distributed as dist
+
+PREEMPTED_EXIT_CODE = 3
+NONFINITE_EXIT_CODE = 4
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """Training stopped on a signal after writing a checkpoint; exit with PREEMPTED_EXIT_CODE."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or Inf; no checkpoint was written after it."""
+
+
+class RunControl:
+    def __init__(self, info):
+        self.info = info
+        self.signal_name = None
+        # The first step whose loss was not finite, tracked on the device so no step waits for the host.
+        self.first_bad_step = torch.full((), -1, dtype=torch.long, device=info.device)
+        self.previous_handlers = {}
+        for signum in STOP_SIGNALS:
+            self.previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+    def close(self):
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
+
+    @property
+    def stop_requested_locally(self):
+        return self.signal_name is not None
+
+    def track(self, loss, step):
+        """Remember ``step`` if ``loss`` is not finite and no earlier step was (device-side, no sync)."""
+        bad = ~torch.isfinite(loss) & (self.first_bad_step < 0)
+        self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, step), self.first_bad_step)
+
+    def agree(self):
+        """(stop, first_bad_step or None), the same on every rank. A host sync (and a collective under DDP)."""
+        # One MAX all-reduce for both: the stop flag, and minus the bad step (so MAX finds the earliest).
+        none = -(2 ** 62)
+        negated_bad = torch.where(self.first_bad_step >= 0, -self.first_bad_step, none)
+        flags = torch.stack([torch.tensor(int(self.stop_requested_locally), device=self.info.device), negated_bad])
+        if self.info.enabled:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, negated = flags.tolist()
+        return bool(stop), (None if negated == none else -negated)
