@@ -263,7 +263,10 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
                                   f"are unknown here: apex FusedAdam vs torch Adam, or a newer PyTorch); "
                                   f"resume with the optimizer flags and PyTorch it was written with")
     # Settings a newer PyTorch added keep this optimizer's defaults; the implementation stays this one's.
-    merged = [{**current, **saved, **{key: current[key] for key in OPTIMIZER_IMPLEMENTATION_KEYS if key in current}}
+    # So does the lr object: the schedule sets its value every step, and a CUDA-graph-captured
+    # optimizer must keep its lr tensor (a float would be baked into the graph).
+    kept = OPTIMIZER_IMPLEMENTATION_KEYS + ("lr",)
+    merged = [{**current, **saved, **{key: current[key] for key in kept if key in current}}
               for saved, current in zip(saved_groups, groups)]
     optimizer.load_state_dict({**state_dict, "param_groups": merged})
 
