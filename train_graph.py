@@ -30,6 +30,7 @@ import warnings
 import torch
 
 import train
+from utils.checkpoint import restore_training_state, snapshot_training_state
 from utils.config import ConfigError, load_config
 
 NUM_WARMUP_STEPS = 3  # eager steps before capture: cuDNN autotuning, lazy optimizer state, compilation
@@ -56,34 +57,6 @@ def train_step_body(state, inp, tar):
     loss.backward()
     state.optimizer.step()
     return loss.detach()
-
-
-def snapshot_training_state(model, optimizer):
-    """Copies of the weights and of the optimizer state (empty before the first step; full on resume)."""
-    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    moments = {param: {key: value.clone() for key, value in param_state.items()}
-               for param, param_state in optimizer.state.items()}
-    return weights, moments
-
-
-@torch.no_grad()
-def restore_training_state(model, optimizer, snapshot):
-    """Undo the warm-up steps: weights and Adam state back to ``snapshot``, in place.
-
-    In place, because the graph records these tensors' addresses. State the warm-up created (a fresh
-    optimizer's first steps) goes to zero, which is exactly a fresh Adam's state (moments 0, step
-    count 0), so graph training continues where train.py would, resumed runs included.
-    """
-    weights, moments = snapshot
-    for name, tensor in model.state_dict().items():
-        tensor.copy_(weights[name])
-    for param, param_state in optimizer.state.items():
-        saved = moments.get(param)
-        for key, value in param_state.items():
-            if saved is None:
-                value.zero_()
-            else:
-                value.copy_(saved[key])
 
 
 def check_capturable(optimizer, device):

@@ -19,6 +19,8 @@ from itertools import count
 import torch
 import torch.distributed as dist
 
+from utils.checkpoint import restore_training_state, snapshot_training_state
+
 MODES = ("IO", "SYNTHETIC", "FULL")
 
 
@@ -33,32 +35,6 @@ def _batches(loader, sampler, state):
         sampler.set_epoch(epoch)
         for inp, tar in loader:
             yield state.to_device(inp), state.to_device(tar)
-
-
-def _snapshot(state):
-    model = [p.detach().clone() for p in state.model.parameters()]
-    optim = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-             for p, s in state.optimizer.state.items()}
-    return model, optim, state.scaler.state_dict()
-
-
-@torch.no_grad()
-def _restore(state, snapshot):
-    """Copy saved values back *in place*: a captured CUDA graph keeps pointing at the same tensors."""
-    model, optim, scaler = snapshot
-    for param, saved in zip(state.model.parameters(), model):
-        param.copy_(saved)
-    for param, param_state in state.optimizer.state.items():
-        saved = optim.get(id(param))  # None: the state was created by the trials (a fresh optimiser)
-        for key, value in param_state.items():
-            if torch.is_tensor(value):
-                value.copy_(saved[key]) if saved else value.zero_()
-            elif saved:
-                param_state[key] = saved[key]
-    if scaler:
-        state.scaler.load_state_dict(scaler)
-    for param in state.model.parameters():
-        param.grad = None
 
 
 def _trial_rate(work, num_batches, global_batch, state):
@@ -81,7 +57,7 @@ def run_benchmark(params, state, step, train_loader, train_sampler, run_dir, log
     settings = params.benchy
     batches = _batches(train_loader, train_sampler, state)
     cached = next(batches)
-    snapshot = _snapshot(state)
+    snapshot = snapshot_training_state(state.model, state.optimizer), state.scaler.state_dict()
 
     # IO: the trial's closing synchronize waits for the queued host-to-device copies too.
     work = {"IO": lambda: next(batches),
@@ -104,7 +80,9 @@ def run_benchmark(params, state, step, train_loader, train_sampler, run_dir, log
     for mode in MODES:
         log(f"BENCHY::SUMMARY::{mode} average trial throughput: {results[mode]['mean']:.3f} "
             f"+/- {results[mode]['std']:.3f}")
-    _restore(state, snapshot)
+    restore_training_state(state.model, state.optimizer, snapshot[0])
+    if snapshot[1]:
+        state.scaler.load_state_dict(snapshot[1])
     if state.info.is_main:
         # BENCHY_OUTPUT (set by submit_pm.sh) names the file; a relative name lands in the run directory
         path = run_dir / os.environ.get("BENCHY_OUTPUT", "benchy.json")

@@ -327,3 +327,33 @@ def check_compatible(saved, current, source="the checkpoint"):
         listed = ", ".join(f"{key} {old} -> {new}" for key, old, new in differences)
         raise CheckpointError(f"{source} was written with a different config: {listed}; "
                               f"use --resume never or a new --run_num")
+
+
+# In-memory snapshots, for steps that must leave no trace (benchmark trials, CUDA-graph warm-up).
+
+def snapshot_training_state(model, optimizer):
+    """Copies of the weights and of the optimizer state (empty before the first step; full on resume)."""
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    moments = {param: {key: value.clone() for key, value in param_state.items()}
+               for param, param_state in optimizer.state.items()}
+    return weights, moments
+
+
+@torch.no_grad()
+def restore_training_state(model, optimizer, snapshot):
+    """Weights and Adam state back to ``snapshot``, in place (undoing CUDA-graph warm-up or benchmark steps).
+
+    In place, because a captured CUDA graph records these tensors' addresses. State created after
+    the snapshot (a fresh optimizer's first steps) goes to zero, which is exactly a fresh Adam's
+    state (moments 0, step count 0), so training continues as if those steps never ran.
+    """
+    weights, moments = snapshot
+    for name, tensor in model.state_dict().items():
+        tensor.copy_(weights[name])
+    for param, param_state in optimizer.state.items():
+        saved = moments.get(param)
+        for key, value in param_state.items():
+            if saved is None:
+                value.zero_()
+            else:
+                value.copy_(saved[key])
