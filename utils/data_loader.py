@@ -13,6 +13,7 @@ indices ``[s * global_batch, (s + 1) * global_batch)`` whatever the world size, 
 sees the same global batches as a 1-rank run and a resumed run continues exactly.
 """
 import os
+import signal
 from functools import lru_cache
 
 import h5py
@@ -197,6 +198,15 @@ class ShardedSampler(Sampler):
         return len(self.indices())
 
 
+def ignore_stop_signals(worker_id=None):
+    """Loader workers leave SIGTERM/SIGUSR1 to the main process, which checkpoints and stops cleanly.
+
+    Slurm signals every process of a job step; a worker killed by the signal would crash the run.
+    """
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def build_sampler(params, split, rank=0, world_size=1):
     """This rank's ShardedSampler for ``split``, shared by every loader."""
     num_samples = params.Nsamples if split == "train" else params.Nsamples_val
@@ -224,6 +234,7 @@ def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cp
         pin_memory=device.type == "cuda",         # page-locked buffers: faster, async H2D copies
         persistent_workers=workers > 0,           # no worker restart (and re-open) every epoch
         prefetch_factor=2 if workers > 0 else None,
+        worker_init_fn=ignore_stop_signals if workers > 0 else None,
         drop_last=False,
     )
     return loader, sampler

@@ -1,0 +1,32 @@
+# shellcheck shell=bash
+# Source inside each Slurm task (srun ... bash -c 'source export_DDP_vars.sh && python train.py'):
+# turns Slurm's task variables into the ones torch.distributed's env:// init reads, the same ones
+# torchrun sets, so train.py needs no Slurm-specific code.
+#
+#   RANK        global rank of this task              <- SLURM_PROCID
+#   LOCAL_RANK  rank on this node (picks the GPU)     <- SLURM_LOCALID
+#   WORLD_SIZE  tasks in the job step                 <- SLURM_NTASKS
+#   MASTER_ADDR host of rank 0: first node of the step (block distribution puts rank 0 there)
+#   MASTER_PORT 29500 unless already set (MASTER_PORT=29611 sbatch ...): change it when two jobs
+#               can share a node, or they collide on the rendezvous port.
+
+if [[ -z ${SLURM_PROCID:-} || -z ${SLURM_STEP_ID:-} ]]; then
+    # In the batch script itself SLURM_PROCID is 0 and SLURM_NTASKS is the job's: a lone python
+    # started there would wait forever for the other ranks, so refuse.
+    echo "export_DDP_vars.sh: not inside a Slurm task; source it in a command started by srun," \
+         "e.g. srun bash -c 'source export_DDP_vars.sh && python train.py'" >&2
+    return 1 2>/dev/null || exit 1
+fi
+
+export RANK=$SLURM_PROCID
+export LOCAL_RANK=$SLURM_LOCALID
+export WORLD_SIZE=$SLURM_NTASKS
+if command -v scontrol >/dev/null; then
+    MASTER_ADDR=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)
+else
+    # Containers often lack the Slurm client: srun's own address is the batch host, which is the
+    # first node of the allocation.
+    MASTER_ADDR=${SLURM_LAUNCH_NODE_IPADDR:-$(hostname)}
+fi
+export MASTER_ADDR
+export MASTER_PORT=${MASTER_PORT:-29500}

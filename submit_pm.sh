@@ -1,0 +1,129 @@
+#!/bin/bash
+# Train on a Slurm cluster with one task per GPU and DistributedDataParallel over all of them.
+# The #SBATCH defaults are for NERSC Perlmutter (4 A100 per node); edit them for your site.
+# Submit from the repository root; every argument after the script name goes to train.py:
+#
+#   sbatch -N 1 submit_pm.sh --config=short                     # 1 node  = 4 GPUs
+#   sbatch -N 8 submit_pm.sh --config=bs512_opt                 # 8 nodes = 32 GPUs
+#   DATADIR=$SCRATCH/nbody2hydro sbatch -N 1 submit_pm.sh --config=short
+#   ENABLE_PROFILING=1 PROFILE_OUTPUT=baseline sbatch -N 1 -n 1 submit_pm.sh --config=short --num_epochs 2
+#   BENCHY_OUTPUT=benchy_8n.json sbatch -N 8 submit_pm.sh --config=bs512_opt --enable_benchy
+#
+# Variables set on the sbatch line (VAR=value sbatch ...) reach the job: sbatch exports your
+# environment by default. Options on the sbatch command line override the #SBATCH lines below,
+# which is how the same script runs on a cluster without GPUs (tested in tests/test_slurm.py):
+#
+#   sbatch --export=ALL,CPU_ONLY=1 -n 2 --ntasks-per-node=2 -c 1 --gpus-per-node=0 --constraint= \
+#       submit_pm.sh --config=quickstart
+#
+# Preemption: 90 s before the time limit (up to 60 s earlier) Slurm sends SIGUSR1 to every process of
+# the job step; train.py then writes a checkpoint and exits with code 3, and this script requeues the
+# job, which restarts with the same arguments and resumes from the checkpoint.
+# ENABLE_PROFILING=1 adds --enable_manual_profiling: nsys records only the window train.py opens.
+#
+#SBATCH --job-name=nbody2hydro
+#SBATCH --account=m0000_g
+#SBATCH --constraint=gpu
+#SBATCH --time=01:00:00
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH --gpu-bind=none
+#SBATCH --signal=USR1@90
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+# (--gpu-bind=none: every task sees all 4 GPUs and train.py picks cuda:$LOCAL_RANK; --open-mode=append:
+# a requeued job continues its log instead of truncating it.)
+
+set -euo pipefail
+
+# --- settings: edit here, or set them on the sbatch line -----------------------------------------
+DATADIR=${DATADIR:-}                       # folder with train.h5 and val.h5; empty: the config's paths
+LOGDIR=${LOGDIR:-${SCRATCH:-$PWD}/nbody2hydro/logs}   # runs go to LOGDIR/<config>/<N>GPU/<run_num>/
+CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}          # none | shifter | apptainer
+CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # shifter: e.g. nersc/pytorch:24.06.01; apptainer: a .sif file
+CPU_ONLY=${CPU_ONLY:-0}                    # 1: no GPU set-up at all (gloo backend); see the header
+ENABLE_PROFILING=${ENABLE_PROFILING:-0}    # 1: Nsight Systems over train.py's profiler window
+PROFILE_OUTPUT=${PROFILE_OUTPUT:-profile}  # nsys report name: <name>.rank<R>.nsys-rep in this folder
+# BENCHY_OUTPUT: path of the --enable_benchy JSON (default: run_dir/benchy.json); read by train.py.
+
+die() { echo "submit_pm.sh: $*" >&2; exit 2; }
+
+[[ -f train.py && -f export_DDP_vars.sh ]] || die "no train.py in $PWD; submit from the repository root"
+[[ $CPU_ONLY == 0 || $CPU_ONLY == 1 ]] || die "CPU_ONLY must be 0 or 1, got '$CPU_ONLY'"
+[[ $ENABLE_PROFILING == 0 || $ENABLE_PROFILING == 1 ]] || die "ENABLE_PROFILING must be 0 or 1, got '$ENABLE_PROFILING'"
+if [[ -n ${BENCHY_OUTPUT:-} ]]; then
+    export BENCHY_OUTPUT
+fi
+
+# Parallel file systems (Lustre, GPFS) often do not support the locks HDF5 takes by default.
+export HDF5_USE_FILE_LOCKING=FALSE
+if (( CPU_ONLY )); then
+    # Without this every rank starts one thread per core of the node and the ranks oversubscribe it.
+    export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+else
+    # Perlmutter: GPU 3 is closest to the first cores, which Slurm gives to local rank 0;
+    # reversing the allocated GPUs (0,1,2,3 -> 3,2,1,0) pairs each rank with the GPU on its NUMA domain.
+    if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+        CUDA_VISIBLE_DEVICES=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | tac | paste -sd,)
+        export CUDA_VISIBLE_DEVICES
+    fi
+    # NERSC's advice for NCCL over Slingshot: libfabric's default memory-registration cache monitor can hang it.
+    export FI_MR_CACHE_MONITOR=userfaultfd
+fi
+
+# --- the command each task runs ---------------------------------------------------------------
+train_args=(--expdir "$LOGDIR")
+if [[ -n $DATADIR ]]; then
+    train_args+=(--train_path "$DATADIR/train.h5" --val_path "$DATADIR/val.h5")
+fi
+# User arguments come last: argparse keeps the last value, so they override the ones above.
+train_args+=("$@")
+
+profiler=()
+if (( ENABLE_PROFILING )); then
+    (( CPU_ONLY )) && die "ENABLE_PROFILING=1 needs GPUs: the nsys capture range is opened by the CUDA profiler API"
+    # The capture range starts and stops where train.py calls cudaProfilerStart/Stop, which
+    # --enable_manual_profiling turns on; %q{SLURM_PROCID} gives every rank its own report.
+    profiler=(nsys profile "--trace=cuda,nvtx" --capture-range=cudaProfilerApi --capture-range-end=stop
+              --force-overwrite=true -o "$PROFILE_OUTPUT.rank%q{SLURM_PROCID}")
+    train_args+=(--enable_manual_profiling)
+fi
+
+case $CONTAINER_RUNTIME in
+    none) container=() ;;
+    shifter)
+        [[ -n $CONTAINER_IMAGE ]] || die "CONTAINER_RUNTIME=shifter needs CONTAINER_IMAGE (e.g. nersc/pytorch:24.06.01)"
+        # $SCRATCH, $HOME and /global are mounted in every shifter container on Perlmutter.
+        container=(shifter --image="$CONTAINER_IMAGE")
+        (( CPU_ONLY )) || container+=("--module=gpu,nccl-plugin")
+        ;;
+    apptainer)
+        [[ -n $CONTAINER_IMAGE ]] || die "CONTAINER_RUNTIME=apptainer needs CONTAINER_IMAGE (e.g. pytorch.sif)"
+        # The current folder (the repository) is bound by default; data and logs are bound at the same paths.
+        container=(apptainer exec --bind "$LOGDIR${DATADIR:+,$DATADIR}")
+        (( CPU_ONLY )) || container+=(--nv)
+        container+=("$CONTAINER_IMAGE")
+        ;;
+    *) die "CONTAINER_RUNTIME must be none, shifter or apptainer, got '$CONTAINER_RUNTIME'" ;;
+esac
+
+mkdir -p "$LOGDIR"
+# srun does not inherit --cpus-per-task from sbatch since Slurm 22.05: pass it on, or the data
+# loader workers of each rank share a single core.
+launch=(srun --unbuffered --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
+# exec: python (or nsys) replaces the task's shell. Slurm signals every process of the step, and a
+# shell would die of SIGUSR1. The command travels as "$@" so arguments with spaces stay intact.
+set -x
+rc=0
+"${launch[@]}" "${container[@]}" bash -c 'source export_DDP_vars.sh && exec "$@"' task \
+    "${profiler[@]}" python train.py "${train_args[@]}" || rc=$?
+set +x
+
+if (( rc == 3 )); then
+    echo "submit_pm.sh: train.py wrote a checkpoint after SIGUSR1; requeueing job $SLURM_JOB_ID"
+    # Ends this script; the job restarts later with the same arguments and resumes.
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$rc"

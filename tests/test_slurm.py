@@ -1,0 +1,214 @@
+"""submit_pm.sh and export_DDP_vars.sh on a real (one-node, CPU-only) Slurm cluster.
+
+Covers the CPU-only sbatch command documented in submit_pm.sh, two DDP ranks, preemption by
+SIGUSR1 (checkpoint, exit code 3, requeue, resume) and the arguments and variables every task gets.
+
+The module fixture installs and starts Slurm with .ci/setup_slurm.sh (root only) and stops it again
+at the end if it was not running before. Jobs run as the submitting user (root), so every tmp path
+here is readable by them.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SETUP = REPO_ROOT / ".ci" / "setup_slurm.sh"
+# The CPU-only submission documented in submit_pm.sh: command-line options override its GPU #SBATCH lines.
+CPU_SBATCH = ["sbatch", "--parsable", "-n", "2", "--ntasks-per-node=2", "-c", "1", "--gpus-per-node=0",
+              "--constraint="]
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def slurm_is_up():
+    if not shutil.which("sinfo"):
+        return False
+    result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    return result.returncode == 0 and any(s in result.stdout for s in ("idle", "mixed", "allocated"))
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if os.geteuid() != 0:
+        pytest.skip("needs root: .ci/setup_slurm.sh installs Slurm and starts its daemons")
+    was_up = slurm_is_up()
+    result = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        pytest.skip(f".ci/setup_slurm.sh could not start Slurm: {result.stderr.strip()[-500:]}")
+    yield
+    if not was_up:
+        subprocess.run(["bash", str(SETUP), "stop"], check=True, timeout=60)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_fields(job_id):
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
+                         check=True).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def wait_for_job(job_id, until, timeout, output):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = job_fields(job_id)
+        if until(fields):
+            return fields
+        time.sleep(0.3)
+    subprocess.run(["scancel", job_id])
+    log = output.read_text() if output.exists() else "(no output file)"
+    pytest.fail(f"job {job_id} still {fields['JobState']} after {timeout} s; its output:\n{log}")
+
+
+def submit(args, export, output, chdir=REPO_ROOT):
+    exports = ",".join(["ALL"] + [f"{k}={v}" for k, v in export.items()])
+    command = CPU_SBATCH + [f"--export={exports}", f"--output={output}", f"--chdir={chdir}",
+                            str(chdir / "submit_pm.sh"), *args]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+
+
+@pytest.fixture(scope="module")
+def quickstart_data(tmp_path_factory):
+    """quickstart's box sizes (128^3 train, 64^3 val) from the generator: train.py checks them against box_size."""
+    folder = tmp_path_factory.mktemp("slurm_data")
+    for name, box, seed in (("train.h5", 128, 1), ("val.h5", 64, 2)):
+        subprocess.run([sys.executable, "-m", "utils.make_dataset", "--box", str(box), "--seed", str(seed),
+                        "--out", str(folder / name)], cwd=REPO_ROOT, check=True, capture_output=True)
+    return folder
+
+
+def wait_for_requeue(job_id, output):
+    fields = wait_for_job(job_id, lambda f: f["Restarts"] == "1" and f["JobState"] == "PENDING"
+                          or f["JobState"] in FINISHED, timeout=240, output=output)
+    assert fields["Restarts"] == "1", f"job {job_id} ended {fields['JobState']} unrequeued:\n{output.read_text()}"
+    # The job starts again once its old credential expired (cred_expire=10 in .ci/setup_slurm.sh).
+
+
+def test_submit_pm_trains_two_ranks_and_resumes_after_preemption(slurm, quickstart_data, tmp_path):
+    output = tmp_path / "job.out"
+    job_id = submit(["--config=quickstart", "--num_epochs", "1", "--Nsamples", "256", "--Nsamples_val", "16",
+                     "--num_data_workers", "1", "--global_batch_size", "4", "--log_every_n_steps", "4",
+                     "--run_num", "slurm"],
+                    {"CPU_ONLY": 1, "DATADIR": quickstart_data, "LOGDIR": tmp_path / "runs",
+                     "MASTER_PORT": free_port()}, output)
+    run_dir = tmp_path / "runs" / "quickstart" / "2GPU" / "slurm"
+    log_file = run_dir / "out.log"
+    # Preempt as --signal=USR1@90 does: SIGUSR1 to every process of the job step (not the batch shell).
+    fields = wait_for_job(job_id, lambda f: f["JobState"] in FINISHED
+                          or log_file.exists() and "step 8/64" in log_file.read_text(), timeout=240, output=output)
+    assert fields["JobState"] == "RUNNING", f"job {job_id} ended before it was preempted:\n{output.read_text()}"
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
+    wait_for_requeue(job_id, output)
+    fields = wait_for_job(job_id, lambda f: f["JobState"] in FINISHED, timeout=240, output=output)
+    text = output.read_text()  # --open-mode=append: both runs are in the file
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert f"requeueing job {job_id}" in text
+    log = log_file.read_text()
+    # Rank 0 can only finish an epoch if rank 1 took part in every gradient all-reduce, so a
+    # completed 2-rank epoch is proof that both ranks trained.
+    assert log.count("Config 'quickstart': 2 rank(s) on cpu, global batch 4 (2 per rank), 64 steps/epoch") == 2
+    assert "Resumed from" in log and "Time taken for epoch 1 is" in log
+    events = EventAccumulator(str(run_dir / "logs"))
+    events.Reload()
+    assert {"Loss/train", "Loss/valid"} <= set(events.Tags()["scalars"])
+
+
+STUB_TRAIN = """\
+import json, os, sys
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_RESTART_COUNT",
+        "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "BENCHY_OUTPUT")
+print("STUB " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}), flush=True)
+sys.exit(3 if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0)  # 3: "preempted, checkpoint written"
+"""
+
+
+def test_preempted_job_is_requeued_with_the_same_arguments(slurm, tmp_path):
+    # A stand-in train.py next to copies of the real scripts: exits 3 on the first run, 0 after the requeue.
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("submit_pm.sh", "export_DDP_vars.sh"):
+        shutil.copy(REPO_ROOT / name, repo / name)
+    (repo / "train.py").write_text(STUB_TRAIN)
+    output, port = tmp_path / "job.out", free_port()
+    job_id = submit(["--config=short", "--note", "two words"],
+                    {"CPU_ONLY": 1, "DATADIR": "/data/nbody", "LOGDIR": tmp_path / "logs", "MASTER_PORT": port,
+                     "BENCHY_OUTPUT": "bench.json"}, output, chdir=repo)
+    wait_for_requeue(job_id, output)
+    fields = wait_for_job(job_id, lambda f: f["JobState"] in FINISHED, timeout=60, output=output)
+    text = output.read_text()  # --open-mode=append: both runs are in the file
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert f"requeueing job {job_id}" in text
+    runs = [json.loads(line[len("STUB "):]) for line in text.splitlines() if line.startswith("STUB ")]
+    expected_argv = ["--expdir", str(tmp_path / "logs"), "--train_path", "/data/nbody/train.h5",
+                     "--val_path", "/data/nbody/val.h5", "--config=short", "--note", "two words"]
+    master = socket.gethostname().split(".")[0]
+    seen = sorted((run["env"]["SLURM_RESTART_COUNT"] or "0", run["env"]["RANK"]) for run in runs)
+    assert seen == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], text
+    for run in runs:
+        env = run["env"]
+        assert run["argv"] == expected_argv
+        assert env["LOCAL_RANK"] == env["RANK"] and env["WORLD_SIZE"] == "2"
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (master, str(port))
+        assert env["CUDA_VISIBLE_DEVICES"] is None and env["OMP_NUM_THREADS"] == "1"
+        assert env["BENCHY_OUTPUT"] == "bench.json"
+    assert (tmp_path / "logs").is_dir()
+
+
+# --- without a cluster ------------------------------------------------------------------------------
+def source_export_ddp_vars(env, path):
+    script = (f"source {REPO_ROOT / 'export_DDP_vars.sh'} && "
+              "echo $RANK $LOCAL_RANK $WORLD_SIZE $MASTER_ADDR $MASTER_PORT")
+    return subprocess.run(["/bin/bash", "-c", script], env={"PATH": path, **env}, capture_output=True, text=True)
+
+
+TASK_ENV = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NODELIST": "nid[001002-001003]", "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3"}
+
+
+@pytest.mark.skipif(not shutil.which("scontrol"), reason="needs the Slurm client (scontrol)")
+def test_export_ddp_vars_takes_master_from_the_first_node():
+    result = source_export_ddp_vars(TASK_ENV, os.environ["PATH"])
+    assert result.stdout.split() == ["5", "1", "8", "nid001002", "29500"], result.stderr
+
+
+def test_export_ddp_vars_without_scontrol_uses_the_launch_node(tmp_path):
+    result = source_export_ddp_vars({**TASK_ENV, "MASTER_PORT": "29611"}, str(tmp_path))  # empty PATH
+    assert result.stdout.split() == ["5", "1", "8", "10.1.2.3", "29611"], result.stderr
+
+
+def test_export_ddp_vars_refuses_outside_a_slurm_task():
+    batch_env = {k: v for k, v in TASK_ENV.items() if k != "SLURM_STEP_ID"}  # the batch script's own shell
+    result = source_export_ddp_vars(batch_env, os.environ["PATH"])
+    assert result.returncode == 1 and result.stdout == ""
+    assert "not inside a Slurm task" in result.stderr and "srun" in result.stderr
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"CONTAINER_RUNTIME": "docker"}, "CONTAINER_RUNTIME must be none, shifter or apptainer, got 'docker'"),
+    ({"CONTAINER_RUNTIME": "apptainer"}, "CONTAINER_RUNTIME=apptainer needs CONTAINER_IMAGE"),
+    ({"CONTAINER_RUNTIME": "shifter"}, "CONTAINER_RUNTIME=shifter needs CONTAINER_IMAGE"),
+    ({"CPU_ONLY": "yes"}, "CPU_ONLY must be 0 or 1, got 'yes'"),
+    ({"CPU_ONLY": "1", "ENABLE_PROFILING": "1"}, "ENABLE_PROFILING=1 needs GPUs"),
+])
+def test_submit_pm_rejects_bad_settings_before_launching(env, message, tmp_path):
+    result = subprocess.run(["bash", str(REPO_ROOT / "submit_pm.sh")], cwd=REPO_ROOT, capture_output=True,
+                            text=True, env={**os.environ, "LOGDIR": str(tmp_path), **env})
+    assert result.returncode == 2 and message in result.stderr
+    assert "srun" not in result.stderr  # stopped before the launch line
+
+
+def test_submit_pm_must_be_submitted_from_the_repository(tmp_path):
+    result = subprocess.run(["bash", str(REPO_ROOT / "submit_pm.sh")], cwd=tmp_path, capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "submit from the repository root" in result.stderr
