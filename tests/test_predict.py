@@ -1,0 +1,250 @@
+"""predict.py: tiled whole-box inference, checked against direct forward passes of the tiny U-Net.
+
+The tiny U-Net (model_channels [4, 8], two levels) needs tiles divisible by 4; its output at a cell
+depends on the input within about 7 cells, so a margin of 8 (overlap 16) makes tiles invisible.
+Its weights are drawn with std 0.05 rather than 0.02, so predictions span about +-0.5 and tiling
+errors are large enough to see.
+"""
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import predict
+from conftest import REPO_ROOT
+from networks.UNet import build_model
+from utils.checkpoint import plain_state_dict, save_checkpoint
+from utils.config import load_config
+from utils.make_dataset import physical_attrs
+
+TINY = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": None,
+        "weight_init.conv_scale": 0.05}
+
+
+def tiny_model(seed):
+    torch.manual_seed(seed)
+    return build_model(load_config("quickstart", overrides=TINY)).eval()
+
+
+def nbody(box, seed=0, channels=4):
+    return np.random.default_rng(seed).uniform(-0.9, 0.9, (channels, box, box, box)).astype(np.float32)
+
+
+def write_nbody(path, volume, attrs=None):
+    """An input file as a user has it: Nbody only, no Hydro."""
+    with h5py.File(path, "w") as f:
+        f["Nbody"] = volume
+        f.attrs.update(attrs or {})
+    return path
+
+
+def forward(model, batch):
+    with torch.no_grad():
+        return model(torch.from_numpy(np.ascontiguousarray(batch))).numpy()
+
+
+def wrapped_window(volume, corner, size):
+    """volume[:, x:x+size, y:y+size, z:z+size] of a periodic (C, N, N, N) box; corners may be negative."""
+    for axis, start in enumerate(corner, start=1):
+        volume = np.take(volume, np.arange(start, start + size), axis=axis, mode="wrap")
+    return volume
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, model):
+    """A train.py-style run directory: checkpoints of another model at step 3 and of ``model`` at step 7."""
+    run = tmp_path_factory.mktemp("run")
+    config = dict(load_config("quickstart", overrides=TINY))
+    for step, weights in ((3, tiny_model(seed=1)), (7, model)):
+        payload = {"step": step, "config": config, "model": plain_state_dict(weights),
+                   "optimizer": torch.optim.Adam(weights.parameters()).state_dict()}
+        save_checkpoint(run / "checkpoints", payload, step, keep_last=2)
+    return run
+
+
+def test_one_tile_box_is_the_direct_forward_pass(model):
+    box = nbody(8)
+    hydro = predict.predict_array(model, box, tile=8, overlap=0)
+    assert hydro.shape == (5, 8, 8, 8) and hydro.dtype == np.float32
+    assert np.array_equal(hydro, forward(model, box[None])[0])
+
+
+def test_each_core_is_the_forward_pass_of_its_wrapped_window(model):
+    box, tile, overlap = 14, 8, 4   # stride 4: cores start at 0, 4, 8, 12; the last one is 2 cells thick
+    margin, stride = overlap // 2, tile - overlap
+    volume = nbody(box)
+    hydro = predict.predict_array(model, volume, tile, overlap, batch_size=5)  # batches straddle rows of tiles
+    assert hydro.shape == (5, box, box, box) and hydro.dtype == np.float32
+    assert np.isfinite(hydro).all() and np.abs(hydro).max() < 1 and hydro.std() > 0.05
+
+    corners = [(x, y, z) for x in range(0, box, stride) for y in range(0, box, stride) for z in range(0, box, stride)]
+    windows = forward(model, np.stack([wrapped_window(volume, [c - margin for c in corner], tile)
+                                       for corner in corners]))           # (64, 5, 8, 8, 8), one batch
+    times_compared = np.zeros((box, box, box), dtype=int)
+    worst = 0.0
+    for (x0, y0, z0), window in zip(corners, windows):
+        x1, y1, z1 = (min(c + stride, box) for c in (x0, y0, z0))
+        core = window[:, margin:margin + x1 - x0, margin:margin + y1 - y0, margin:margin + z1 - z0]
+        worst = max(worst, np.abs(hydro[:, x0:x1, y0:y1, z0:z1] - core).max())
+        times_compared[x0:x1, y0:y1, z0:z1] += 1
+    assert (times_compared == 1).all()  # the cores partition the box, so every cell was compared
+    assert worst < 1e-6
+
+
+def test_overlap_makes_tiles_invisible(model):
+    """Against the untiled forward pass of the periodic box, and against a tiling shifted by 4 cells.
+
+    All tilings below have stride 8 and window corners at multiples of 4, as has the padded untiled
+    box, so every cell keeps its position modulo 4 in the U-Net's down-sampling grid (two stride-2
+    levels make the network equivariant to shifts by multiples of 4 only): what differs is only
+    where the tile faces fall.
+    """
+    box, pad, shift = 24, 12, 4
+    volume = nbody(box)
+    untiled = forward(model, wrapped_window(volume, (-pad,) * 3, box + 2 * pad)[None])[0]
+    untiled = untiled[:, pad:pad + box, pad:pad + box, pad:pad + box]
+    errors = {}
+    for tile, overlap in ((8, 0), (16, 8), (24, 16)):
+        tiled = predict.predict_array(model, volume, tile, overlap)
+        shifted = predict.predict_array(model, np.roll(volume, shift, axis=(1, 2, 3)), tile, overlap)
+        shifted = np.roll(shifted, -shift, axis=(1, 2, 3))
+        errors[tile, overlap] = np.abs(tiled - untiled).max(), np.abs(tiled - shifted).max()
+    # measured: no overlap 0.41 / 0.34 (seams), margin 4: 0.038 / 0.040, margin 8: 0 / 0
+    assert min(errors[8, 0]) > 0.2
+    assert max(errors[16, 8]) < 0.1
+    assert max(errors[24, 16]) < 1e-6
+
+
+def test_rolled_box_gives_rolled_prediction(model):
+    volume = nbody(16)
+    shift = (4, 8, 12)  # multiples of the stride 4: the same windows, in another order
+    hydro = predict.predict_array(model, volume, tile=8, overlap=4)
+    rolled = predict.predict_array(model, np.roll(volume, shift, axis=(1, 2, 3)), tile=8, overlap=4)
+    assert np.array_equal(rolled, np.roll(hydro, shift, axis=(1, 2, 3)))
+
+
+def test_bf16_autocast_stays_close_to_fp32(model):
+    volume = nbody(16)
+    fp32 = predict.predict_array(model, volume, tile=8, overlap=4)
+    bf16 = predict.predict_array(model, volume, tile=8, overlap=4, amp_mode="bf16")
+    assert bf16.dtype == np.float32
+    assert 0 < np.abs(bf16 - fp32).max() < 0.02  # measured 0.002
+
+
+def test_cli_end_to_end(run_dir, model, tmp_path):
+    volume = nbody(16)
+    source = write_nbody(tmp_path / "nbody.h5", volume, physical_attrs())
+    output = tmp_path / "out" / "hydro.h5"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "predict.py"), "--checkpoint", str(run_dir),
+                             "--input", str(source), "--output", str(output), "--batch_size", "3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "(step 7)" in result.stdout and "27 tiles of 8^3, overlap 2" in result.stdout
+    with h5py.File(output, "r") as f:
+        hydro = f["Hydro"][...]
+        attrs = dict(f.attrs)
+    assert hydro.shape == (5, 16, 16, 16) and hydro.dtype == np.float32
+    assert np.isfinite(hydro).all() and np.abs(hydro).max() < 1
+    # defaults: the training crop (8) as tile, a quarter of it as overlap; the newest checkpoint
+    assert np.array_equal(hydro, predict.predict_array(model, volume, tile=8, overlap=2))
+    newest = run_dir / "checkpoints" / "ckpt_step00000007.pt"
+    assert attrs["step"] == 7 and attrs["checkpoint"] == str(newest.resolve())
+    assert (attrs["tile"], attrs["overlap"], attrs["amp_mode"]) == (8, 2, "none")
+    assert attrs["velocity_scale"] == physical_attrs()["velocity_scale"]  # the input's normalisation travels along
+    assert sorted(p.name for p in output.parent.iterdir()) == ["hydro.h5"]  # no temporary file left
+
+
+def test_force_overwrites_and_a_checkpoint_file_is_accepted(run_dir, tmp_path):
+    volume = nbody(8)
+    source = write_nbody(tmp_path / "nbody.h5", volume)
+    output = tmp_path / "hydro.h5"
+    output.write_text("an older result")
+    predict.main(["--checkpoint", str(run_dir / "checkpoints" / "ckpt_step00000003.pt"), "--input", str(source),
+                  "--output", str(output), "--overlap", "0", "--force", "--device", "cpu"])
+    with h5py.File(output, "r") as f:
+        assert f.attrs["step"] == 3
+        assert np.array_equal(f["Hydro"][...], forward(tiny_model(seed=1), volume[None])[0])
+
+
+@pytest.fixture
+def error_files(tmp_path, run_dir):
+    """Named paths for the error cases: a good input, broken inputs and checkpoints."""
+    good = write_nbody(tmp_path / "nbody.h5", nbody(8))
+    not_a_number = nbody(8)
+    not_a_number[2, 3, 4, 5] = np.nan
+    broken = tmp_path / "ckpt_step00000001.pt"
+    broken.write_bytes(b"not a checkpoint" * 10)
+    nan_weights = tmp_path / "nan_run"
+    payload = torch.load(run_dir / "checkpoints" / "ckpt_step00000007.pt", weights_only=True)
+    payload["model"]["conv_last.bias"][0] = float("nan")
+    save_checkpoint(nan_weights, payload, 7, keep_last=1)
+    (tmp_path / "exists.h5").write_text("")
+    (tmp_path / "empty_run").mkdir()
+    hydro_only = tmp_path / "hydro_only.h5"
+    with h5py.File(hydro_only, "w") as f:
+        f["Hydro"] = np.zeros((5, 8, 8, 8), dtype=np.float32)
+    return {
+        "run": run_dir, "good": good, "missing": tmp_path / "missing.h5", "broken": broken,
+        "empty_run": tmp_path / "empty_run", "nan_weights": nan_weights, "exists": tmp_path / "exists.h5",
+        "three_channels": write_nbody(tmp_path / "three.h5", nbody(8, channels=3)),
+        "no_nbody": hydro_only,
+        "nan_input": write_nbody(tmp_path / "nan.h5", not_a_number),
+        "out": tmp_path / "new.h5", "under_a_file": tmp_path / "exists.h5" / "hydro.h5",
+    }
+
+
+# case: (flags changed from a good call, with file names standing for error_files' paths; message fragment)
+ERROR_CASES = {
+    "missing checkpoint": ({"--checkpoint": "missing"}, "cannot read checkpoint {missing}: No such file or directory"),
+    "broken checkpoint": ({"--checkpoint": "broken"}, "{broken} is truncated or not a checkpoint (no complete zip"),
+    "no checkpoint in run": ({"--checkpoint": "empty_run"}, "no valid checkpoint (ckpt_step*.pt) in {empty_run};"),
+    "NaN weights": ({"--checkpoint": "nan_weights"}, "holds NaN or Inf weights (conv_last.bias); use an earlier"),
+    "missing input": ({"--input": "missing"}, "input file {missing} does not exist;"),
+    "no Nbody": ({"--input": "no_nbody"}, "{no_nbody} has no dataset 'Nbody' (found: Hydro)"),
+    "wrong channels": ({"--input": "three_channels"},
+                       "dataset 'Nbody' has shape (3, 8, 8, 8), expected (4, N, N, N) for this checkpoint"),
+    "NaN input": ({"--input": "nan_input"}, "the input has NaN or Inf values (first at channel 2, cell (3, 4, 5))"),
+    "tile not divisible": ({"--tile": "6"}, "--tile 6 must be a positive multiple of 2^2 = 4 (this U-Net halves it "
+                                            "2 times); try --tile 4"),
+    "tile larger than box": ({"--tile": "12"}, "--tile 12 is larger than the 8^3 box; use a tile of at most 8"),
+    "odd overlap": ({"--overlap": "3"}, "--overlap 3 must be even and in [0, 8)"),
+    "overlap too large": ({"--overlap": "8"}, "--overlap 8 must be even and in [0, 8)"),
+    "output exists": ({"--output": "exists"}, "output {exists} exists; pass --force to overwrite it"),
+    "output is input": ({"--output": "good", "--force": None}, "--output {good} is the input file; write the"),
+    "output is a directory": ({"--output": "empty_run", "--force": None}, "--output {empty_run} is a directory;"),
+    "output not writable": ({"--output": "under_a_file"}, "cannot write {under_a_file} (File exists); choose another"),
+    "no batch": ({"--batch_size": "0"}, "--batch_size must be positive, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_errors_are_one_line_with_exit_code_2(case, error_files, capsys):
+    changes, expected = ERROR_CASES[case]
+    flags = {"--checkpoint": "run", "--input": "good", "--output": "out", **changes}
+    argv = [item for flag, value in flags.items()
+            for item in ([flag] if value is None else [flag, str(error_files.get(value, value))])]
+    with pytest.raises(SystemExit) as caught:
+        predict.cli(argv)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    message = err.splitlines()[-1]  # a progress bar comes first when the error is found mid-prediction
+    assert message.startswith("error: ") and err.endswith("\n") and "Traceback" not in err
+    assert expected.format(**error_files) in message
+    assert not error_files["out"].exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_requested_without_cuda(error_files, capsys):
+    with pytest.raises(SystemExit) as caught:
+        predict.cli(["--checkpoint", str(error_files["run"]), "--input", str(error_files["good"]),
+                     "--output", str(error_files["out"]), "--device", "cuda"])
+    assert caught.value.code == 2
+    assert capsys.readouterr().err == "error: --device cuda: no CUDA device is visible here; use --device cpu\n"
