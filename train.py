@@ -35,6 +35,7 @@ from utils.data_loader import DataError, get_data_loader
 from utils.distributed import DistInfo, all_reduce_sum, cleanup, init_distributed, wrap_ddp
 from utils.lr_schedule import learning_rate, total_steps
 from utils.profiling import Profiler
+from utils.science import ScienceMetrics, format_summary, write_tensorboard
 from utils.run_control import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteLoss, Preempted, RunControl
 
 logger = logging.getLogger("train")
@@ -62,7 +63,10 @@ def parse_args(argv=None):
     parser.add_argument("--benchy_continue", dest="benchy.continue_training", help="train after the benchmark",
                         **flag)
     parser.add_argument("--enable_manual_profiling", help="NVTX ranges + CUDA profiler window", **flag)
-    parser.add_argument("--data_loader_config", help="synthetic | inmem | lowmem | dali-lowmem")
+    parser.add_argument("--data_loader_config", help="synthetic | inmem | lowmem | gpu | dali-lowmem")
+    parser.add_argument("--fast_loader", help="threads fill crops straight into reusable pinned batches", **flag)
+    parser.add_argument("--gpu_storage_dtype", choices=["fp32", "fp16", "bf16"],
+                        help="dtype of the volumes the gpu loader keeps on the device")
     parser.add_argument("--local_batch_size", type=int, help="per-rank batch; sets global = local x world size")
     parser.add_argument("--global_batch_size", type=int)
     parser.add_argument("--num_epochs", type=int)
@@ -99,7 +103,7 @@ def config_overrides(args, world_size):
         "enable_manual_profiling", "data_loader_config", "global_batch_size", "num_epochs", "num_data_workers",
         "Nsamples", "Nsamples_val", "seed", "train_path", "val_path", "log_every_n_steps", "peak_tflops",
         "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook", "noddp",
-        "benchy.continue_training", "checkpoint_every_n_steps", "keep_checkpoints", "deterministic", "profile_dir")}
+        "benchy.continue_training", "fast_loader", "gpu_storage_dtype", "checkpoint_every_n_steps", "keep_checkpoints", "deterministic", "profile_dir")}
     if args.amp_mode_fp16:
         if args.amp_mode not in (None, "fp16"):
             raise ConfigError(f"--enable_amp means --amp_mode=fp16 and contradicts --amp_mode={args.amp_mode}")
@@ -254,19 +258,34 @@ def eager_step(state, inp, tar):
 
 @torch.no_grad()
 def validate(state, loader):
-    """Mean validation loss over all ranks, weighted by samples (rank shares may differ)."""
+    """Validation loss over all ranks, weighted by samples (rank shares may differ), plus the science metrics
+    (summed over ranks) and one (input, prediction, target) crop for the pictures."""
     state.model.eval()
+    science = ScienceMetrics(state.params.data_size, state.info.device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=state.info.device)
-    count = 0
+    count, example = 0, None
     for inp, tar in loader:
         inp, tar = state.to_device(inp), state.to_device(tar)
         with state.autocast:
             prediction = state.model(inp)
         loss_sum += state.loss_fn(prediction.float(), tar, state.params.lambda_rho).double() * inp.shape[0]
         count += inp.shape[0]
+        science.update(prediction, tar)
+        if example is None:  # clones: a view would keep the whole batch alive
+            example = (inp[0].clone(), prediction[0].clone(), tar[0].clone())
     state.model.train()
+    science.all_reduce(state.info)
     total, total_count = all_reduce_sum([loss_sum.item(), count], state.info)
-    return total / total_count
+    return total / total_count, science, example
+
+
+def log_validation(writer, step, val_loss, science, example, params):
+    if params.data_loader_config != "synthetic":  # physics of random numbers means nothing
+        logger.info(f"  Science: {format_summary(science.compute())}")
+    if writer:
+        writer.add_scalar("Loss/valid", val_loss, step)
+        if params.data_loader_config != "synthetic":
+            write_tensorboard(writer, step, science, example)
 
 
 @torch.no_grad()
@@ -289,7 +308,7 @@ def mean_predictor_l1(params, val_loader, val_sampler, state):
     return total / count
 
 
-def log_startup(params, state, run_dir, steps_per_epoch):
+def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     info = state.info
     logger.info(f"Run directory: {run_dir}")
     logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
@@ -303,8 +322,10 @@ def log_startup(params, state, run_dir, steps_per_epoch):
         "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
     if info.device.type == "cuda":
         active.append(f"tf32={'on' if params.enable_tf32 else 'off'}")
-    logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}; "
-                f"data loader: {params.data_loader_config} with {params.num_data_workers} workers")
+    loader = getattr(train_loader, "description", f"straightforward {params.data_loader_config}: per-sample crops, "
+                                                   f"{params.num_data_workers} worker processes, default collate")
+    logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")
+    logger.info(f"Data loader: {loader}")
     if params.noddp and info.enabled:
         logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "
                        "communication and is NOT real training.")
@@ -370,7 +391,7 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
     train_loader, train_sampler = get_data_loader(params, "train", info.rank, info.world_size, info.device)
     val_loader, val_sampler = get_data_loader(params, "val", info.rank, info.world_size, info.device)
     steps_per_epoch, num_steps = train_sampler.steps_per_epoch, total_steps(params)
-    log_startup(params, state, run_dir, steps_per_epoch)
+    log_startup(params, state, run_dir, steps_per_epoch, train_loader)
     resumed_loss_sum = resume(state, run_dir, resume_from)
     if state.global_step >= num_steps:
         logger.info(f"This run already finished ({state.global_step} of {num_steps} steps); nothing to do. "
@@ -395,10 +416,10 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
     writer = (SummaryWriter(log_dir=str(run_dir / "logs"), purge_step=state.global_step + 1 if state.global_step
                             else None) if info.is_main else None)
     if state.global_step == 0:
-        val_loss = validate(state, val_loader)
+        val_loss, science, example = validate(state, val_loader)
         logger.info(f"Initial val loss={val_loss:.6f}")
+        log_validation(writer, 0, val_loss, science, example, params)
         if writer:
-            writer.add_scalar("Loss/valid", val_loss, 0)
             writer.add_scalar("Learning Rate", lr_at(0), 0)
 
     control = RunControl(info)
@@ -463,12 +484,12 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
                         f"({summary['memory_kind']})")
             logger.info(f"  Avg train loss={train_loss:.6f}")
             val_start = time.perf_counter()
-            val_loss = validate(state, val_loader)
+            val_loss, science, example = validate(state, val_loader)
             logger.info(f"  Avg val loss={val_loss:.6f}")
             logger.info(f"  Total validation time: {time.perf_counter() - val_start:.1f} sec")
+            log_validation(writer, state.global_step, val_loss, science, example, params)
             if writer:
                 writer.add_scalar("Loss/train", train_loss, state.global_step)
-                writer.add_scalar("Loss/valid", val_loss, state.global_step)
                 writer.add_scalar("Avg iters per sec", epoch_steps / epoch_time, state.global_step)
                 writer.add_scalar("Perf/samples_per_sec", summary["samples_per_sec"], state.global_step)
                 writer.add_scalar("Perf/data_wait_share", summary["wait_share"], state.global_step)

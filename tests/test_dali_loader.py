@@ -167,5 +167,5 @@ def test_train_py_runs_with_the_dali_loader(tiny_argv, tmp_path):
     val_loss = train.main(tiny_argv + ["--data_loader_config", "dali-lowmem", "--train_path", str(paths[0]),
                                        "--val_path", str(paths[1])])
     log = (tmp_path / "runs" / "tiny" / "1GPU" / "0" / "out.log").read_text()
-    assert "data loader: dali-lowmem" in log and "for the mean predictor (ratio" in log
+    assert "Data loader: DALI pipeline (CPU-only mode" in log and "for the mean predictor (ratio" in log
     assert 0 < val_loss < 0.5

@@ -61,7 +61,7 @@ RESUME_MAY_CHANGE_KEYS = (
     "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook",
     "num_data_workers", "generate_data", "enable_benchy", "benchy", "enable_manual_profiling", "profile_dir",
     "profile_window", "expdir", "log_every_n_steps", "peak_tflops",
-    "checkpoint_every_n_steps", "keep_checkpoints", "deterministic",
+    "checkpoint_every_n_steps", "keep_checkpoints", "deterministic", "fast_loader", "gpu_storage_dtype",
 )
 ABSENT = "<absent>"  # how a key missing from one config shows in differences
 # How values are compared where equal meaning has several spellings: paths resolve against the

@@ -25,8 +25,8 @@ def _import_dali():
     try:
         import nvidia.dali  # noqa: F401
     except ImportError:
-        raise DataError(f"data_loader_config 'dali-lowmem' needs NVIDIA DALI, which is not installed; "
-                        f"install it with `pip install -r requirements-dali.txt` or choose lowmem/inmem") from None
+        raise DataError("data_loader_config 'dali-lowmem' needs NVIDIA DALI, which is not installed; "
+                        "install it with `pip install -r requirements-dali.txt` or choose lowmem/inmem") from None
 
 
 def check_npy_file(path, box, channels, h5_path):
@@ -174,6 +174,9 @@ class DaliLoader:
     def __init__(self, pipe, feed, sampler):
         self.pipe, self.feed, self.sampler = pipe, feed, sampler
         self._epoch_open = False
+        where = "CPU-only mode" if pipe.device_id is None else f"GPU {pipe.device_id}"
+        self.description = (f"DALI pipeline ({where}, {pipe.num_threads} threads): region-of-interest reads of the "
+                            f".npy volumes, crop and symmetry transform in the pipeline")
 
     def __len__(self):
         return -(-len(self.sampler) // self.sampler.local_batch_size)

@@ -223,9 +223,16 @@ def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cp
     Every loader yields batches ``(input (B, 4, S, S, S), target (B, 5, S, S, S))`` of the same
     sample stream, in the sampler's order, after ``sampler.set_epoch(epoch)``.
     """
+    # The other loaders import this module, so they are imported here, when asked for.
     if params.data_loader_config == "dali-lowmem":
-        from utils.dali_loader import get_dali_loader  # optional extra: imported only when asked for
+        from utils.dali_loader import get_dali_loader  # optional extra
         return get_dali_loader(params, split, rank, world_size, device)
+    if params.data_loader_config == "gpu":
+        from utils.gpu_loader import get_gpu_loader
+        return get_gpu_loader(params, split, rank, world_size, device)
+    if params.fast_loader:
+        from utils.fast_loader import get_fast_loader
+        return get_fast_loader(params, split, rank, world_size, device)
     dataset = RandomCropDataset(params, split)
     sampler = build_sampler(params, split, rank, world_size)
     workers = params.num_data_workers

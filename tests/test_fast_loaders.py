@@ -1,0 +1,159 @@
+"""The fast CPU loader and the GPU-resident loader (run on CPU) serve the straightforward loader's stream."""
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from utils import fast_loader, gpu_loader, symmetry
+from utils.data_loader import DataError, get_data_loader, sample_plan
+from utils.fast_loader import DevicePrefetcher, get_fast_loader, transform_into
+from utils.gpu_loader import get_gpu_loader, load_volume
+
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def batches(factory, params, split="train", rank=0, world_size=1, epoch=1, **kwargs):
+    """All batches of one epoch, kept (not copied): fast loaders must not reuse a buffer still in use."""
+    loader, sampler = factory(params, split, rank, world_size, **kwargs)
+    sampler.set_epoch(epoch)
+    out = list(loader)
+    assert len(out) == len(loader)
+    return out, list(sampler.indices())
+
+
+def assert_same_batches(expected, actual):
+    assert len(expected) == len(actual)
+    for (inp, tar), (inp2, tar2) in zip(expected, actual):
+        assert inp2.dtype == tar2.dtype == torch.float32
+        assert torch.equal(inp, inp2) and torch.equal(tar, tar2)
+
+
+@pytest.mark.parametrize("mode", ["lowmem", "inmem"])
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_fast_loader_serves_the_straightforward_stream(tiny_params, mode, workers):
+    params = tiny_params(data_loader_config=mode, num_data_workers=workers)
+    reference = tiny_params(data_loader_config=mode)  # the straightforward stream does not depend on workers
+    for split in ("train", "val"):
+        single, single_indices = batches(get_fast_loader, params, split)
+        assert_same_batches(batches(get_data_loader, reference, split)[0], single)
+        # Each of 2 ranks gets the straightforward rank's batches; together, the single rank's samples.
+        union = {}
+        for rank in range(2):
+            fast, indices = batches(get_fast_loader, params, split, rank, 2)
+            assert_same_batches(batches(get_data_loader, reference, split, rank, 2)[0], fast)
+            union.update(zip(indices, zip(torch.cat([b[0] for b in fast]), torch.cat([b[1] for b in fast]))))
+        assert sorted(union) == sorted(single_indices)
+        inputs, targets = torch.cat([b[0] for b in single]), torch.cat([b[1] for b in single])
+        for i, index in enumerate(single_indices):
+            assert torch.equal(union[index][0], inputs[i]) and torch.equal(union[index][1], targets[i])
+
+
+def test_shapes_and_a_smaller_last_validation_batch(tiny_params):
+    params = tiny_params(Nsamples_val=10, num_data_workers=2)  # local batch 4: 4 + 4 + 2
+    val, _ = batches(get_fast_loader, params, "val")
+    assert [tuple(b[0].shape) for b in val] == [(4, 4, 8, 8, 8)] * 2 + [(2, 4, 8, 8, 8)]
+    assert [tuple(b[1].shape) for b in val] == [(4, 5, 8, 8, 8)] * 2 + [(2, 5, 8, 8, 8)]
+    gpu, _ = batches(get_gpu_loader, params, "val", storage_dtype="fp32")
+    assert [tuple(b[1].shape) for b in gpu] == [(4, 5, 8, 8, 8)] * 2 + [(2, 5, 8, 8, 8)]
+
+
+def test_chunked_compressed_file_is_read_through_h5py(tiny_params, tmp_path):
+    path = tmp_path / "chunked.h5"
+    with h5py.File(tiny_params().train_path) as source, h5py.File(path, "w") as f:
+        for key in ("Nbody", "Hydro"):
+            f.create_dataset(key, data=source[key][...], chunks=(1, 8, 8, 8), compression="gzip")
+    reference = tiny_params(train_path=str(path), data_loader_config="lowmem")
+    params = tiny_params(train_path=str(path), data_loader_config="lowmem", num_data_workers=2)
+    loader, _ = get_fast_loader(params, "train")
+    assert "h5py" in loader.description
+    assert_same_batches(batches(get_data_loader, reference)[0], batches(get_fast_loader, params)[0])
+    contiguous, _ = get_fast_loader(tiny_params(data_loader_config="lowmem"), "train")
+    assert "memory-mapped" in contiguous.description
+
+
+def test_buffers_are_recycled_only_when_free_and_an_early_stop_is_clean(tiny_params):
+    params = tiny_params(data_loader_config="inmem", num_data_workers=2, Nsamples=64)  # 16 batches
+    loader, _ = get_fast_loader(params, "train")
+    for inp, tar in loader:  # dropping each batch before the next: a few buffers go round
+        pass
+    assert len(loader.loader.buffers.pool) <= fast_loader.PREFETCH_BATCHES + 2 < len(loader)
+    iterator = iter(loader)
+    next(iterator)
+    del iterator  # stopped early: queued samples are dropped, running ones finish
+    assert_same_batches(batches(get_data_loader, tiny_params(data_loader_config="inmem", Nsamples=64), epoch=3)[0],
+                        batches(get_fast_loader, params, epoch=3)[0])
+
+
+def test_a_worker_error_reaches_the_consumer(tiny_params):
+    loader, _ = get_fast_loader(tiny_params(num_data_workers=2), "train")
+
+    def broken(x, y, z):
+        raise OSError("disk went away")
+    loader.loader.read_crops = broken
+    with pytest.raises(OSError, match="disk went away"):
+        next(iter(loader))
+
+
+@pytest.mark.parametrize("crop", [8, 16])  # 16^3 takes torch's blocked 2D transpose, 8^3 its plain copy
+def test_transform_into_equals_the_group_transform(crop):
+    rng = np.random.default_rng(0)
+    volume = rng.standard_normal((5, 40, 40, 40)).astype(np.float32)
+    view = volume[:, 3:3 + crop, 5:5 + crop, 7:7 + crop]  # a strided view, as cropped from a box
+    out, scratch = np.empty((5, crop, crop, crop), np.float32), np.empty((2, crop, crop, crop), np.float32)
+    for g in range(symmetry.NUM_ELEMENTS):
+        transform_into(view, g, out, scratch)
+        np.testing.assert_array_equal(out, symmetry.transform(view, g), err_msg=f"element {g}")
+
+
+def test_device_prefetcher_is_a_passthrough_on_cpu(tiny_params):
+    loader, _ = get_data_loader(tiny_params(), "train")
+    prefetcher = DevicePrefetcher(loader, "cpu")
+    assert len(prefetcher) == len(loader) == 8
+    items = [object(), object()]
+    assert list(DevicePrefetcher(items, torch.device("cpu"))) == items  # the very same objects, no copies
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gpu_loader_on_cpu_equals_the_stream_exactly_in_fp32(tiny_params, world_size):
+    params = tiny_params(Nsamples=256)
+    assert len(set(sample_plan(params.seed, "train", 2, 256, 24, 8)[1])) == 48  # every element is checked
+    for split in ("train", "val"):
+        for rank in range(world_size):
+            expected = batches(get_data_loader, params, split, rank, world_size, epoch=2)[0]
+            actual = batches(get_gpu_loader, params, split, rank, world_size, epoch=2, storage_dtype="fp32")[0]
+            assert_same_batches(expected, actual)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp16"])
+def test_gpu_loader_16_bit_storage_is_the_stream_rounded(tiny_params, storage):
+    params = tiny_params()
+    expected = batches(get_data_loader, params, epoch=1)[0]
+    actual = batches(get_gpu_loader, params, epoch=1, storage_dtype=storage)[0]
+    # Moves and sign flips are exact, and rounding to nearest is symmetric: the only change is
+    # the rounding of each stored value.
+    rounded = [tuple(t.to(HALF[storage]).float() for t in batch) for batch in expected]
+    assert_same_batches(rounded, actual)
+    error = max((a[0] - e[0]).abs().max().item() for a, e in zip(actual, expected))
+    assert 0 < error <= {"bf16": 2**-9, "fp16": 2**-12}[storage]  # half an ulp of values in [0.5, 1)
+
+
+def test_volume_loads_in_slabs(tiny_params, monkeypatch):
+    monkeypatch.setattr(gpu_loader, "SLAB_BYTES", 1)  # one plane per read
+    path = tiny_params().train_path
+    with h5py.File(path) as f:
+        hydro = f["Hydro"][...]
+    volume = load_volume(path, "Hydro", torch.float16, torch.device("cpu"))
+    assert volume.shape == (5, 24, 24, 24) and volume.dtype == torch.float16
+    assert torch.equal(volume, torch.from_numpy(hydro).half())
+
+
+def test_gpu_loader_rejects_an_unknown_storage_dtype(tiny_params):
+    with pytest.raises(DataError, match="gpu_storage_dtype must be one of fp32, fp16, bf16, got 'int8'"):
+        get_gpu_loader(tiny_params(), "train", storage_dtype="int8")
+
+
+def test_gpu_loader_says_what_to_do_when_the_box_does_not_fit(tiny_params, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10_000, 80_000))
+    with pytest.raises(DataError, match=r"the train box \(24\^3, 9 channels\) needs 0.000498 GB of device memory "
+                                        r"in fp32, but 1e-05 GB are free; set gpu_storage_dtype: fp16"):
+        gpu_loader.check_device_memory(tiny_params().train_path, torch.float32, torch.device("cuda"), "train")

@@ -1,0 +1,99 @@
+"""python -m utils.plot_logs on TensorBoard event files laid out as train.py writes them."""
+import time
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+from torch.utils.tensorboard import SummaryWriter
+
+from utils import plot_logs
+from utils.science import L1_TAGS
+
+
+def write_run(run_dir, losses, minutes_per_epoch, science=False):
+    """logs/ of a run: Loss/valid at step 0 then, per epoch, Loss/train and Loss/valid (plus science scalars)."""
+    start = time.time()
+    writer = SummaryWriter(log_dir=str(run_dir / "logs"))
+    writer.add_scalar("Loss/valid", losses[0] * 2, 0, walltime=start)
+    for epoch, loss in enumerate(losses, start=1):
+        walltime = start + 60 * minutes_per_epoch * epoch
+        writer.add_scalar("Loss/train", loss, 10 * epoch, walltime=walltime)
+        writer.add_scalar("Loss/valid", loss * 1.1, 10 * epoch, walltime=walltime)
+        if science:
+            for tag in L1_TAGS:
+                writer.add_scalar(tag, loss, 10 * epoch, walltime=walltime)
+            writer.add_scalar("T_rho/gamma_pred", 1.4 + 0.02 * epoch, 10 * epoch, walltime=walltime)
+            writer.add_scalar("T_rho/gamma_true", 1.5, 10 * epoch, walltime=walltime)
+    writer.close()
+    return run_dir
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    runs = tmp_path / "runs" / "short"
+    return (write_run(runs / "1GPU" / "0", [0.1, 0.05, 0.03], minutes_per_epoch=2.0, science=True),
+            write_run(runs / "4GPU" / "0", [0.2, 0.08], minutes_per_epoch=0.5))
+
+
+def png_shape(path):
+    return imread(path).shape
+
+
+def test_loss_png_of_two_runs(two_runs, capsys):
+    first, second = two_runs
+    assert plot_logs.main([str(first), str(second)]) == 0
+    assert png_shape(first / "loss.png") == (5 * 120, 8 * 120, 4)   # figsize (8, 5) at dpi 120
+    assert f"wrote {first / 'loss.png'}" in capsys.readouterr().out
+
+    runs = {plot_logs.run_label(run): plot_logs.load_run(run) for run in two_runs}
+    assert list(runs) == ["short/1GPU/0", "short/4GPU/0"]
+    ax = plot_logs.loss_figure(runs).axes[0]
+    assert ax.get_yscale() == "log"
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert sorted(lines) == ["short/1GPU/0 train", "short/1GPU/0 valid", "short/4GPU/0 train", "short/4GPU/0 valid"]
+    assert list(lines["short/1GPU/0 valid"].get_xdata()) == [0, 10, 20, 30]
+    assert list(lines["short/4GPU/0 train"].get_ydata()) == pytest.approx([0.2, 0.08])
+    assert lines["short/1GPU/0 train"].get_color() != lines["short/4GPU/0 train"].get_color()
+
+
+def test_walltime_axis_is_minutes_since_the_runs_first_event(two_runs, tmp_path):
+    out = tmp_path / "plots" / "bs.png"
+    assert plot_logs.main([*map(str, two_runs), "--walltime", "--out", str(out)]) == 0
+    assert png_shape(out)[0] > 0
+    runs = {plot_logs.run_label(run): plot_logs.load_run(run) for run in two_runs}
+    ax = plot_logs.loss_figure(runs, walltime=True).axes[0]
+    assert "wall-clock" in ax.get_xlabel()
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    # the first event is the event file's header, written when the SummaryWriter opened (~now)
+    assert lines["short/1GPU/0 train"].get_xdata() == pytest.approx([2, 4, 6], abs=0.05)
+    assert lines["short/4GPU/0 train"].get_xdata() == pytest.approx([0.5, 1.0], abs=0.05)
+
+
+def test_science_png(two_runs, tmp_path):
+    out = tmp_path / "curves.png"
+    assert plot_logs.main([*map(str, two_runs), "--science", "--out", str(out)]) == 0
+    assert png_shape(tmp_path / "curves_science.png") == (7 * 120, 13 * 120, 4)
+    runs = {plot_logs.run_label(run): plot_logs.load_run(run) for run in two_runs}
+    axes = plot_logs.science_figure(runs).axes
+    assert len(axes) == 6
+    gamma = {line.get_label(): line.get_ydata() for line in axes[5].get_lines()}
+    assert gamma["short/1GPU/0 prediction"] == pytest.approx([1.42, 1.44, 1.46])
+    assert np.all(gamma["short/1GPU/0 target"] == np.float32(1.5))
+
+
+def test_errors_are_one_line(tmp_path, two_runs):
+    empty = tmp_path / "empty"
+    (empty / "logs").mkdir(parents=True)
+    with pytest.raises(SystemExit, match=r"error: no TensorBoard event files in .*empty/logs; pass run directories"):
+        plot_logs.main([str(empty)])
+    with pytest.raises(SystemExit, match="is not a directory"):
+        plot_logs.main([str(tmp_path / "missing")])
+    no_science = two_runs[1]
+    with pytest.raises(SystemExit, match=r"no science scalars \(L1/gas_density, T_rho/gamma_pred, ...\)"):
+        plot_logs.main([str(no_science), "--science"])
+    only_lr = tmp_path / "runs" / "x" / "1GPU" / "0"
+    writer = SummaryWriter(log_dir=str(only_lr / "logs"))
+    writer.add_scalar("Learning Rate", 1e-3, 0)
+    writer.close()
+    with pytest.raises(SystemExit, match="has no Loss/train or Loss/valid scalars yet"):
+        plot_logs.main([str(only_lr)])

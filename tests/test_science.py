@@ -1,0 +1,206 @@
+"""Science metrics (utils/science.py): known answers on constructed and generated fields, DDP reduction, figures."""
+import math
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from matplotlib.image import imread
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+
+import utils.make_dataset as md
+from utils import science
+from utils.distributed import DistInfo, cleanup, init_distributed
+
+CROP = 16
+
+
+def crops(hydro, size=CROP):
+    """(C, N, N, N) -> (N/size)^3 non-overlapping crops (B, C, size, size, size)."""
+    c = hydro.shape[0]
+    tiles = hydro.unfold(1, size, size).unfold(2, size, size).unfold(3, size, size)
+    return tiles.permute(1, 2, 3, 0, 4, 5, 6).reshape(-1, c, size, size, size).contiguous()
+
+
+@pytest.fixture(scope="module")
+def generated():
+    """(nbody, hydro) crops of a generated 32^3 box: eight (8, C, 16, 16, 16) tensors."""
+    nbody, hydro = md.make_dataset(32, seed=3, progress=False)
+    return crops(torch.from_numpy(nbody)), crops(torch.from_numpy(hydro))
+
+
+def metrics_of(prediction, target, batch=4):
+    metrics = science.ScienceMetrics(prediction.shape[-1], "cpu")
+    for p, t in zip(prediction.split(batch), target.split(batch)):
+        metrics.update(p, t)
+    return metrics
+
+
+def test_perfect_prediction_and_the_generators_temperature_density_relation(generated):
+    _, hydro = generated
+    scalars = metrics_of(hydro, hydro).compute()
+    assert all(scalars[tag] == 0.0 for tag in science.L1_TAGS + science.L1_PHYSICAL_TAGS)
+    ratios = {tag: v for tag, v in scalars.items() if tag.startswith("power_ratio/")}
+    # 16^3 crops: shells |k| = 1..8 are wavelengths 16, 8, 5.3, 4, 3.2, 2.7, 2.3, 2 cells
+    assert list(ratios) == ["power_ratio/wavelength_2-4_cells", "power_ratio/wavelength_4-8_cells",
+                            "power_ratio/wavelength_8-16_cells", "power_ratio/wavelength_16-32_cells"]
+    assert all(v == 1.0 for v in ratios.values())
+    assert scalars["T_rho/gamma_pred"] == scalars["T_rho/gamma_true"]
+    # Underdense gas follows the generator's T = T0 (rho/mean)^(gamma - 1), T0 = 1e4 K, gamma = 1.5.
+    assert scalars["T_rho/gamma_true"] == pytest.approx(md.DEFAULT_PHYSICS["eos_gamma"], abs=0.01)
+    assert scalars["T_rho/T0_true_K"] == pytest.approx(md.DEFAULT_PHYSICS["temperature_mean_density"], rel=0.02)
+
+
+def test_density_scaled_prediction(generated):
+    _, hydro = generated
+    scale = 1.3
+    prediction = hydro.clone()
+    prediction[:, 0] += math.log(scale) / md.DENSITY_LOG_SCALE       # rho_pred = 1.3 rho_true
+    metrics = metrics_of(prediction, hydro)
+    scalars = metrics.compute()
+    for tag, value in scalars.items():
+        if tag.startswith("power_ratio/"):
+            assert value == pytest.approx(scale ** 2, rel=1e-4), tag  # every k: delta scales by 1.3
+    assert metrics.power_spectra()["ratio"] == pytest.approx(np.full(CROP // 2, scale ** 2), rel=1e-4)
+    assert science.format_summary(scalars).endswith("[cells] 2-4: 1.69, 4-8: 1.69, 8-16: 1.69, 16-32: 1.69")
+    assert scalars["L1/gas_density"] == pytest.approx(math.log(scale) / md.DENSITY_LOG_SCALE, rel=1e-4)
+    rho = md.denormalize_density(hydro[:, 0].double())
+    assert scalars["L1_physical/gas_density_over_mean"] == pytest.approx((scale - 1) * rho.mean().item(), rel=1e-4)
+    assert all(scalars[tag] == 0.0 for tag in science.L1_TAGS[1:])
+    # The T-rho relation moves right by log10(1.3) at fixed T: T0 drops by 1.3^(gamma - 1), gamma stays.
+    assert scalars["T_rho/gamma_pred"] == pytest.approx(scalars["T_rho/gamma_true"], abs=0.02)
+    assert scalars["T_rho/T0_pred_K"] / scalars["T_rho/T0_true_K"] == pytest.approx(
+        scale ** -(scalars["T_rho/gamma_true"] - 1), rel=0.02)
+
+
+def test_window_keeps_a_non_periodic_wave_in_its_shells():
+    # rho/mean = 1 + 0.5 cos(2 pi 4.5 x / S): 4.5 waves do not fit the crop, so without a window the
+    # jump at the faces spreads ~7% of the power over every shell (0.8% in the Nyquist shell).
+    x = torch.arange(CROP, dtype=torch.float64)
+    rho = 1 + 0.5 * torch.cos(2 * math.pi * 4.5 * x / CROP)
+    fields = torch.zeros(1, 5, CROP, CROP, CROP)
+    fields[:, 0] = (rho.log() / md.DENSITY_LOG_SCALE).float()[:, None, None]
+    metrics = metrics_of(fields, fields)
+    power = metrics.power_spectra()["power_true"] * metrics.modes_per_shell     # total power per shell
+    share = power / power.sum()
+    assert share[2:6].sum() > 0.99                                              # shells |k| = 3..6
+    assert share[-1] < 1e-4
+
+
+def test_physical_l1_of_velocity_and_temperature(generated):
+    _, hydro = generated
+    prediction = hydro.clone()
+    prediction[:, 1] += 0.01                      # vx + 5 km/s
+    prediction[:, 4] -= 0.04                      # log10 T - 0.1
+    scalars = metrics_of(prediction, hydro).compute()
+    assert scalars["L1/gas_vx"] == pytest.approx(0.01, rel=1e-4)
+    assert scalars["L1_physical/gas_vx_km_s"] == pytest.approx(5.0, rel=1e-4)
+    temperature = md.denormalize_temperature(hydro[:, 4].double())
+    expected = (temperature * (1 - 10 ** -0.1)).mean().item()
+    assert scalars["L1_physical/temperature_K"] == pytest.approx(expected, rel=1e-4)
+    assert scalars["L1_physical/gas_vy_km_s"] == 0.0
+
+
+def test_fit_recovers_a_constructed_relation(generated):
+    _, hydro = generated
+    prediction = hydro.clone()
+    gamma, t0 = 1.6, 2.0e4                        # an exact T-rho relation, no shock-heated tail
+    log_rho = prediction[:, 0].double() * md.DENSITY_LOG_SCALE / math.log(10)
+    log_t = math.log10(t0) + (gamma - 1) * log_rho
+    prediction[:, 4] = ((log_t - md.TEMPERATURE_LOG10_OFFSET) / md.TEMPERATURE_LOG10_SCALE).float()
+    scalars = metrics_of(prediction, hydro).compute()
+    assert scalars["T_rho/gamma_pred"] == pytest.approx(gamma, abs=0.01)  # 0.05-dex bins: measured 1.596
+    assert scalars["T_rho/T0_pred_K"] == pytest.approx(t0, rel=0.01)
+    # Nothing in the fit range: NaN, not a number made up.
+    empty = np.zeros((science.NUM_DENSITY_BINS, science.NUM_TEMPERATURE_BINS))
+    assert all(math.isnan(v) for v in science.fit_temperature_density(empty))
+
+
+def test_two_accumulators_sum_to_one_over_both_batches(generated):
+    _, hydro = generated
+    prediction = hydro * 0.9 + 0.01
+    single = metrics_of(prediction, hydro, batch=8)
+    first, second = metrics_of(prediction[:3], hydro[:3], batch=3), metrics_of(prediction[3:], hydro[3:], batch=5)
+    first.sums += second.sums                     # what all_reduce does across two ranks
+    assert torch.allclose(first.sums, single.sums, rtol=1e-6, atol=0)
+    merged, expected = first.compute(), single.compute()
+    assert merged.keys() == expected.keys()
+    for tag in expected:
+        assert merged[tag] == pytest.approx(expected[tag], rel=1e-6), tag
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def all_reduce_worker(rank, port, prediction, target, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    info = init_distributed()
+    try:
+        metrics = metrics_of(prediction[rank::2], target[rank::2])
+        metrics.all_reduce(info)
+        torch.save(metrics.compute(), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        cleanup(info)
+
+
+def test_all_reduce_over_two_gloo_ranks(generated, tmp_path):
+    _, hydro = generated
+    prediction = hydro * 0.9 + 0.01
+    # fork: the children reuse this process's imports (spawn re-imports torch, ~10 s on 2 cores);
+    # DataLoader workers start the same way.
+    mp.start_processes(all_reduce_worker, args=(free_port(), prediction, hydro, str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    expected = metrics_of(prediction, hydro).compute()
+    for rank in (0, 1):
+        reduced = torch.load(tmp_path / f"rank{rank}.pt")
+        for tag in expected:
+            assert reduced[tag] == pytest.approx(expected[tag], rel=1e-6), (rank, tag)
+    # Single process: all_reduce leaves the state alone.
+    metrics = metrics_of(prediction, hydro)
+    before = metrics.sums.clone()
+    metrics.all_reduce(DistInfo())
+    assert torch.equal(metrics.sums, before)
+
+
+def test_errors_say_what_was_wrong():
+    metrics = science.ScienceMetrics(CROP, "cpu")
+    with pytest.raises(RuntimeError, match="no data: call update"):
+        metrics.compute()
+    with pytest.raises(ValueError, match=r"shape \(B, 5, 16, 16, 16\), got \(2, 5, 8, 8, 8\)"):
+        metrics.update(torch.zeros(2, 5, 8, 8, 8), torch.zeros(2, 5, 8, 8, 8))
+
+
+def test_figures_and_tensorboard_logging(generated, tmp_path):
+    nbody, hydro = generated
+    prediction = hydro * 0.9 + 0.01
+    metrics = metrics_of(prediction, hydro)
+    figures = {"slices": (science.slice_figure(nbody[0], prediction[0], hydro[0]), 5 * 3 + 5 + 1),
+               "power": (science.power_spectrum_figure(metrics), 2),
+               "t_rho": (science.temperature_density_figure(metrics), 3)}
+    for name, (fig, num_axes) in figures.items():
+        assert len(fig.axes) == num_axes, name
+        fig.savefig(tmp_path / f"{name}.png", dpi=50)
+        height, width, channels = imread(tmp_path / f"{name}.png").shape
+        assert (height, width) == (round(fig.get_figheight() * 50), round(fig.get_figwidth() * 50)), name
+    # a row shares one colour range: prediction and target of gas density, and the input beside them
+    slices = figures["slices"][0].axes
+    assert slices[0].images[0].get_clim() == slices[1].images[0].get_clim() == slices[2].images[0].get_clim()
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "logs"))
+    science.write_tensorboard(writer, 7, metrics, example=(nbody[0], prediction[0], hydro[0]))
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "logs"))
+    events.Reload()
+    scalars = metrics.compute()
+    assert set(events.Tags()["scalars"]) == set(scalars)
+    assert events.Scalars("T_rho/gamma_true")[0].step == 7
+    assert events.Scalars("T_rho/gamma_true")[0].value == pytest.approx(scalars["T_rho/gamma_true"])
+    assert set(events.Tags()["images"]) == {"Science/slices", "Science/power_spectrum", "Science/temperature_density"}

@@ -1,0 +1,303 @@
+"""The fast CPU data path: threads write each crop, transformed, straight into a reusable batch buffer.
+
+Same samples in the same order as the straightforward loader (``RandomCropDataset`` through a
+torch ``DataLoader``); only the copies differ. Per sample, the straightforward path does
+
+    read the crop (h5py) -> transform copy -> collate copy into the batch -> hand-over from the
+    worker process through shared memory -> pin-memory copy (CUDA only)
+
+and the fast path writes each sample from the volume straight into its slot of a (pinned, for
+CUDA) batch buffer with :func:`transform_into`: ``symmetry.transform`` arranged so that it reads
+memory the way the hardware likes.
+
+Why threads, not worker processes: numpy releases the GIL in its copy loops, so threads copy in
+parallel with no pickling, no shared-memory hand-over and no per-batch allocation, and can write
+into page-locked memory that a process pool could not share. (The measurements are in
+benchmarks/results/loaders_cpu.md.) HDF5 is the exception: h5py serialises every call under one
+global lock, so ``lowmem`` does not go through h5py when it can avoid it: a contiguous,
+uncompressed dataset (what h5py and utils.make_dataset write by default) is read through a
+read-only memory map of the file, which threads copy from in parallel and which keeps nothing
+resident but the page cache. Chunked or compressed datasets are read with one ``read_direct``
+call per crop into a per-thread buffer; ``FastLoader.description`` says which path is in use.
+"""
+import math
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import h5py
+import numpy as np
+import torch
+
+from utils import symmetry
+from utils.data_loader import VECTOR_CHANNELS, RandomCropDataset, ShardedSampler, build_sampler
+
+# Batches being filled ahead of the one the consumer is using.
+PREFETCH_BATCHES = 2
+
+
+def transform_into(volume, g, out, scratch, vector_channels=VECTOR_CHANNELS):
+    """``symmetry.transform(volume, g, vector_channels, out=out)`` in about 40% less time (mean of the 48).
+
+    volume (C, S, S, S), any strides (a crop of a box); out (C, S, S, S); scratch (2, S, S, S)
+    float32, one per thread. A strided copy is fast while it reads the volume's rows (its last
+    axis) forward, which the hardware prefetcher streams from memory: one copy does it when
+    ``g`` keeps rows as unreversed rows. Otherwise each channel is first streamed into a compact
+    copy and moved from there, in cache: by numpy, or -- for the 3 axis orders that turn rows
+    into columns, (1,2,0), (2,0,1), (2,1,0) -- by one 2D transpose, which torch's copy does in
+    cache-sized blocks after numpy has applied the flips.
+    """
+    perm, flips = symmetry.element(g)
+    if perm[2] == 2 and not flips[2]:
+        return symmetry.transform(volume, g, vector_channels, out=out)
+    s = volume.shape[1]
+    compact, staged = scratch
+    rows_to_columns = perm[0] != 0 and perm[2] != 2
+    if rows_to_columns:
+        # Order the axes so that moving the last one to the front (perm[0] == 2), or the first one
+        # to the back (perm[1] == 2), gives the output's axis order.
+        order = (perm[1], perm[2], 2) if perm[0] == 2 else (perm[2], perm[0], 2)
+        flipped = np.flip(compact, [perm[k] for k in range(3) if flips[k]]).transpose(order)
+        matrix = (s * s, s) if perm[0] == 2 else (s, s * s)
+        transposed = torch.from_numpy(staged).view(matrix).t()
+    else:
+        moved = symmetry.transform_view(compact[None], g)[0]
+    for c in range(volume.shape[0]):
+        source, negate = c, False
+        if c in vector_channels:
+            k = vector_channels.index(c)
+            source, negate = vector_channels[perm[k]], flips[k]
+        if negate:
+            np.negative(volume[source], out=compact)
+        else:
+            np.copyto(compact, volume[source])
+        if rows_to_columns:
+            np.copyto(staged, flipped)
+            torch.from_numpy(out[c]).view(transposed.shape).copy_(transposed)
+        else:
+            np.copyto(out[c], moved)
+    return out
+
+
+def memory_map(dataset):
+    """A read-only ``np.memmap`` of an h5py dataset, or None if its layout cannot be mapped.
+
+    Only a contiguous dataset with no filters (compression, checksums) and no external storage
+    has its elements laid out in the file exactly as in a C-ordered array.
+    """
+    plist = dataset.id.get_create_plist()
+    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() or plist.get_external_count():
+        return None
+    offset = dataset.id.get_offset()  # None until the data has been written
+    if offset is None:
+        return None
+    return np.memmap(dataset.file.filename, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
+
+
+class ArrayCrops:
+    """Crops as views of (C, N, N, N) arrays: in-memory volumes or memory maps of the file."""
+
+    def __init__(self, inp, tar, crop, description):
+        self.inp, self.tar, self.crop, self.description = inp, tar, crop, description
+
+    def __call__(self, x, y, z):
+        s = self.crop
+        return self.inp[:, x:x + s, y:y + s, z:z + s], self.tar[:, x:x + s, y:y + s, z:z + s]
+
+
+class HDF5Crops:
+    """Crops read with h5py ``read_direct`` into per-thread buffers (one lock-serialised call per crop)."""
+
+    description = "HDF5 crops through h5py (chunked or filtered datasets: reads are serialised)"
+
+    def __init__(self, path, crop):
+        self.file = h5py.File(path, "r")
+        self.inp, self.tar = self.file["Nbody"], self.file["Hydro"]
+        self.crop = crop
+        self.local = threading.local()
+
+    def __call__(self, x, y, z):
+        s = self.crop
+        if not hasattr(self.local, "buffers"):  # a thread's buffers are overwritten by its next crop only
+            self.local.buffers = tuple(np.empty((d.shape[0], s, s, s), np.float32) for d in (self.inp, self.tar))
+        region = np.s_[:, x:x + s, y:y + s, z:z + s]
+        for volume, buffer in zip((self.inp, self.tar), self.local.buffers):
+            volume.read_direct(buffer, region)
+        return self.local.buffers
+
+
+def crop_reader(dataset):
+    """The fastest way to read the crops of a ``RandomCropDataset`` (see the module docstring)."""
+    if dataset.mode in ("inmem", "synthetic"):
+        return ArrayCrops(dataset.inp, dataset.tar, dataset.crop, f"{dataset.mode} volumes")
+    with h5py.File(dataset.path, "r") as f:
+        maps = memory_map(f["Nbody"]), memory_map(f["Hydro"])
+    if any(m is None for m in maps):
+        return HDF5Crops(dataset.path, dataset.crop)
+    return ArrayCrops(*maps, dataset.crop, "memory-mapped HDF5 file")
+
+
+class BatchBuffers:
+    """Batch buffers that are handed out again only once no tensor made from them is alive.
+
+    ``take(n)`` returns fresh numpy views ``[:n]`` of a free (inp, tar) buffer pair. A tensor made
+    with ``torch.from_numpy(view)`` holds the view until its storage -- shared by every tensor
+    derived from it -- is freed, so a weak reference to each view says when the pair is free. A
+    consumer that keeps batches (``list(loader)``) therefore gets correct data and a growing pool;
+    one that drops each batch before asking for the next cycles through PREFETCH_BATCHES + 2 pairs.
+    """
+
+    def __init__(self, shapes, pin_memory):
+        self.shapes, self.pin_memory = shapes, pin_memory
+        self.pool = []  # [arrays, weak references to the views handed out]
+
+    def take(self, n):
+        entry = next((e for e in self.pool if all(ref() is None for ref in e[1])), None)
+        if entry is None:
+            entry = [tuple(self._allocate(shape) for shape in self.shapes), ()]
+            self.pool.append(entry)
+        views = tuple(array[:n] for array in entry[0])
+        entry[1] = tuple(weakref.ref(view) for view in views)
+        return views
+
+    def _allocate(self, shape):
+        if self.pin_memory:  # page-locked memory: host-to-device copies run asynchronously, by DMA
+            return torch.empty(shape, dtype=torch.float32, pin_memory=True).numpy()
+        return np.empty(shape, np.float32)
+
+
+class FastLoader:
+    """This rank's batches of the sampler's current epoch: (inp (B, C_in, S, S, S), tar (B, C_out, S, S, S)).
+
+    ``num_workers`` threads fill the samples of the next PREFETCH_BATCHES batches while the
+    consumer uses the current one; with 0 each batch is filled in the calling thread on demand.
+    Batches are float32 CPU tensors, page-locked with ``pin_memory``: copy those to the GPU with
+    :class:`DevicePrefetcher`, which keeps a batch alive until its copy has landed (a bare
+    ``.to(device, non_blocking=True)`` followed by dropping the batch would let its buffer be
+    refilled while the copy still reads it).
+    """
+
+    def __init__(self, dataset: RandomCropDataset, sampler: ShardedSampler, num_workers: int, pin_memory=False):
+        self.dataset, self.sampler, self.num_workers = dataset, sampler, num_workers
+        self.read_crops = crop_reader(dataset)
+        self.local = threading.local()  # each thread's scratch crop for transform_into
+        size, crop = sampler.local_batch_size, dataset.crop
+        self.buffers = BatchBuffers([(size, volume.shape[0], crop, crop, crop)
+                                     for volume in (self.read_crops.inp, self.read_crops.tar)], pin_memory)
+        self.description = (f"fast {dataset.mode}: {self.read_crops.description}, "
+                            f"{num_workers} thread{'s' * (num_workers != 1)}{', pinned' * pin_memory}")
+
+    def __len__(self):
+        return math.ceil(len(self.sampler) / self.sampler.local_batch_size)
+
+    def __iter__(self):
+        plan = self.dataset.plan(self.sampler.epoch)
+        indices = list(self.sampler.indices())
+        size = self.sampler.local_batch_size
+        batches = [indices[start:start + size] for start in range(0, len(indices), size)]
+        if self.num_workers == 0:
+            for batch in batches:
+                yield self._fill_here(batch, plan)
+            return
+        pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="fast_loader")
+        try:
+            pending = deque()  # (views, futures) of the batches being filled, oldest first
+            for batch in batches:
+                views = self.buffers.take(len(batch))
+                pending.append((views, [pool.submit(self._fill_sample, views, slot, plan, index)
+                                        for slot, index in enumerate(batch)]))
+                if len(pending) > PREFETCH_BATCHES:
+                    yield self._collect(*pending.popleft())
+            while pending:
+                yield self._collect(*pending.popleft())
+        finally:  # also when the consumer stops early: drop queued samples, let running ones finish
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _fill_here(self, batch, plan):
+        views = self.buffers.take(len(batch))
+        for slot, index in enumerate(batch):
+            self._fill_sample(views, slot, plan, index)
+        return tuple(map(torch.from_numpy, views))
+
+    def _fill_sample(self, views, slot, plan, index):
+        corners, elements = plan
+        inp, tar = self.read_crops(*corners[index])
+        element, scratch = int(elements[index]), self._scratch()
+        transform_into(inp, element, views[0][slot], scratch)
+        transform_into(tar, element, views[1][slot], scratch)
+
+    def _scratch(self):
+        if not hasattr(self.local, "scratch"):
+            s = self.dataset.crop
+            self.local.scratch = np.empty((2, s, s, s), np.float32)
+        return self.local.scratch
+
+    @staticmethod
+    def _collect(views, futures):
+        for future in futures:
+            future.result()  # waits for the worker; re-raises its exception here
+        return tuple(map(torch.from_numpy, views))
+
+
+class DevicePrefetcher:
+    """Copies batch i+1 to ``device`` on a side CUDA stream while step i runs; on CPU, a passthrough.
+
+    Wraps any iterable of (inp, tar) CPU batches, ideally pinned (only page-locked memory copies
+    asynchronously), and yields them on the device, optionally in ``memory_format``.
+    """
+
+    def __init__(self, loader, device, memory_format=torch.contiguous_format):
+        self.loader, self.device, self.memory_format = loader, torch.device(device), memory_format
+        self.dataset = getattr(loader, "dataset", None)  # train.py reads loader.dataset, as of a DataLoader
+
+    def __len__(self):
+        return len(self.loader)
+
+    @property
+    def description(self):
+        inner = getattr(self.loader, "description", type(self.loader).__name__)
+        return f"{inner}, copied to {self.device} a batch ahead on a side stream" if self.device.type == "cuda" \
+            else inner
+
+    def __iter__(self):
+        if self.device.type != "cuda":
+            yield from self.loader
+            return
+        copy_stream = torch.cuda.Stream(self.device)
+        host_batches = iter(self.loader)
+        pending = self._copy(next(host_batches, None), copy_stream)
+        while pending is not None:
+            host, batch, copied = pending
+            compute_stream = torch.cuda.current_stream(self.device)  # the consumer's, at this next()
+            compute_stream.wait_event(copied)  # the step queued after this yield reads the batch
+            for tensor in batch:
+                # Allocated on the copy stream, used on the compute stream: without this the caching
+                # allocator could hand the memory to the next copy while the step still reads it.
+                tensor.record_stream(compute_stream)
+            pending = self._copy(next(host_batches, None), copy_stream)  # overlaps with this step
+            copied.synchronize()  # only now may the host buffer be refilled (long done: queued a step ago)
+            del host
+            yield batch
+
+    def _copy(self, host, stream):
+        if host is None:
+            return None
+        with torch.cuda.stream(stream):
+            batch = tuple(t.to(self.device, non_blocking=True, memory_format=self.memory_format) for t in host)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return host, batch, copied
+
+
+def get_fast_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"),
+                    memory_format=torch.contiguous_format):
+    """``(loader, sampler)`` like ``utils.data_loader.get_data_loader``, with the fast path.
+
+    On CUDA the loader yields device tensors (already copied, ahead of time, on a side stream).
+    """
+    device = torch.device(device)
+    dataset = RandomCropDataset(params, split)
+    sampler = build_sampler(params, split, rank, world_size)
+    loader = FastLoader(dataset, sampler, params.num_data_workers, pin_memory=device.type == "cuda")
+    return DevicePrefetcher(loader, device, memory_format), sampler

@@ -1,0 +1,383 @@
+"""Science metrics at validation: does the predicted gas have the right physics?
+
+The loss (mean L1 of normalised fields) says how close the numbers are. A cosmologist asks more:
+on the (prediction, target) batches of normalised hydro fields (B, 5, S, S, S), this module measures
+
+- L1 per field, in normalised units (what the loss averages) and in physical units: gas density in
+  units of the mean, velocities in km/s, temperature in K (dominated by the densest and hottest
+  cells: that is what an absolute error in those units means);
+- the ratio of predicted to true gas-density power spectrum per k shell: the clustering amplitude
+  of the prediction scale by scale (1: right; below 1 at high k: too smooth);
+- the temperature-density relation T = T0 (rho/mean)^(gamma - 1) of the photo-ionised IGM, fitted
+  on the predicted and on the true fields.
+
+    science = ScienceMetrics(crop_size=params.data_size, device=info.device)
+    for inp, tar in loader:
+        science.update(model(inp), tar)       # no host sync
+    science.all_reduce(info)                  # one collective under DDP
+    scalars = science.compute()               # {"L1/gas_density": ..., "T_rho/gamma_pred": ...}
+
+Every statistic is a sum over cells or crops held in one float64 device tensor (``sums``), so
+``update`` never waits for the device, ranks combine with one all-reduce, and the result does not
+depend on how the crops were split into batches or ranks.
+
+Power spectrum. A crop is not periodic, but the FFT treats it as if it were: the jump between
+opposite faces leaks power to high k along the axes. The gas is smoothed on ~1.5 cells, so its true
+power falls by orders of magnitude towards the Nyquist, and for raw 64^3 crops of a generated box
+that leakage is 7x the real power at 4-cell wavelengths and 10^7x near 2 cells. So each crop's
+contrast delta = rho/mean - 1, less its crop average, is multiplied by a 3D Hann window (normalised
+to mean(w^2) = 1). Measured on 64^3 crops of a generated 256^3 box against the periodic box's own
+P(k): within 10% at wavelengths 32-5 cells, 1.1-1.2x at 5-3.4 cells, up to 1.6x at 2.3 cells and
+2-9x on the last three shells (where the real power is 1e-13 of its peak); the window smears the
+lowest shell (|k| = 1 reads 0.56 of the box's). Prediction and target are measured the same way,
+so the ratio compares like with like, and a prediction rho_pred = a rho gives a ratio of a^2 at
+every k. |delta_k|^2 is summed over spherical shells of integer |k| in units of the crop's
+fundamental mode 2 pi / S, from 1 to the axis Nyquist S/2. The scalars group the shells into
+octaves of wavelength S/|k| in cells: ``power_ratio/wavelength_4-8_cells`` is the summed predicted
+power over the summed true power at wavelengths in [4, 8) cells.
+
+Temperature-density relation. The generator (utils/make_dataset.py) sets T = T0 (rho/mean)^(gamma-1)
+and adds shock heating where the gas converges; underdense gas mostly expands, so there the relation
+holds, with a hot tail of converging cells. A least-squares fit over all underdense cells is pulled
+up by that tail (slope 0.54-0.58 over rho/mean < 1 on generated boxes, for the generator's 0.50);
+the median log T of each density bin is not. So the accumulated 2D histogram of (log rho, log T)
+gives the median log10 T of each 0.05-dex density column with log10(rho/mean) in
+FIT_LOG_DENSITY_RANGE (rho/mean 0.1 to 0.8), and a straight line fitted to those medians, weighted
+by cell counts, gives log10 T0 (intercept) and gamma - 1 (slope). On 32^3 and 64^3 crops of
+generated 64^3 to 256^3 boxes this recovers gamma 1.502-1.504 and T0 within 0.8% of the
+generator's 1.5 and 1e4 K.
+"""
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+from utils.make_dataset import (DENSITY_LOG_SCALE, HYDRO_CHANNELS, TEMPERATURE_LOG10_OFFSET, TEMPERATURE_LOG10_SCALE,
+                                denormalize_density, denormalize_temperature, denormalize_velocity, to_physical)
+
+DENSITY, TEMPERATURE = 0, 4                  # hydro channel indices
+PHYSICAL_NAMES = ("gas_density_over_mean", "gas_vx_km_s", "gas_vy_km_s", "gas_vz_km_s", "temperature_K")
+L1_TAGS = tuple(f"L1/{name}" for name in HYDRO_CHANNELS)
+L1_PHYSICAL_TAGS = tuple(f"L1_physical/{name}" for name in PHYSICAL_NAMES)
+T_RHO_TAGS = ("T_rho/gamma_pred", "T_rho/gamma_true", "T_rho/T0_pred_K", "T_rho/T0_true_K")
+
+# (log rho, log T) histogram over the whole normalised range (-1, 1) of both channels, so no cell
+# falls outside: 243 bins of 0.05 dex in density (log10 rho/mean in (-6.08, 6.08)), 200 bins of
+# 0.025 dex in temperature (log10 T in (2, 7)).
+NUM_DENSITY_BINS, NUM_TEMPERATURE_BINS = 243, 200
+FIT_LOG_DENSITY_RANGE = (-1.0, -0.1)         # log10(rho/mean) of the columns the T-rho line is fitted on
+_LOG10_DENSITY_PER_UNIT = DENSITY_LOG_SCALE / math.log(10)  # normalised density -> log10(rho/mean)
+
+
+def log_density_edges():
+    """Bin edges of the T-rho histogram in log10(rho/mean), (NUM_DENSITY_BINS + 1,)."""
+    return np.linspace(-1, 1, NUM_DENSITY_BINS + 1) * _LOG10_DENSITY_PER_UNIT
+
+
+def log_temperature_edges():
+    """Bin edges of the T-rho histogram in log10(T / K), (NUM_TEMPERATURE_BINS + 1,)."""
+    return np.linspace(-1, 1, NUM_TEMPERATURE_BINS + 1) * TEMPERATURE_LOG10_SCALE + TEMPERATURE_LOG10_OFFSET
+
+
+def _histogram_bin(x, num_bins):
+    """Bin index of normalised values on (-1, 1) split into num_bins; tanh's exact +-1 go to the edge bins."""
+    return ((x + 1) * (num_bins / 2)).floor().long().clamp_(0, num_bins - 1)
+
+
+def fit_temperature_density(histogram):
+    """(gamma, T0 in K) from a (NUM_DENSITY_BINS, NUM_TEMPERATURE_BINS) histogram of cell counts.
+
+    The median log10 T of each density column in FIT_LOG_DENSITY_RANGE (interpolated inside its
+    temperature bin), then a count-weighted straight line through the medians at the column
+    centres. NaN when fewer than two columns hold cells. The binning limits the accuracy: exact
+    relations with gamma 1.2 to 2.0 on generated 32^3 boxes come back within 0.007 in gamma and
+    0.4% in T0.
+    """
+    density_edges, temperature_edges = log_density_edges(), log_temperature_edges()
+    centres = 0.5 * (density_edges[1:] + density_edges[:-1])
+    columns = (centres >= FIT_LOG_DENSITY_RANGE[0]) & (centres <= FIT_LOG_DENSITY_RANGE[1])
+    counts = histogram[columns]                                  # (columns, T)
+    totals = counts.sum(axis=1)
+    occupied = totals > 0
+    if occupied.sum() < 2:
+        return math.nan, math.nan
+    counts, totals, x = counts[occupied], totals[occupied], centres[columns][occupied]
+    cumulative = counts.cumsum(axis=1)
+    half = totals / 2
+    median_bin = (cumulative < half[:, None]).sum(axis=1)        # first bin whose cumulative count reaches half
+    rows = np.arange(len(counts))
+    below = np.where(median_bin > 0, cumulative[rows, median_bin - 1], 0.0)
+    width = temperature_edges[1] - temperature_edges[0]
+    medians = temperature_edges[median_bin] + (half - below) / counts[rows, median_bin] * width
+    # np.polyfit weights multiply the residuals: sqrt(count) weighs each squared residual by its cells.
+    slope, intercept = np.polyfit(x, medians, 1, w=np.sqrt(totals))
+    return 1.0 + slope, 10.0 ** intercept
+
+
+class ScienceMetrics:
+    """Accumulates science metrics over validation batches of (B, 5, S, S, S) normalised hydro fields."""
+
+    def __init__(self, crop_size, device):
+        self.crop_size = crop_size
+        self.device = torch.device(device)
+        num_shells = crop_size // 2                              # |k| = 1 .. S/2 in units of 2 pi / S
+        num_hist = NUM_DENSITY_BINS * NUM_TEMPERATURE_BINS
+        self._sizes = dict(num_crops=1, l1=5, l1_physical=5, power_pred=num_shells, power_true=num_shells,
+                           hist_pred=num_hist, hist_true=num_hist)
+        # The whole state, one flat tensor (what all_reduce sums); the attributes below are views of it.
+        self.sums = torch.zeros(sum(self._sizes.values()), dtype=torch.float64, device=self.device)
+        for name, view in zip(self._sizes, self.sums.split(list(self._sizes.values()))):
+            setattr(self, name, view)
+        self._host = None                                        # numpy copy of sums, made once per compute
+
+        # rfftn modes (S, S, S//2 + 1): integer wavenumbers, shell = round(|k|), and the weight of each
+        # stored mode (2: it stands for itself and its conjugate, 1 for the kz = 0 and kz = S/2 planes).
+        k_full = torch.fft.fftfreq(crop_size, 1 / crop_size)
+        k_half = torch.fft.rfftfreq(crop_size, 1 / crop_size)
+        k_norm = (k_full[:, None, None] ** 2 + k_full[None, :, None] ** 2 + k_half[None, None, :] ** 2).sqrt()
+        shell = k_norm.round().long().flatten()
+        weight = torch.full(k_norm.shape, 2.0)
+        weight[..., 0] = 1.0
+        if crop_size % 2 == 0:
+            weight[..., -1] = 1.0
+        weight = weight.flatten()
+        used = (shell >= 1) & (shell <= num_shells)
+        self._mode_index = used.nonzero().squeeze(1).to(self.device)  # flat positions of the modes kept
+        self._mode_shell = (shell[used] - 1).to(self.device)          # their shell, 0 .. S/2 - 1
+        self._mode_weight = weight[used].to(self.device)
+        self.modes_per_shell = torch.zeros(num_shells, dtype=torch.float64).index_add_(
+            0, shell[used] - 1, weight[used].double()).numpy()
+        hann = torch.hann_window(crop_size, periodic=False, dtype=torch.float64)
+        window = hann[:, None, None] * hann[None, :, None] * hann[None, None, :]
+        self._window = (window / (window ** 2).mean().sqrt()).float().to(self.device)  # (S, S, S)
+
+    @torch.no_grad()
+    def update(self, prediction, target):
+        """Add a batch; prediction and target are normalised (B, 5, S, S, S), any float dtype."""
+        expected = (5,) + (self.crop_size,) * 3
+        if prediction.shape != target.shape or tuple(prediction.shape[1:]) != expected:
+            raise ValueError(f"science metrics expect prediction and target of shape (B, "
+                             f"{', '.join(map(str, expected))}), got {tuple(prediction.shape)} and "
+                             f"{tuple(target.shape)}")
+        prediction, target = prediction.float(), target.float()  # autocast outputs may be bf16/fp16
+        self._host = None
+        self.num_crops += prediction.shape[0]
+        self.l1 += (prediction - target).abs().sum(dim=(0, 2, 3, 4), dtype=torch.float64)
+        physical_pred = to_physical(prediction, "hydro", channel_axis=1)
+        physical_true = to_physical(target, "hydro", channel_axis=1)
+        self.l1_physical += (physical_pred - physical_true).abs().sum(dim=(0, 2, 3, 4), dtype=torch.float64)
+        for power, physical in ((self.power_pred, physical_pred), (self.power_true, physical_true)):
+            density = physical[:, DENSITY]                                    # rho/mean (B, S, S, S)
+            # delta = rho/mean - 1 (mean of the box: the data's unit) less its crop average, which the
+            # window would otherwise spread into the lowest shells
+            contrast = density - density.mean(dim=(1, 2, 3), keepdim=True)
+            modes = torch.fft.rfftn(contrast * self._window, dim=(1, 2, 3))    # (B, S, S, S//2+1) complex
+            modes_power = (modes.real ** 2 + modes.imag ** 2).sum(0).flatten()  # summed over the batch
+            power.index_add_(0, self._mode_shell, (modes_power[self._mode_index] * self._mode_weight).double())
+        for histogram, fields in ((self.hist_pred, prediction), (self.hist_true, target)):
+            density_bin = _histogram_bin(fields[:, DENSITY], NUM_DENSITY_BINS)            # (B, S, S, S)
+            temperature_bin = _histogram_bin(fields[:, TEMPERATURE], NUM_TEMPERATURE_BINS)
+            flat = (density_bin * NUM_TEMPERATURE_BINS + temperature_bin).flatten()
+            histogram += torch.bincount(flat, minlength=histogram.numel())
+
+    def all_reduce(self, info):
+        """Sum the state over ranks (one collective; a no-op in a single process). Call on every rank."""
+        if info.enabled:
+            dist.all_reduce(self.sums)
+        self._host = None
+
+    def _state(self):
+        """The state as numpy arrays by name (one device -> host copy, cached until the next update)."""
+        if self._host is None:
+            host = self.sums.cpu().numpy()  # the one host sync
+            if not host[0] > 0:  # num_crops
+                raise RuntimeError("ScienceMetrics has no data: call update() with validation batches before "
+                                   "reading it")
+            self._host = dict(zip(self._sizes, np.split(host, np.cumsum(list(self._sizes.values()))[:-1])))
+        return self._host
+
+    def compute(self):
+        """The scalars (floats by TensorBoard tag): L1 per field, power ratio per octave, T-rho fits."""
+        state = self._state()
+        num_cells = state["num_crops"][0] * self.crop_size ** 3
+        scalars = {}
+        for tag, l1 in zip(L1_TAGS, state["l1"] / num_cells):
+            scalars[tag] = float(l1)
+        for tag, l1 in zip(L1_PHYSICAL_TAGS, state["l1_physical"] / num_cells):
+            scalars[tag] = float(l1)
+        for (low, high), shells in self.wavelength_octaves().items():
+            ratio = state["power_pred"][shells].sum() / state["power_true"][shells].sum()
+            scalars[f"power_ratio/wavelength_{low}-{high}_cells"] = float(ratio)
+        (gamma_pred, t0_pred), (gamma_true, t0_true) = (fit_temperature_density(self.histogram(which))
+                                                        for which in ("pred", "true"))
+        scalars.update({"T_rho/gamma_pred": float(gamma_pred), "T_rho/gamma_true": float(gamma_true),
+                        "T_rho/T0_pred_K": float(t0_pred), "T_rho/T0_true_K": float(t0_true)})
+        return scalars
+
+    def wavelength_octaves(self):
+        """{(low, high): shell indices} grouping shells |k| = n by wavelength S/n in [low, high) cells."""
+        octaves = {}
+        for n in range(1, self.crop_size // 2 + 1):
+            low = 1 << ((self.crop_size // n).bit_length() - 1)  # 2^floor(log2(S/n)), exact in integers
+            octaves.setdefault((low, 2 * low), []).append(n - 1)
+        return dict(sorted(octaves.items()))
+
+    def power_spectra(self):
+        """Shell-averaged P(k) in cells^3 of prediction and target: dict of (S/2,) numpy arrays.
+
+        k is in cycles per cell (1 / wavelength; 0.5 is the Nyquist), shells |k| = n / S.
+        """
+        state = self._state()
+        norm = state["num_crops"][0] * self.modes_per_shell * self.crop_size ** 3
+        k = np.arange(1, self.crop_size // 2 + 1) / self.crop_size
+        return {"k": k, "power_pred": state["power_pred"] / norm, "power_true": state["power_true"] / norm,
+                "ratio": state["power_pred"] / state["power_true"]}
+
+    def histogram(self, which):
+        """(NUM_DENSITY_BINS, NUM_TEMPERATURE_BINS) cell counts of 'pred' or 'true' (edges: log_*_edges())."""
+        return self._state()[f"hist_{which}"].reshape(NUM_DENSITY_BINS, NUM_TEMPERATURE_BINS)
+
+
+# --- figures: matplotlib Figure objects (no pyplot state), for writer.add_figure or fig.savefig(path.png) ---
+
+_INPUT_FOR_FIELD = (0, 1, 2, 3, 0)  # N-body channel shown beside each hydro field (temperature: DM density)
+_INPUT_NAMES = ("DM log10 rho/mean", "DM vx [km/s]", "DM vy [km/s]", "DM vz [km/s]")
+_FIELD_NAMES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
+
+
+def _display_hydro(x, channel):
+    """Normalised hydro channel -> what the slice figure shows (log10 rho/mean, km/s, log10 T)."""
+    if channel == DENSITY:
+        return np.log10(denormalize_density(x))
+    if channel == TEMPERATURE:
+        return np.log10(denormalize_temperature(x))
+    return denormalize_velocity(x)
+
+
+def _display_nbody(x, channel):
+    return np.log10(denormalize_density(x)) if channel == 0 else denormalize_velocity(x)
+
+
+def _middle_slice(sample):
+    """(C, S, S, S) tensor or array -> (C, S, S) float64 numpy: the middle plane along the first spatial axis."""
+    sample = sample.detach().float().cpu().numpy() if torch.is_tensor(sample) else np.asarray(sample)
+    return sample[:, sample.shape[1] // 2].astype(np.float64)
+
+
+def slice_figure(inp, prediction, target):
+    """Middle slices of one sample: rows = the 5 hydro fields, columns = input / prediction / target.
+
+    inp (4, S, S, S), prediction and target (5, S, S, S), normalised. Each row shares one colour
+    range, the input included where it is the same quantity (dark-matter density or velocity
+    beside the gas one); the temperature row shows the input density on its own colour scale.
+    """
+    inp, prediction, target = _middle_slice(inp), _middle_slice(prediction), _middle_slice(target)
+    fig = Figure(figsize=(9.5, 14), layout="constrained")
+    axes = fig.subplots(5, 3, sharex=True, sharey=True)
+    for field in range(5):
+        shown_input = _display_nbody(inp[_INPUT_FOR_FIELD[field]], _INPUT_FOR_FIELD[field])
+        shown_pred, shown_true = _display_hydro(prediction[field], field), _display_hydro(target[field], field)
+        same_quantity = field != TEMPERATURE
+        row = [shown_pred, shown_true] + ([shown_input] if same_quantity else [])
+        low, high = min(a.min() for a in row), max(a.max() for a in row)
+        if field in (1, 2, 3):  # velocities: a diverging map centred on zero
+            high = max(abs(low), abs(high))
+            low, cmap = -high, "RdBu_r"
+        else:
+            cmap = "inferno" if field == TEMPERATURE else "viridis"
+        for col, image in enumerate((shown_input, shown_pred, shown_true)):
+            own_scale = col == 0 and not same_quantity
+            im = axes[field, col].imshow(image.T, origin="lower", cmap="viridis" if own_scale else cmap,
+                                         vmin=None if own_scale else low, vmax=None if own_scale else high)
+            if own_scale:
+                fig.colorbar(im, ax=axes[field, col], shrink=0.8, label=_INPUT_NAMES[0])
+        fig.colorbar(im, ax=axes[field, 1:], shrink=0.8, label=_FIELD_NAMES[field])  # im: the target, row scale
+        axes[field, 0].set_ylabel(_INPUT_NAMES[_INPUT_FOR_FIELD[field]] if same_quantity else "input: DM density")
+    for col, title in enumerate(("input (N-body)", "prediction", "target")):
+        axes[0, col].set_title(title)
+    fig.suptitle(f"middle slice of one validation crop ({inp.shape[1]}^2 cells)")
+    return fig
+
+
+def power_spectrum_figure(metrics):
+    """Top: P(k) of predicted and true gas density; bottom: their ratio; against wavelength. Two axes."""
+    spectra = metrics.power_spectra()
+    wavelength = 1 / spectra["k"]                                # cells; small scales on the right
+    fig = Figure(figsize=(6, 6.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    top.loglog(wavelength, spectra["power_true"], "k-", label="target")
+    top.loglog(wavelength, spectra["power_pred"], "C1--", label="prediction")
+    top.set_ylabel("P(k) of delta [cells^3]")
+    top.legend()
+    top.set_title(f"gas density power spectrum ({metrics.crop_size}^3 crops, Hann window)")
+    bottom.loglog(wavelength, spectra["ratio"], "C1o-", markersize=3)
+    bottom.axhline(1.0, color="k", linewidth=0.8)
+    bottom.set_xlim(wavelength[0] * 1.1, wavelength[-1] / 1.1)
+    octaves = 2.0 ** np.arange(1, int(np.log2(metrics.crop_size)) + 1)  # the octaves of the power_ratio scalars
+    bottom.set_xticks(octaves, [f"{w:g}" for w in octaves])
+    bottom.xaxis.set_minor_formatter(NullFormatter())
+    plain = FuncFormatter(lambda value, _: f"{value:g}")         # 0.5, not 5x10^-1
+    bottom.yaxis.set_major_formatter(plain)
+    low, high = bottom.get_ylim()
+    bottom.yaxis.set_minor_formatter(plain if high / low < 10 else NullFormatter())  # within a decade: few ticks
+    bottom.set_xlabel("wavelength 1/k [cells]")
+    bottom.set_ylabel("P_pred / P_true")
+    return fig
+
+
+def temperature_density_figure(metrics):
+    """2D histograms of log T vs log rho, target and prediction, with the fitted T-rho lines. Three axes."""
+    density_edges, temperature_edges = log_density_edges(), log_temperature_edges()
+    histograms = {which: metrics.histogram(which) for which in ("true", "pred")}
+    fits = {which: fit_temperature_density(h) for which, h in histograms.items()}
+    occupied = np.nonzero((histograms["true"] + histograms["pred"]).sum(axis=1))[0]
+    density_range = (density_edges[occupied[0]], density_edges[occupied[-1] + 1])
+    occupied = np.nonzero((histograms["true"] + histograms["pred"]).sum(axis=0))[0]
+    temperature_range = (temperature_edges[occupied[0]], temperature_edges[occupied[-1] + 1])
+    norm = LogNorm(vmin=1, vmax=max(h.max() for h in histograms.values()))
+    fig = Figure(figsize=(11, 4.8), layout="constrained")
+    axes = fig.subplots(1, 2, sharex=True, sharey=True)
+    line_x = np.linspace(*density_range, 2)
+    for ax, (which, title) in zip(axes, (("true", "target"), ("pred", "prediction"))):
+        mesh = ax.pcolormesh(density_edges, temperature_edges, histograms[which].T, norm=norm, cmap="Greys")
+        for fit_of, style in (("true", "C0--"), ("pred", "C1-")):
+            gamma, t0 = fits[fit_of]
+            if fit_of == "pred" and which == "true" or not math.isfinite(gamma):
+                continue  # the target panel shows its own fit only; the prediction panel shows both
+            ax.plot(line_x, np.log10(t0) + (gamma - 1) * line_x, style,
+                    label=f"{'target' if fit_of == 'true' else 'prediction'} fit: gamma {gamma:.3f}, T0 {t0:.0f} K")
+        ax.axvspan(*FIT_LOG_DENSITY_RANGE, color="C2", alpha=0.08, label="fit range (median log T per column)")
+        ax.set_xlim(density_range)
+        ax.set_ylim(temperature_range)
+        ax.set_title(title)
+        ax.set_xlabel("log10 rho_gas / mean")
+        ax.legend(loc="upper left", fontsize="small")
+    axes[0].set_ylabel("log10 T [K]")
+    fig.colorbar(mesh, ax=axes, label="cells")
+    return fig
+
+
+def format_summary(scalars):
+    """One log line from ``compute()``'s scalars: density and temperature L1, gamma, power ratios."""
+    ratios = [(tag.removeprefix("power_ratio/wavelength_").removesuffix("_cells"), value)
+              for tag, value in scalars.items() if tag.startswith("power_ratio/")]
+    return (f"L1 gas density {scalars['L1/gas_density']:.5f}, temperature {scalars['L1/temperature']:.5f} | "
+            f"T-rho gamma {scalars['T_rho/gamma_pred']:.3f} (target {scalars['T_rho/gamma_true']:.3f}) | "
+            f"P_pred/P_true at wavelengths [cells] " + ", ".join(f"{band}: {value:.3g}" for band, value in ratios))
+
+
+def write_tensorboard(writer, step, metrics, example=None):
+    """Log every scalar of ``metrics.compute()`` and the figures (slices only when ``example`` is given).
+
+    ``example``: (inp (4, S, S, S), prediction (5, S, S, S), target (5, S, S, S)) of one crop.
+    """
+    for tag, value in metrics.compute().items():
+        writer.add_scalar(tag, value, step)
+    writer.add_figure("Science/power_spectrum", power_spectrum_figure(metrics), step)
+    writer.add_figure("Science/temperature_density", temperature_density_figure(metrics), step)
+    if example is not None:
+        writer.add_figure("Science/slices", slice_figure(*example), step)
