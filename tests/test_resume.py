@@ -165,8 +165,8 @@ def test_torchrun_max_restarts_recovers_a_killed_worker(tiny_argv, tmp_path):
     process = start_and_wait_for_step(cmd, checkpoints, 6)
     worker = next(pid for pid in worker_pids(process.pid) if "RANK=1" in environ_of(pid))
     os.kill(worker, signal.SIGKILL)
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr
+    stdout, stderr = process.communicate(timeout=180)
+    assert process.returncode == 0, stdout[-5000:] + stderr[-5000:]
     log = (run_dir(tmp_path, "elastic", 2) / "out.log").read_text()
     assert "Resumed from" in log and newest_step(checkpoints) == FINAL_STEP
 

@@ -5,6 +5,7 @@ MASTER_PORT; with WORLD_SIZE unset or 1 the script runs as a single process with
 """
 import inspect
 import os
+from datetime import timedelta
 from dataclasses import dataclass
 
 import torch
@@ -54,10 +55,26 @@ def init_distributed():
         if missing:
             raise RuntimeError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with torchrun "
                                f"or source export_DDP_vars.sh inside each Slurm task")
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", init_method="env://",
-                                world_size=world_size, rank=rank,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", world_size=world_size,
+                                rank=rank, device_id=device if device.type == "cuda" else None,
+                                **_rendezvous())
     return info
+
+
+def _rendezvous():
+    """``init_method="env://"``, except after a torchrun restart.
+
+    torchrun's workers share the agent's key-value store, which outlives a restart: restarted
+    workers could read the addresses the killed ones published and fail to connect ("Gloo
+    connectFullMesh failed ... Connection refused"; seen with --standalone and --max_restarts).
+    A prefix per restart attempt keeps each generation's keys apart.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {"init_method": "env://"}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"restart_{restart}", store)}
 
 
 def all_reduce_sum(values, info):
