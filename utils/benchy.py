@@ -70,9 +70,10 @@ def run_benchmark(params, state, step, train_loader, train_sampler, run_dir, log
         rates = []
         for trial in range(settings["warmup_trials"] + settings["trials"]):
             rate = _trial_rate(work[mode], settings["batches_per_trial"], params.global_batch_size, state)
-            phase = "warm-up" if trial < settings["warmup_trials"] else "trial"
-            log(f"BENCHY::{mode}::{phase} {trial + 1}: {rate:.3f} samples/s")
-            if phase == "trial":
+            warmup = trial < settings["warmup_trials"]
+            number = trial + 1 if warmup else trial + 1 - settings["warmup_trials"]
+            log(f"BENCHY::{mode}::{'warm-up' if warmup else 'trial'} {number}: {rate:.3f} samples/s")
+            if not warmup:
                 rates.append(rate)
         mean = sum(rates) / len(rates)
         std = math.sqrt(sum((r - mean) ** 2 for r in rates) / len(rates))
