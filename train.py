@@ -42,14 +42,15 @@ logger = logging.getLogger("train")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--yaml_config", default=str(DEFAULT_YAML), help="YAML file of named configs")
-    parser.add_argument("--config", default="base", help="named config in the YAML file")
-    parser.add_argument("--run_num", default="0", help="run name inside expdir/<config>/<N>GPU/")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--yaml_config", default=str(DEFAULT_YAML), help="YAML file of named configs "
+                        "(default: config/UNet.yaml)")
+    parser.add_argument("--config", default="base", help="named config in the YAML file (default: base)")
+    parser.add_argument("--run_num", default="0", help="run name inside expdir/<config>/<N>GPU/ (default: 0)")
     parser.add_argument("--expdir", help="root of run folders (default: config's expdir, or $EXPDIR)")
     # Every flag below defaults to None = "not given": only given flags override the config.
-    flag = dict(action="store_const", const=True, default=None)
+    # On/off flags also have a --no- form, to switch off what a named config switched on.
+    flag = dict(action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--amp_mode", choices=["none", "fp16", "bf16"], help="mixed precision")
     parser.add_argument("--enable_amp", action="store_const", const="fp16", dest="amp_mode_fp16",
                         help="same as --amp_mode=fp16 (the SC21 flag)")
@@ -86,7 +87,8 @@ def parse_args(argv=None):
     parser.add_argument("--noddp", help="no gradient sync across ranks: measures compute alone; NOT real training",
                         **flag)
     parser.add_argument("--resume", default="auto",
-                        help="auto: continue from the newest valid checkpoint in the run directory; never; or a path")
+                        help="auto (default): continue from the newest valid checkpoint in the run directory; "
+                             "never; or a checkpoint path")
     parser.add_argument("--checkpoint_every_n_steps", type=int, help="0: only at the end of each epoch")
     parser.add_argument("--keep_checkpoints", type=int, help="newest checkpoints kept")
     parser.add_argument("--deterministic", help="deterministic algorithms (bit-reproducible resumes)", **flag)

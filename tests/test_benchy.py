@@ -28,3 +28,11 @@ def test_benchmark_then_training_equals_training_alone(tiny_argv, tmp_path, monk
     # the trials' optimiser steps were rolled back: training starts from the same state
     assert with_benchmark == pytest.approx(alone, rel=1e-6)
     assert (run_dir(tmp_path, "b") / "named.json").exists()
+
+
+@pytest.mark.parametrize("loader", [["--data_loader_config", "lowmem", "--no-fast_loader"], ["--fast_loader"],
+                                    ["--data_loader_config", "gpu"], ["--data_loader_config", "synthetic"]])
+def test_benchmark_mode_works_with_every_loader(tiny_argv, tmp_path, loader):
+    assert train.main(tiny_argv + ["--enable_benchy"] + loader) is None
+    results = json.loads((run_dir(tmp_path) / "benchy.json").read_text())
+    assert all(results[mode]["mean"] > 0 for mode in ("IO", "SYNTHETIC", "FULL"))

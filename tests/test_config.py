@@ -40,6 +40,7 @@ def test_precedence_base_named_flags():
     assert opt.amp_mode == "none" and opt.num_epochs == 2 and opt.enable_fused
     assert load_config("base", overrides=overrides_from(["--enable_amp"])).amp_mode == "fp16"
     assert load_config("base", overrides=overrides_from(["--disable_tf32"])).enable_tf32 is False
+    assert load_config("short_opt", overrides=overrides_from(["--no-enable_jit"])).enable_jit is False
     assert load_config("base", overrides=overrides_from(["--local_batch_size", "16"], world_size=4)).global_batch_size == 64
 
 
