@@ -32,7 +32,7 @@ from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, CheckpointError, check_com
                               load_optimizer_state, plain_state_dict, rng_state, save_checkpoint, set_rng_state)
 from utils.config import DEFAULT_YAML, ConfigError, load_config, resolve_path, save_config
 from utils.data_loader import DataError, get_data_loader
-from utils.distributed import DistInfo, all_reduce_sum, cleanup, init_distributed, wrap_ddp
+from utils.distributed import DistInfo, all_reduce_sum, cleanup, env_world_size, init_distributed, wrap_ddp
 from utils.lr_schedule import learning_rate, total_steps
 from utils.profiling import Profiler
 from utils.science import ScienceMetrics, format_summary, write_tensorboard
@@ -519,12 +519,14 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
 
 def main(argv=None, make_step=lambda state: eager_step, capturable=False):
     args = parse_args(argv)
+    # Config errors first: before the process group exists, so a bad config fails fast on every rank.
+    world_size = env_world_size()
+    params = load_config(args.config, args.yaml_config, config_overrides(args, world_size))
+    if params.global_batch_size % world_size:
+        raise ConfigError(f"global batch size {params.global_batch_size} is not divisible by the world size "
+                          f"{world_size}; use a multiple of {world_size}")
     info = init_distributed()
     try:
-        params = load_config(args.config, args.yaml_config, config_overrides(args, info.world_size))
-        if params.global_batch_size % info.world_size:
-            raise ConfigError(f"global batch size {params.global_batch_size} is not divisible by the world size "
-                              f"{info.world_size}; use a multiple of {info.world_size}")
         run_dir = make_run_dir(args, params, info)
         setup_logging(run_dir, info)
         if info.is_main:

@@ -24,7 +24,6 @@ optimizer step.
 The optimizer is Adam with ``capturable=True`` and a learning rate held in a device tensor, so the
 LR schedule (``TrainState.set_lr`` fills that tensor) needs no re-capture.
 """
-import os
 import warnings
 
 import torch
@@ -32,6 +31,7 @@ import torch
 import train
 from utils.checkpoint import restore_training_state, snapshot_training_state
 from utils.config import ConfigError, load_config
+from utils.distributed import env_world_size
 
 NUM_WARMUP_STEPS = 3  # eager steps before capture: cuDNN autotuning, lazy optimizer state, compilation
 
@@ -142,7 +142,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise ConfigError("train_graph.py captures the training step in a CUDA graph and needs a CUDA GPU, "
                           "but none is visible (torch.cuda.is_available() is False); use train.py here")
-    world_size = int(os.environ.get("WORLD_SIZE") or 1)
+    world_size = env_world_size()
     # The same config train.main will load; checked here so a refusal comes before data loading.
     params = load_config(args.config, args.yaml_config, train.config_overrides(args, world_size))
     check_graph_support(params, world_size)

@@ -39,8 +39,12 @@ def _env_int(name, default):
         raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def env_world_size():
+    return _env_int("WORLD_SIZE", 1)
+
+
 def init_distributed():
-    world_size = _env_int("WORLD_SIZE", 1)
+    world_size = env_world_size()
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
