@@ -51,9 +51,21 @@ def newest_step(directory):
     return max(steps, default=-1)
 
 
-def start_and_wait_for_step(cmd, checkpoints, step, timeout=240):
+@pytest.fixture(autouse=True)
+def started():
+    """Processes a test started; their whole session is killed afterwards, even when the test failed."""
+    processes = []
+    yield processes
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def start_and_wait_for_step(cmd, checkpoints, step, started, timeout=240):
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(),
                                cwd=REPO_ROOT, start_new_session=True)
+    started.append(process)
     deadline = time.time() + timeout
     while newest_step(checkpoints) < step:
         assert process.poll() is None, process.communicate()
@@ -72,10 +84,10 @@ def reference(tiny_argv, tmp_path):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kill_9_at_a_random_step_then_rerun_gives_identical_weights(tiny_argv, tmp_path, reference, seed):
+def test_kill_9_at_a_random_step_then_rerun_gives_identical_weights(tiny_argv, tmp_path, reference, seed, started):
     kill_after = int(np.random.default_rng(seed).integers(2, FINAL_STEP - 2))
     cmd = command(tiny_argv, "killed")
-    process = start_and_wait_for_step(cmd, run_dir(tmp_path, "killed") / "checkpoints", kill_after)
+    process = start_and_wait_for_step(cmd, run_dir(tmp_path, "killed") / "checkpoints", kill_after, started)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert newest_step(run_dir(tmp_path, "killed") / "checkpoints") < FINAL_STEP
@@ -85,10 +97,10 @@ def test_kill_9_at_a_random_step_then_rerun_gives_identical_weights(tiny_argv, t
     assert_identical(final_weights(tmp_path, "killed"), reference)
 
 
-def test_sigusr1_checkpoints_exits_3_and_continues_exactly(tiny_argv, tmp_path, reference):
+def test_sigusr1_checkpoints_exits_3_and_continues_exactly(tiny_argv, tmp_path, reference, started):
     cmd = command(tiny_argv, "signalled")
     checkpoints = run_dir(tmp_path, "signalled") / "checkpoints"
-    process = start_and_wait_for_step(cmd, checkpoints, 5)
+    process = start_and_wait_for_step(cmd, checkpoints, 5, started)
     process.send_signal(signal.SIGUSR1)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 3, stderr
@@ -138,13 +150,13 @@ def test_nan_loss_stops_and_names_the_step_and_the_last_good_checkpoint(tiny_arg
     assert not list((run_dir(tmp_path, "nan") / "checkpoints").glob("*.pt"))
 
 
-def test_ddp_sigusr1_all_ranks_stop_at_the_same_step_and_continue(tiny_argv, tmp_path):
+def test_ddp_sigusr1_all_ranks_stop_at_the_same_step_and_continue(tiny_argv, tmp_path, started):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     reference = run(command(tiny_argv, "ddp_ref", torchrun))
     assert reference.returncode == 0, reference.stderr
     cmd = command(tiny_argv, "ddp", torchrun)
     checkpoints = run_dir(tmp_path, "ddp", 2) / "checkpoints"
-    process = start_and_wait_for_step(cmd, checkpoints, 5)
+    process = start_and_wait_for_step(cmd, checkpoints, 5, started)
     for pid in worker_pids(process.pid):  # as Slurm does: every task gets the signal, not the launcher
         if "RANK=" in environ_of(pid):
             os.kill(pid, signal.SIGUSR1)
@@ -157,12 +169,12 @@ def test_ddp_sigusr1_all_ranks_stop_at_the_same_step_and_continue(tiny_argv, tmp
     assert_identical(final_weights(tmp_path, "ddp", 2), final_weights(tmp_path, "ddp_ref", 2))
 
 
-def test_torchrun_max_restarts_recovers_a_killed_worker(tiny_argv, tmp_path):
+def test_torchrun_max_restarts_recovers_a_killed_worker(tiny_argv, tmp_path, started):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "--max_restarts=1"]
     cmd = command(tiny_argv, "elastic", torchrun)
     checkpoints = run_dir(tmp_path, "elastic", 2) / "checkpoints"
-    process = start_and_wait_for_step(cmd, checkpoints, 6)
+    process = start_and_wait_for_step(cmd, checkpoints, 6, started)
     worker = next(pid for pid in worker_pids(process.pid) if "RANK=1" in environ_of(pid))
     os.kill(worker, signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=180)
