@@ -38,7 +38,7 @@ from tqdm import tqdm
 from networks.UNet import build_model
 from utils.checkpoint import CheckpointError, latest_valid_checkpoint, load_checkpoint, load_model_state
 from utils.config import ConfigError, Params
-from utils.data_loader import DataError
+from utils.data_loader import DataError, read_volume_shapes
 
 # Config keys build_model and the default tile need; older or foreign checkpoints may lack them.
 MODEL_KEYS = ("model_channels", "full_scale", "N_in_channels", "N_out_channels", "weight_init", "data_size")
@@ -94,19 +94,7 @@ def check_input(path, in_channels):
     if not path.exists():
         raise DataError(f"input file {path} does not exist; give an HDF5 file with dataset 'Nbody' "
                         f"({in_channels}, N, N, N), e.g. one written by `python -m utils.make_dataset`")
-    try:
-        with h5py.File(path, "r") as f:
-            if "Nbody" not in f:
-                raise DataError(f"{path} has no dataset 'Nbody' (found: {', '.join(f.keys()) or 'none'}); "
-                                f"expected 'Nbody' ({in_channels}, N, N, N)")
-            shape = f["Nbody"].shape
-    except OSError as err:
-        raise DataError(f"cannot read {path} as HDF5: {err}") from None
-    if len(shape) != 4 or shape[0] != in_channels:
-        raise DataError(f"{path}: dataset 'Nbody' has shape {shape}, expected ({in_channels}, N, N, N) "
-                        f"for this checkpoint")
-    if not shape[1] == shape[2] == shape[3]:
-        raise DataError(f"{path}: dataset 'Nbody' is not a cubic box: shape {shape}")
+    shape = read_volume_shapes(path, {"Nbody": in_channels}, hint=" for this checkpoint")["Nbody"]
     return shape[1]
 
 

@@ -34,16 +34,16 @@ def _int(value):
     return value
 
 
-def _positive_int(value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise TypeError("a positive integer")
-    return value
+def _int_at_least(minimum, description):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise TypeError(description)
+        return value
+    return check
 
 
-def _non_negative_int(value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TypeError("an integer >= 0")
-    return value
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _float(value):

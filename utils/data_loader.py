@@ -51,6 +51,31 @@ def sample_plan(seed, split, epoch, num_samples, box, crop, augment=True):
     return corners, elements
 
 
+def read_volume_shapes(path, channels, hint=""):
+    """Shapes of the (C, N, N, N) datasets ``channels`` names ({key: C}) in HDF5 file ``path``.
+
+    DataError, one line, for an unreadable file, a missing dataset, a wrong channel count or a
+    non-cubic box; ``hint`` ends the channel-count message.
+    """
+    try:
+        with h5py.File(path, "r") as f:
+            shapes = {}
+            for key, num_channels in channels.items():
+                if key not in f:
+                    raise DataError(f"{path} has no dataset '{key}' (found: {', '.join(f.keys()) or 'none'}); "
+                                    f"expected " + " and ".join(f"'{k}' ({c}, N, N, N)" for k, c in channels.items()))
+                shape = f[key].shape
+                if len(shape) != 4 or shape[0] != num_channels:
+                    raise DataError(f"{path}: dataset '{key}' has shape {shape}, expected ({num_channels}, N, N, N)"
+                                    f"{hint}")
+                if not shape[1] == shape[2] == shape[3]:
+                    raise DataError(f"{path}: dataset '{key}' is not a cubic box: shape {shape}")
+                shapes[key] = shape
+    except OSError as err:
+        raise DataError(f"cannot read {path} as HDF5: {err}") from None
+    return shapes
+
+
 def check_data_file(path, box, in_channels, out_channels):
     """Fail early, with a one-line message, on anything that would break training later."""
     path = resolve_path(path)
@@ -58,21 +83,7 @@ def check_data_file(path, box, in_channels, out_channels):
         raise DataError(f"data file {path} does not exist; generate one with "
                         f"`python -m utils.make_dataset --box {box} --out {path}` or point "
                         f"train_path/val_path at the real files (see README, 'Data')")
-    try:
-        with h5py.File(path, "r") as f:
-            shapes = {}
-            for key, channels in (("Nbody", in_channels), ("Hydro", out_channels)):
-                if key not in f:
-                    raise DataError(f"{path} has no dataset '{key}' (found: {', '.join(f.keys()) or 'none'}); "
-                                    f"expected 'Nbody' (C, N, N, N) and 'Hydro' (C, N, N, N)")
-                shape = f[key].shape
-                if len(shape) != 4 or shape[0] != channels:
-                    raise DataError(f"{path}: dataset '{key}' has shape {shape}, expected ({channels}, N, N, N)")
-                if not shape[1] == shape[2] == shape[3]:
-                    raise DataError(f"{path}: dataset '{key}' is not a cubic box: shape {shape}")
-                shapes[key] = shape
-    except OSError as err:
-        raise DataError(f"cannot read {path} as HDF5: {err}") from None
+    shapes = read_volume_shapes(path, {"Nbody": in_channels, "Hydro": out_channels})
     if shapes["Nbody"][1:] != shapes["Hydro"][1:]:
         raise DataError(f"{path}: Nbody box {shapes['Nbody'][1:]} differs from Hydro box {shapes['Hydro'][1:]}")
     if shapes["Nbody"][1] != box:

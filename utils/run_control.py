@@ -50,7 +50,7 @@ class RunControl:
     def track(self, loss, step):
         """Remember ``step`` if ``loss`` is not finite and no earlier step was (device-side, no sync)."""
         bad = ~torch.isfinite(loss) & (self.first_bad_step < 0)
-        self.first_bad_step = torch.where(bad, torch.full_like(self.first_bad_step, step), self.first_bad_step)
+        self.first_bad_step = torch.where(bad, step, self.first_bad_step)
 
     def agree(self):
         """(stop, first_bad_step or None), the same on every rank. A host sync (and a collective under DDP)."""
