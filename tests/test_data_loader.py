@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from utils import symmetry
-from utils.config import ConfigError, load_config
+from utils.config import ConfigError
 from utils.data_loader import DataError, RandomCropDataset, ShardedSampler, get_data_loader, sample_plan
 
 
@@ -78,6 +78,8 @@ def test_lowmem_equals_inmem_and_augmentation_is_the_group_transform(tiny_params
         x, y, z = corners[index]
         raw_inp = nbody[:, x:x + 8, y:y + 8, z:z + 8]
         np.testing.assert_array_equal(inp.numpy(), symmetry.transform(raw_inp, int(elements[index])))
+        raw_tar = hydro[:, x:x + 8, y:y + 8, z:z + 8]  # the target gets the same element, vectors included
+        np.testing.assert_array_equal(tar.numpy(), symmetry.transform(raw_tar, int(elements[index])))
         assert inp.shape == (4, 8, 8, 8) and tar.shape == (5, 8, 8, 8) and inp.dtype == torch.float32
 
 

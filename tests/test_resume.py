@@ -107,7 +107,7 @@ def test_sigusr1_checkpoints_exits_3_and_continues_exactly(tiny_argv, tmp_path, 
     assert stderr.strip().startswith("stopped: stopped by SIGUSR1 at global step") and len(stderr.strip().splitlines()) == 1
     stopped_at = newest_step(checkpoints)
     assert 5 <= stopped_at < FINAL_STEP
-    assert f"Checkpoint (preemption) written" in (run_dir(tmp_path, "signalled") / "out.log").read_text()
+    assert "Checkpoint (preemption) written" in (run_dir(tmp_path, "signalled") / "out.log").read_text()
     result = run(cmd)
     assert result.returncode == 0, result.stderr
     assert_identical(final_weights(tmp_path, "signalled"), reference)
