@@ -58,6 +58,8 @@ def parse_args(argv=None):
     parser.add_argument("--enable_apex", help="apex FusedAdam if importable, else PyTorch's fused Adam", **flag)
     parser.add_argument("--enable_jit", help="torch.compile the model and loss", **flag)
     parser.add_argument("--channels_last", help="channels-last-3d model and batches", **flag)
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"],
+                        help="auto (default): the rank's GPU when CUDA is visible, else the CPU")
     parser.add_argument("--disable_tf32", dest="enable_tf32", action="store_const", const=False, default=None,
                         help="full fp32 matmuls/convolutions on GPU (TF32 is on by default)")
     parser.add_argument("--enable_benchy", help="benchmark mode: IO, SYNTHETIC and FULL trials", **flag)
@@ -101,7 +103,7 @@ def parse_args(argv=None):
 def config_overrides(args, world_size):
     """The config keys the given flags override (None = flag not given)."""
     overrides = {key: getattr(args, key) for key in (
-        "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32", "enable_benchy",
+        "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32", "device", "enable_benchy",
         "enable_manual_profiling", "data_loader_config", "global_batch_size", "num_epochs", "num_data_workers",
         "Nsamples", "Nsamples_val", "seed", "train_path", "val_path", "log_every_n_steps", "peak_tflops",
         "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook", "noddp",
@@ -431,6 +433,7 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
             first_step = state.global_step - epoch * steps_per_epoch  # > 0 only in a resumed epoch
             train_sampler.set_epoch(epoch, first_step)
             meter = metrics.StepMeter(info.device, state.global_step)
+            step_losses = []  # device tensors of the steps since the last log line
             loss_sum = torch.full((), resumed_loss_sum if first_step else 0.0, device=info.device)
             epoch_start = time.perf_counter()
             batches = iter(train_loader)
@@ -444,11 +447,14 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
                     state.set_lr(lr)
                     loss = step(state, inp, tar)
                     loss_sum += loss
+                    step_losses.append(loss.clone())  # clone: a graph step's loss tensor is overwritten by the next
                     control.track(loss, state.global_step)
                     state.global_step += 1
                 last_in_epoch = step_in_epoch == steps_per_epoch - 1
                 if state.global_step % params.log_every_n_steps == 0 or last_in_epoch:
-                    loss_value = loss.item()  # host sync: only at log steps
+                    # one host sync per log interval: every step's loss since the last log line
+                    interval_losses = torch.stack(step_losses).tolist()
+                    loss_value = interval_losses[-1]
                     rates = meter.interval(steps=state.global_step, samples_per_step=params.global_batch_size)
                     eta = (num_steps - state.global_step) / max(rates["steps_per_sec"], 1e-9)
                     logger.info(f"epoch {epoch + 1} step {step_in_epoch + 1}/{steps_per_epoch} "
@@ -457,6 +463,10 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
                                 f"{100 * rates['wait_share']:.0f}% | ETA {metrics.format_duration(eta)}")
                     if writer:
                         writer.add_scalar("Learning Rate", lr, state.global_step)
+                        first = state.global_step - len(interval_losses) + 1
+                        for offset, value in enumerate(interval_losses):  # this rank's loss at every step
+                            writer.add_scalar("Loss/train_step", value, first + offset)
+                    step_losses.clear()
                 # Between epoch ends: checkpoint every N steps, or at once when a stop signal arrived.
                 # Under DDP a signal is acted on at log steps, where every rank agrees on it.
                 if last_in_epoch:
@@ -525,7 +535,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False):
     if params.global_batch_size % world_size:
         raise ConfigError(f"global batch size {params.global_batch_size} is not divisible by the world size "
                           f"{world_size}; use a multiple of {world_size}")
-    info = init_distributed()
+    info = init_distributed(params.device)
     try:
         run_dir = make_run_dir(args, params, info)
         setup_logging(run_dir, info)

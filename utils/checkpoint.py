@@ -57,7 +57,7 @@ RUN_DEFINING_KEYS = (
 # exist by then), and the initialisation (weights come from the checkpoint).
 # The world size may change too: the loader gives every world size the same global batches.
 RESUME_MAY_CHANGE_KEYS = (
-    "weight_init", "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32",
+    "weight_init", "device", "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32",
     "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook",
     "num_data_workers", "generate_data", "enable_benchy", "benchy", "enable_manual_profiling", "profile_dir",
     "profile_window", "expdir", "log_every_n_steps", "peak_tflops",

@@ -136,6 +136,7 @@ SCHEMA = {
     "enable_jit": (_bool, "torch.compile the model and loss"),
     "channels_last": (_bool, "channels-last-3d memory format"),
     "enable_tf32": (_bool, "TF32 matmuls and convolutions on GPU"),
+    "device": (_choice("auto", "cuda", "cpu"), "auto: the rank's GPU when CUDA is visible, else the CPU"),
     "enable_benchy": (_bool, "benchmark mode"),
     "benchy": (_section(BENCHY_SCHEMA), "benchmark-mode trials"),
     "enable_manual_profiling": (_bool, "NVTX ranges and a CUDA profiler window"),

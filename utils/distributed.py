@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from utils.config import ConfigError
+
 
 @dataclass
 class DistInfo:
@@ -43,12 +45,22 @@ def env_world_size():
     return _env_int("WORLD_SIZE", 1)
 
 
-def init_distributed():
+def init_distributed(device_kind="auto"):
+    """This rank's DistInfo; joins the process group when WORLD_SIZE > 1.
+
+    ``device_kind``: 'auto' takes GPU LOCAL_RANK when CUDA is visible and the CPU otherwise; 'cuda'
+    insists on a GPU; 'cpu' never touches CUDA (CPU runs and tests on a GPU machine, gloo DDP).
+    """
     world_size = env_world_size()
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
-    if torch.cuda.is_available():
+    use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise ConfigError("device: cuda, but no CUDA device is visible here; use --device cpu (or auto)")
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible")
+            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: "
+                              f"start at most {torch.cuda.device_count()} rank(s) per node, or add --device cpu "
+                              f"to train on the CPU with gloo")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
