@@ -31,18 +31,20 @@ def tiny_files(tmp_path_factory):
 
 @pytest.fixture
 def tiny_params(tiny_files):
-    """A CPU-sized config on the tiny files: 2-level U-Net on 8^3 crops."""
+    """A CPU-sized config on the tiny files: 2-level U-Net on 8^3 crops, on the CPU even where a GPU is visible."""
     def make(**overrides):
         values = {"train_path": str(tiny_files[0]), "val_path": str(tiny_files[1]), "box_size": [24, 16],
                   "model_channels": [4, 8], "global_batch_size": 4, "Nsamples": 32, "Nsamples_val": 8,
-                  "num_epochs": 1, "num_data_workers": 0, "generate_data": None, "data_size": 8, **overrides}
+                  "num_epochs": 1, "num_data_workers": 0, "generate_data": None, "data_size": 8, "device": "cpu",
+                  **overrides}
         return load_config("quickstart", overrides=values)
     return make
 
 
 TINY_OVERRIDES = {"box_size": [24, 16], "model_channels": [4, 8], "global_batch_size": 4, "base_batch_size": 4,
                   "Nsamples": 32, "Nsamples_val": 8, "num_epochs": 2, "num_data_workers": 0,
-                  "generate_data": None, "data_size": 8, "log_every_n_steps": 2}
+                  "generate_data": None, "data_size": 8, "log_every_n_steps": 2,
+                  "device": "cpu"}  # CPU tests stay on the CPU where a GPU is visible (train.py --device cpu)
 
 
 @pytest.fixture

@@ -142,7 +142,7 @@ def all_reduce_worker(rank, port, prediction, target, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    info = init_distributed()
+    info = init_distributed("cpu")  # gloo on CPU tensors, also where GPUs are visible
     try:
         metrics = metrics_of(prediction[rank::2], target[rank::2])
         metrics.all_reduce(info)
@@ -155,9 +155,10 @@ def test_all_reduce_over_two_gloo_ranks(generated, tmp_path):
     _, hydro = generated
     prediction = hydro * 0.9 + 0.01
     # fork: the children reuse this process's imports (spawn re-imports torch, ~10 s on 2 cores);
-    # DataLoader workers start the same way.
+    # DataLoader workers start the same way. Not after CUDA was initialised here (by another test in
+    # this process, on a GPU machine): a forked child cannot use, or safely inherit, that state.
     mp.start_processes(all_reduce_worker, args=(free_port(), prediction, hydro, str(tmp_path)), nprocs=2,
-                       start_method="fork")
+                       start_method="spawn" if torch.cuda.is_initialized() else "fork")
     expected = metrics_of(prediction, hydro).compute()
     for rank in (0, 1):
         reduced = torch.load(tmp_path / f"rank{rank}.pt")

@@ -14,7 +14,7 @@ from utils.distributed import cleanup, init_distributed
 
 def test_one_step_lowers_the_loss_on_a_fixed_batch(tiny_params):
     params = tiny_params()
-    state = train.build_training(params, init_distributed())
+    state = train.build_training(params, init_distributed("cpu"))
     inp, tar = next(iter(get_data_loader(params, "train")[0]))
     state.set_lr(1e-3)
     before = train.eager_step(state, inp, tar).item()
@@ -34,7 +34,7 @@ def ddp_worker(rank, world_size, port, runs, out_dir, num_steps):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                       RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    info = init_distributed()
+    info = init_distributed("cpu")  # gloo on CPU tensors, also where GPUs are visible
     try:
         for name, params in runs:
             state = train.build_training(params, info)
@@ -57,14 +57,14 @@ def ddp_weights(tiny_files, tmp_path_factory):
         return load_config("quickstart", overrides={
             "train_path": str(tiny_files[0]), "val_path": str(tiny_files[1]), "box_size": [24, 16],
             "model_channels": [4, 8], "global_batch_size": 4, "Nsamples": 32, "Nsamples_val": 8,
-            "num_data_workers": 0, "generate_data": None, "data_size": 8, **overrides})
+            "num_data_workers": 0, "generate_data": None, "data_size": 8, "device": "cpu", **overrides})
     runs = [("plain", params()),
             ("knobs", params(ddp_comm_hook="bf16", bucket_cap_mb=1, gradient_as_bucket_view=True, static_graph=True,
                              broadcast_buffers=False)),
             ("noddp", params(noddp=True))]
     mp.spawn(ddp_worker, args=(1, free_port(), runs[:1], str(out), 3), nprocs=1)
     mp.spawn(ddp_worker, args=(2, free_port(), runs, str(out), 3), nprocs=2)
-    initial = train.build_training(params(), init_distributed()).model.state_dict()
+    initial = train.build_training(params(), init_distributed("cpu")).model.state_dict()
     weights = {path.stem: torch.load(path) for path in out.glob("*.pt")}
     return initial, weights
 
@@ -102,7 +102,8 @@ def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):
     data = tmp_path / "data"
     argv = ["--config=quickstart", "--expdir", str(tmp_path / "runs"), "--run_num", "e2e",
             "--num_epochs", "2", "--Nsamples", "16", "--Nsamples_val", "8", "--num_data_workers", "0",
-            "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"), "--log_every_n_steps", "1"]
+            "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"), "--log_every_n_steps", "1",
+            "--device", "cpu"]
     val_loss = train.main(argv)
     run_dir = tmp_path / "runs" / "quickstart" / "1GPU" / "e2e"
     assert (data / "train.h5").exists() and (data / "val.h5").exists()
@@ -122,7 +123,8 @@ def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):
 def test_user_files_that_do_not_exist_are_never_generated(tmp_path, capsys):
     missing = tmp_path / "mine" / "train.h5"
     with pytest.raises(SystemExit) as exit_info:
-        train.cli(lambda: train.main(["--config=short", "--expdir", str(tmp_path), "--train_path", str(missing)]))
+        train.cli(lambda: train.main(["--config=short", "--expdir", str(tmp_path), "--train_path", str(missing),
+                                      "--device", "cpu"]))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: data file") and "does not exist" in err and "make_dataset" in err

@@ -1,0 +1,309 @@
+"""What only a CUDA GPU can check: graph capture and replay, the capturable optimizer's schedule, resuming
+a graph run, the GPU-resident loader, the pinned prefetcher, cuDNN kernels for bf16 3D convolutions, MFU
+and peak memory.
+
+    python -m pytest -q tests/test_gpu.py     # on a GPU machine: about a minute; every test skips elsewhere
+
+Tiny models (model_channels [8, 16], 16^3 crops, batch 4) on the 24^3 / 16^3 files of conftest.py,
+except the MFU test, which runs the reference U-Net at batch 2 on 64^3 crops. Comparisons that
+need tight tolerances run with TF32 off in fp32; cuDNN autotuning may choose algorithms whose
+rounding differs run to run, so eager and graph steps are compared within a tolerance, while the
+resumed graph run uses deterministic algorithms and must be bit-identical.
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import yaml
+
+import train
+import train_graph
+from benchmarks import kernel_probe
+from conftest import TINY_OVERRIDES
+from utils import metrics
+from utils.checkpoint import restore_training_state, snapshot_training_state
+from utils.config import DEFAULT_YAML, load_config
+from utils.data_loader import get_data_loader, sample_plan
+from utils.distributed import init_distributed
+from utils.fast_loader import FastLoader, get_fast_loader
+from utils.gpu_loader import get_gpu_loader
+from utils.run_control import Preempted
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = torch.device("cuda", 0)
+TINY_CUDA = {"device": "cuda", "model_channels": [8, 16], "data_size": 16, "enable_tf32": False}
+NUM_STEPS = 8
+SLEEP_CYCLES = 10_000_000  # torch.cuda._sleep: about 5 ms at 2 GHz, far longer than a batch's copy
+
+
+@pytest.fixture(autouse=True)
+def global_flags_restored():
+    """build_training and the kernel probe set process-wide flags; later tests in this process get theirs back."""
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    yield
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved[:3]
+    torch.use_deterministic_algorithms(saved[3], warn_only=saved[4])
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def flat_weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def device_batches(tiny_params, count=NUM_STEPS):
+    """The first ``count`` batches of epoch 0 of TINY_CUDA's crops, from the straightforward CPU loader, on the GPU."""
+    params = tiny_params(**{**TINY_CUDA, "device": "cpu"}, Nsamples=4 * count, fast_loader=False)
+    loader, sampler = get_data_loader(params, "train")
+    sampler.set_epoch(0)
+    batches = [(inp.to(CUDA), tar.to(CUDA)) for inp, tar in loader][:count]
+    assert len(batches) == count
+    return batches
+
+
+# --- CUDA graphs ---------------------------------------------------------------------------------
+def test_graph_replay_trains_like_eager_steps(tiny_params):
+    params = tiny_params(**TINY_CUDA, Nsamples=4 * NUM_STEPS)
+    info = init_distributed("cuda")
+    assert info.device == CUDA
+    eager = train.build_training(params, info)
+    graphed = train.build_training(params, info, capturable=True)
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    initial = flat_weights(eager.model)
+    assert torch.equal(initial, flat_weights(graphed.model))  # same seed, same initial weights
+    batches = device_batches(tiny_params)
+    lrs = [2e-3 * (1 - step / NUM_STEPS) for step in range(NUM_STEPS)]  # the schedule moves every step
+
+    eager_losses = []
+    for lr, (inp, tar) in zip(lrs, batches):
+        eager.set_lr(lr)
+        eager_losses.append(train.eager_step(eager, inp, tar).item())
+
+    forward_calls = []
+    hook = graphed.model.register_forward_hook(lambda *args: forward_calls.append(1))
+    step = train_graph.capture_train_step(graphed, *batches[0])
+    assert len(forward_calls) == train_graph.NUM_WARMUP_STEPS + 1  # warm-up steps and the capture
+    assert torch.equal(flat_weights(graphed.model), initial)  # the warm-up was undone
+    graph_losses = []
+    for lr, (inp, tar) in zip(lrs, batches):
+        graphed.set_lr(lr)
+        graph_losses.append(step(graphed, inp, tar).item())
+    hook.remove()
+    assert len(forward_calls) == train_graph.NUM_WARMUP_STEPS + 1  # replays run no Python forward
+
+    assert len(set(graph_losses)) == NUM_STEPS  # a new loss every replay, not a stale buffer
+    assert graph_losses == pytest.approx(eager_losses, rel=1e-4), (eager_losses, graph_losses)
+    update = flat_weights(eager.model) - initial
+    difference = flat_weights(graphed.model) - flat_weights(eager.model)
+    assert update.abs().max() > 1e-3
+    assert difference.norm() <= 1e-3 * update.norm(), (difference.norm().item(), update.norm().item())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_set_lr_after_capture_drives_the_replayed_adam_step(tiny_params, fused):
+    params = tiny_params(**TINY_CUDA, enable_fused=fused)
+    state = train.build_training(params, init_distributed("cuda"), capturable=True)
+    lr = state.optimizer.param_groups[0]["lr"]
+    assert torch.is_tensor(lr) and lr.device == CUDA and all(g["lr"] is lr for g in state.optimizer.param_groups)
+    address = lr.data_ptr()
+    (inp, tar), = device_batches(tiny_params, count=1)
+    step = train_graph.capture_train_step(state, inp, tar)
+
+    state.set_lr(7.5e-4)
+    assert state.optimizer.param_groups[0]["lr"] is lr and lr.data_ptr() == address  # filled in place
+    assert lr.item() == pytest.approx(7.5e-4, rel=1e-6)
+    for _ in range(2):  # Adam moments and step count away from their fresh values
+        step(state, inp, tar)
+    snapshot = snapshot_training_state(state.model, state.optimizer)
+    before = flat_weights(state.model)
+
+    state.set_lr(0.0)
+    step(state, inp, tar)
+    assert torch.equal(flat_weights(state.model), before)  # lr 0: the captured update moves nothing
+
+    updates = {}
+    for new_lr in (1e-3, 3e-3):  # the same replay from the same state, only the lr differs
+        restore_training_state(state.model, state.optimizer, snapshot)
+        assert torch.equal(flat_weights(state.model), before)
+        state.set_lr(new_lr)
+        step(state, inp, tar)
+        updates[new_lr] = flat_weights(state.model) - before
+    small, large = updates[1e-3], updates[3e-3]
+    assert small.abs().max() > 1e-4
+    assert (large.norm() / small.norm()).item() == pytest.approx(3.0, rel=1e-3)
+    assert (large - 3 * small).norm() <= 1e-3 * large.norm()
+
+
+@pytest.fixture
+def graph_argv(tiny_files, tmp_path, monkeypatch):
+    """train_graph.py arguments for a 2 x 8-step run on the GPU, deterministic, checkpoints at epoch ends."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what --deterministic sets; restored afterwards
+    configs = yaml.safe_load(DEFAULT_YAML.read_text())
+    tiny = {**configs["quickstart"], **TINY_OVERRIDES, **TINY_CUDA, "train_path": str(tiny_files[0]),
+            "val_path": str(tiny_files[1]), "Nsamples": 32, "num_epochs": 2, "deterministic": True,
+            "checkpoint_every_n_steps": 0, "keep_checkpoints": 4, "log_every_n_steps": 4}
+    path = tmp_path / "tiny_cuda.yaml"
+    path.write_text(yaml.safe_dump({"tiny": tiny}))
+    return ["--yaml_config", str(path), "--config", "tiny", "--expdir", str(tmp_path / "runs"), "--device", "cuda"]
+
+
+def test_a_graph_run_stopped_after_epoch_1_resumes_to_the_same_weights(graph_argv, tmp_path):
+    steps_per_epoch = 8
+    runs = tmp_path / "runs" / "tiny" / "1GPU"
+
+    def stop_at_the_end_of_epoch_1(state):
+        graph_step = train_graph.make_graph_step(state)
+
+        def step(state, inp, tar):
+            loss = graph_step(state, inp, tar)
+            if state.global_step + 1 == steps_per_epoch:  # as a scheduler would: SIGUSR1 during the last step
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return loss
+        return step
+
+    whole = train_graph.main(graph_argv + ["--run_num", "whole"])
+    with pytest.raises(Preempted, match="after epoch 1"):
+        train.main(graph_argv + ["--run_num", "split"], make_step=stop_at_the_end_of_epoch_1, capturable=True)
+    assert sorted(p.name for p in (runs / "split" / "checkpoints").glob("*.pt")) == ["ckpt_step00000008.pt"]
+    resumed = train_graph.main(graph_argv + ["--run_num", "split"])
+
+    log = (runs / "split" / "out.log").read_text()
+    assert "Captured the training step in a CUDA graph" in log and "on cuda" in log
+    assert "Resumed from" in log and "ckpt_step00000008.pt at global step 8" in log
+    assert "Captured the training step in a CUDA graph" in (runs / "whole" / "out.log").read_text()
+    for step in (8, 16):
+        name = f"ckpt_step{step:08d}.pt"
+        expected = torch.load(runs / "whole" / "checkpoints" / name, weights_only=True)["model"]
+        actual = torch.load(runs / "split" / "checkpoints" / name, weights_only=True)["model"]
+        for key in expected:
+            assert torch.equal(expected[key], actual[key]), (step, key)
+    first = torch.load(runs / "whole" / "checkpoints" / "ckpt_step00000008.pt", weights_only=True)["model"]
+    assert any(not torch.equal(first[key], expected[key]) for key in first)  # epoch 2 trained
+    assert 0 < resumed == whole  # deterministic kernels: the same final validation loss, exactly
+
+
+# --- loaders -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("storage", ["fp32", "fp16"])
+def test_gpu_resident_batches_are_the_cpu_batches_on_the_device(tiny_params, storage):
+    params = tiny_params(Nsamples=256, fast_loader=False)  # the straightforward CPU loader is the reference
+    epoch = 2
+    assert len(set(sample_plan(params.seed, "train", epoch, 256, 24, 8)[1])) == 48  # all 48 rotations occur
+    for split in ("train", "val"):
+        reference, reference_sampler = get_data_loader(params, split)
+        resident, resident_sampler = get_gpu_loader(params, split, device=CUDA, storage_dtype=storage)
+        reference_sampler.set_epoch(epoch)
+        resident_sampler.set_epoch(epoch)
+        assert resident.inp.is_cuda and resident.inp.dtype == {"fp32": torch.float32, "fp16": torch.float16}[storage]
+        count, rounding = 0, 0.0
+        for (inp, tar), (gpu_inp, gpu_tar) in zip(reference, resident, strict=True):
+            assert gpu_inp.device == gpu_tar.device == CUDA and gpu_inp.dtype == gpu_tar.dtype == torch.float32
+            inp, tar = inp.to(CUDA), tar.to(CUDA)
+            if storage == "fp16":  # the stream, each stored value rounded to fp16
+                rounding = max(rounding, (gpu_inp - inp).abs().max().item())
+                inp, tar = inp.half().float(), tar.half().float()
+            assert torch.equal(gpu_inp, inp) and torch.equal(gpu_tar, tar), (split, count)
+            count += 1
+        assert count == len(reference) == {"train": 64, "val": 2}[split]
+        if storage == "fp16":
+            assert 0 < rounding <= 2 ** -12  # half an ulp of fp16 for values in [0.5, 1)
+
+
+def test_prefetched_batches_are_right_while_the_compute_stream_is_busy(tiny_params):
+    params = tiny_params(Nsamples=64, data_size=16, num_data_workers=2)  # fast loader, 16 batches of 4
+    reference, reference_sampler = get_data_loader(tiny_params(Nsamples=64, data_size=16, fast_loader=False), "train")
+    loader, sampler = get_fast_loader(params, "train", device=CUDA)
+    assert isinstance(loader.loader, FastLoader) and loader.loader.buffers.pin_memory
+    for epoch, keep in ((1, True), (2, False)):
+        reference_sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        expected = [(inp.to(CUDA), tar.to(CUDA)) for inp, tar in reference]
+        torch.cuda.synchronize()
+        kept, mismatches = [], []
+        batches = iter(loader)
+        for expected_inp, expected_tar in expected:
+            torch.cuda._sleep(SLEEP_CYCLES)  # the step before this one is still running on the compute stream
+            inp, tar = next(batches)
+            assert inp.is_cuda and inp.is_contiguous() and inp.shape == expected_inp.shape
+            # queued behind the sleep: it reads the batch long after the host moved on to later batches
+            mismatches.append((inp != expected_inp).sum() + (tar != expected_tar).sum())
+            if keep:
+                kept.append((inp, tar))
+            del inp, tar  # epoch 2: only the allocator's stream bookkeeping keeps the memory from reuse
+        assert next(batches, None) is None
+        torch.cuda.synchronize()
+        assert [int(m) for m in mismatches] == [0] * len(expected), epoch
+        for (inp, tar), (expected_inp, expected_tar) in zip(kept, expected):  # still intact at the end
+            assert torch.equal(inp, expected_inp) and torch.equal(tar, expected_tar)
+        assert len(kept) == (len(expected) if keep else 0) == (16 if keep else 0)
+
+
+# --- kernels, MFU and memory ---------------------------------------------------------------------
+CONVOLUTIONS = {  # (class, c_in, c_out, input edge): layers of the reference U-Net, on smaller crops
+    "down0": (nn.Conv3d, 4, 64, 32),
+    "down1": (nn.Conv3d, 64, 128, 16),
+    "up2": (nn.ConvTranspose3d, 512, 256, 4),
+    "last": (nn.ConvTranspose3d, 128, 5, 16),
+}
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16_cl"])
+@pytest.mark.parametrize("layer", CONVOLUTIONS)
+def test_bf16_3d_convolutions_run_on_cudnn(layer, mode):
+    cls, c_in, c_out, size = CONVOLUTIONS[layer]
+    case = kernel_probe.probe_case(cls, c_in, c_out, size, batch=2, mode=mode, device=CUDA, repeats=1)
+    assert case["path"] == "cudnn", (torch.backends.cudnn.version(), case["ops"], case["kernels"])
+    assert any(op.startswith("aten::cudnn_convolution") for op in case["ops"]), case["ops"]
+    assert case["kernels"] and case["ms"] > 0 and case["tflops"] > 0
+
+
+def test_peak_memory_of_a_known_allocation():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    baseline = torch.cuda.memory_allocated(CUDA)
+    size = 512 * 2 ** 20
+    block = torch.empty(size, dtype=torch.uint8, device=CUDA)
+    gigabytes, kind = metrics.peak_memory(CUDA)
+    del block
+    assert kind == "GPU allocated"
+    assert gigabytes * 1e9 == pytest.approx(baseline + size, rel=0.02)
+    assert metrics.peak_memory(CUDA)[0] == gigabytes  # the peak, not what is allocated now
+
+
+def test_reference_model_mfu_and_peak_memory_are_plausible():
+    batch, crop, steps = 2, 64, 5
+    params = load_config("base", overrides={"device": "cuda", "amp_mode": "bf16", "global_batch_size": batch})
+    state = train.build_training(params, init_distributed("cuda"))
+    num_params = sum(p.numel() for p in state.model.parameters())
+    assert num_params == 116_977_029
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    inp = torch.rand((batch, 4, crop, crop, crop), device=CUDA, generator=generator) * 2 - 1
+    tar = torch.rand((batch, 5, crop, crop, crop), device=CUDA, generator=generator) * 2 - 1
+    state.set_lr(1e-5)
+    for _ in range(3):  # cuDNN autotuning, Adam's state
+        train.eager_step(state, inp, tar)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(CUDA)
+    meter = metrics.StepMeter(CUDA)
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = train.eager_step(state, inp, tar)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    peak = metrics.peak_flops(CUDA, params.amp_mode, params.enable_tf32)
+    if peak is None:
+        pytest.skip(f"no datasheet peak for {torch.cuda.get_device_name(CUDA)} in utils.metrics.PEAK_TFLOPS")
+    flops_per_step = 3 * state.model.flops_per_sample(crop) * batch
+    assert flops_per_step == pytest.approx(3 * 27.2e9 * batch, rel=0.01)  # README: 27.2 GFLOP per sample
+    summary = meter.summary(elapsed, steps, batch, flops_per_step, peak)
+    assert torch.isfinite(loss).item()
+    assert 0 < summary["mfu"] < 1, summary
+    assert summary["samples_per_sec"] == pytest.approx(steps * batch / elapsed)
+    # weights, gradients and Adam's two moments in fp32 are resident; the rest are activations and workspaces
+    assert summary["memory_kind"] == "GPU allocated"
+    assert 16 * num_params < summary["peak_memory_gb"] * 1e9 < 16e9, summary
