@@ -27,9 +27,9 @@ from torch.utils.tensorboard import SummaryWriter
 from networks.UNet import build_model, loss_func
 from utils import metrics
 from utils.benchy import run_benchmark
-from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, CheckpointError, check_compatible, config_differences,
-                              latest_valid_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
-                              load_optimizer_state, plain_state_dict, rng_state, save_checkpoint, set_rng_state)
+from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, AsyncCheckpointer, CheckpointError, check_compatible,
+                              config_differences, latest_valid_checkpoint, list_checkpoints, load_checkpoint,
+                              load_model_state, load_optimizer_state, plain_state_dict, rng_state, set_rng_state)
 from utils.config import DEFAULT_YAML, ConfigError, load_config, resolve_path, save_config
 from utils.data_loader import DataError, get_data_loader
 from utils.distributed import DistInfo, all_reduce_sum, cleanup, env_world_size, init_distributed, wrap_ddp
@@ -91,7 +91,9 @@ def parse_args(argv=None):
     parser.add_argument("--resume", default="auto",
                         help="auto (default): continue from the newest valid checkpoint in the run directory; "
                              "never; or a checkpoint path")
-    parser.add_argument("--checkpoint_every_n_steps", type=int, help="0: only at the end of each epoch")
+    parser.add_argument("--checkpoint_every_n_steps", type=int, help="0: off (default); epoch ends always checkpoint")
+    parser.add_argument("--checkpoint_every_minutes", type=float,
+                        help="wall-clock interval between checkpoints (default 10); 0: off")
     parser.add_argument("--keep_checkpoints", type=int, help="newest checkpoints kept")
     parser.add_argument("--deterministic", help="deterministic algorithms (bit-reproducible resumes)", **flag)
     parser.add_argument("--profile_dir", help="write a torch.profiler trace of profile_window here")
@@ -107,7 +109,8 @@ def config_overrides(args, world_size):
         "enable_manual_profiling", "data_loader_config", "global_batch_size", "num_epochs", "num_data_workers",
         "Nsamples", "Nsamples_val", "seed", "train_path", "val_path", "log_every_n_steps", "peak_tflops",
         "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook", "noddp",
-        "benchy.continue_training", "fast_loader", "gpu_storage_dtype", "checkpoint_every_n_steps", "keep_checkpoints", "deterministic", "profile_dir")}
+        "benchy.continue_training", "fast_loader", "gpu_storage_dtype", "checkpoint_every_n_steps",
+        "checkpoint_every_minutes", "keep_checkpoints", "deterministic", "profile_dir")}
     if args.amp_mode_fp16:
         if args.amp_mode not in (None, "fp16"):
             raise ConfigError(f"--enable_amp means --amp_mode=fp16 and contradicts --amp_mode={args.amp_mode}")
@@ -183,6 +186,7 @@ class TrainState:
     profiler: Profiler
     global_step: int = 0
     notes: list = field(default_factory=list)
+    checkpointer: AsyncCheckpointer = None  # rank 0's background checkpoint writer (and its stall statistics)
 
     def to_device(self, tensor):
         # non_blocking: from pinned memory the copy overlaps with the step already queued on the GPU
@@ -225,6 +229,11 @@ def build_training(params, info, capturable=False, run_dir=None):
         torch.backends.cudnn.benchmark = not params.deterministic
         torch.backends.cuda.matmul.allow_tf32 = params.enable_tf32
         torch.backends.cudnn.allow_tf32 = params.enable_tf32
+    if params.enable_jit and params.channels_last and device.type == "cuda":
+        raise ConfigError("enable_jit and channels_last together fail on CUDA: a PyTorch Inductor bug (pytorch#171622, "
+                          "seen with torch 2.11) breaks the compiled backward of a channels-last ConvTranspose3d; "
+                          "Inductor already lays out the convolutions it compiles channels-last, so add "
+                          "--no-channels_last (or --no-enable_jit to keep channels-last without compiling)")
     torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
     model = build_model(params).to(device, memory_format=memory_format)
@@ -337,23 +346,87 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
 
 def checkpoint_payload(state, epoch_loss_sum):
     return {"step": state.global_step, "config": dict(state.params), "model": plain_state_dict(state.model),
-            "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(), "rng": rng_state(),
+            "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(), "rng": rng_state(state.info.device),
             "epoch_loss_sum": epoch_loss_sum}
 
 
-def save(state, run_dir, epoch_loss_sum, reason):
-    """Checkpoint on rank 0; callers first agree (RunControl.agree) that every loss so far was finite."""
+def get_checkpointer(state, run_dir):
+    """Rank 0's background checkpoint writer (made on first use, which starts its wall-clock interval); else None."""
+    if state.info.is_main and state.checkpointer is None:
+        state.checkpointer = AsyncCheckpointer(run_dir / "checkpoints", state.params.checkpoint_every_minutes,
+                                               log=logger.info)
+        if state.info.device.type == "cuda":  # pin the host buffers now, on the writer thread, not in the first save
+            state.checkpointer.reserve(checkpoint_payload(state, 0.0))
+    return state.checkpointer
+
+
+def save(state, run_dir, epoch_loss_sum, reason, wait=False):
+    """Checkpoint at this step boundary: rank 0 copies the state to host memory and writes it in the background.
+
+    Callers first agree (RunControl.agree) that every loss so far was finite. ``wait``: also wait until
+    the file is complete (exit points); see wait_for_checkpoint.
+    """
+    started = time.perf_counter()  # the stall: everything the training loop waits for here
     # The epoch's loss so far, summed over ranks: the resumed rank 0 carries it for everyone.
     loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
     if state.info.is_main:
-        path = save_checkpoint(run_dir / "checkpoints", checkpoint_payload(state, loss_sum), state.global_step,
-                               state.params.keep_checkpoints)
-        logger.info(f"Checkpoint ({reason}) written: {path}")
+        stall = get_checkpointer(state, run_dir).save(checkpoint_payload(state, loss_sum), state.global_step,
+                                                      state.params.keep_checkpoints, reason, started)
+        logger.info(f"Checkpoint ({reason}) at step {state.global_step}: state copied to host in {stall:.3f} s, "
+                    f"writing in the background")
+    if wait:
+        wait_for_checkpoint(state)
+
+
+def wait_for_checkpoint(state):
+    """Rank 0 waits for its write in flight and logs it; under DDP nobody goes on (exits, reads) before that.
+
+    A failed write is raised (its one-line CheckpointError) on rank 0 after the barrier, so the other ranks
+    are not left waiting in it.
+    """
+    failed = None
+    if state.checkpointer is not None:
+        try:
+            state.checkpointer.wait()
+        except CheckpointError as err:
+            failed = err
     if state.info.enabled:
-        dist.barrier()  # nobody exits or reads before the file is complete
+        dist.barrier()
+    if failed is not None:
+        raise failed
 
 
-def raise_nonfinite(bad_step, run_dir):
+def finish_checkpoints(state, writer):
+    """At the end of train(), however it ends: wait for a write still in flight, report it and the stall
+    statistics (TensorBoard Perf/checkpoint_stall_s: the longest), stop the writer thread. Returns the
+    write's CheckpointError, if any, for the caller to raise; logs it if another exception is under way."""
+    checkpointer = state.checkpointer
+    if checkpointer is None:
+        return None
+    ending_with = sys.exc_info()[1]
+    failed = None
+    try:
+        checkpointer.close()
+    except CheckpointError as err:
+        failed = err
+        if ending_with is not None:  # that exception goes on; this one must not get lost
+            logger.error(f"error: {err}")
+    if checkpointer.stall_seconds:
+        logger.info(f"Checkpoints: {checkpointer.saves}, training stalled {max(checkpointer.stall_seconds):.2f} s at "
+                    f"most ({sum(checkpointer.stall_seconds):.1f} s in all)")
+        if writer:
+            writer.add_scalar("Perf/checkpoint_stall_s", max(checkpointer.stall_seconds), state.global_step)
+            if checkpointer.write_seconds:
+                writer.add_scalar("Perf/checkpoint_write_s", max(checkpointer.write_seconds), state.global_step)
+    return failed
+
+
+def raise_nonfinite(bad_step, run_dir, state=None):
+    if state is not None:  # the last good checkpoint may still be on its way to disk: let it land first
+        try:
+            wait_for_checkpoint(state)
+        except CheckpointError as err:  # the non-finite loss is what stops the run; report this one too
+            logger.error(f"error: {err}")
     checkpoints = list_checkpoints(run_dir / "checkpoints")
     last = f"the last good checkpoint is {checkpoints[0]}" if checkpoints else "no checkpoint was written yet"
     raise NonFiniteLoss(f"non-finite loss (NaN or Inf) at global step {bad_step + 1}; training stopped and no "
@@ -467,24 +540,30 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
                         for offset, value in enumerate(interval_losses):  # this rank's loss at every step
                             writer.add_scalar("Loss/train_step", value, first + offset)
                     step_losses.clear()
-                # Between epoch ends: checkpoint every N steps, or at once when a stop signal arrived.
-                # Under DDP a signal is acted on at log steps, where every rank agrees on it.
+                # Between epoch ends: checkpoint when the wall-clock interval (rank 0's clock) or the step
+                # interval is due, or at once when a stop signal arrived. Under DDP the clock and signals are
+                # acted on at log steps, where every rank agrees on them; one process checks every step.
+                async_checkpoints = get_checkpointer(state, run_dir)  # rank 0's; None elsewhere
+                if async_checkpoints is not None:
+                    async_checkpoints.poll()  # logs a finished background write, raises a failed one
                 if last_in_epoch:
                     continue
-                periodic = params.checkpoint_every_n_steps and state.global_step % params.checkpoint_every_n_steps == 0
-                may_stop = control.stop_requested_locally and not info.enabled
-                if periodic or may_stop or (info.enabled and state.global_step % params.log_every_n_steps == 0):
-                    stop, bad_step = control.agree()
+                by_steps = (params.checkpoint_every_n_steps > 0
+                            and state.global_step % params.checkpoint_every_n_steps == 0)
+                by_clock = async_checkpoints is not None and async_checkpoints.due()  # a clock read, no sync
+                act_now = not info.enabled and (by_clock or control.stop_requested_locally)
+                if by_steps or act_now or (info.enabled and state.global_step % params.log_every_n_steps == 0):
+                    stop, bad_step, clock_due = control.agree(checkpoint_due=by_clock)
                     if bad_step is not None:
-                        raise_nonfinite(bad_step, run_dir)
-                    if stop or periodic:
-                        save(state, run_dir, loss_sum, "preemption" if stop else "periodic")
+                        raise_nonfinite(bad_step, run_dir, state)
+                    if stop or by_steps or clock_due:
+                        save(state, run_dir, loss_sum, "preemption" if stop else "periodic", wait=stop)
                     if stop:
                         raise Preempted(f"stopped by {control.signal_name or 'a signal on another rank'} at global "
                                         f"step {state.global_step}; rerun the same command to continue")
-            stop, bad_step = control.agree()
+            stop, bad_step, _ = control.agree()
             if bad_step is not None:
-                raise_nonfinite(bad_step, run_dir)
+                raise_nonfinite(bad_step, run_dir, state)
             epoch_time = time.perf_counter() - epoch_start
             epoch_steps = steps_per_epoch - first_step
             train_loss = all_reduce_sum([loss_sum.item()], info)[0] / (steps_per_epoch * info.world_size)
@@ -509,7 +588,9 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
                 if summary["mfu"] is not None:
                     writer.add_scalar("Perf/MFU", summary["mfu"], state.global_step)
                 writer.flush()
-            save(state, run_dir, 0.0, f"end of epoch {epoch + 1}")
+            # In the background too, except before exiting (last epoch, stop signal): then the file is complete
+            # on disk, and under DDP every rank waits for that, before anyone goes on.
+            save(state, run_dir, 0.0, f"end of epoch {epoch + 1}", wait=stop or epoch + 1 == params.num_epochs)
             if stop:
                 raise Preempted(f"stopped by {control.signal_name or 'a signal on another rank'} after epoch "
                                 f"{epoch + 1}; rerun the same command to continue")
@@ -517,8 +598,11 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
     finally:
         profiler.close()
         control.close()
+        checkpoint_failed = finish_checkpoints(state, writer)  # a write still in flight lands (or fails) first
         if writer:
             writer.close()
+        if checkpoint_failed is not None and sys.exc_info()[1] is None:
+            raise checkpoint_failed
 
     baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
     if baseline is not None:

@@ -5,6 +5,9 @@ A run directory holds one timeline of checkpoints ``ckpt_step{step:08d}.pt`` wri
 
 - ``save_checkpoint`` writes a temporary file, fsyncs it and renames it over the final name, so a
   checkpoint file is either complete or absent; a failed save leaves every earlier one untouched.
+- ``AsyncCheckpointer`` (what train.py uses) copies the payload's tensors to host memory and runs
+  ``save_checkpoint`` on a background thread, so training stalls only for the copy; a failed write
+  is raised at its next ``save``, ``poll`` or ``wait``.
 - ``latest_valid_checkpoint`` returns the newest checkpoint that loads, skipping (with a warning)
   one that a crash or a full disk of another tool left truncated.
 - Model weights are stored without the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile)
@@ -23,7 +26,10 @@ import re
 import sys
 import zipfile
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from time import monotonic, perf_counter
 
 import numpy as np
 import torch
@@ -61,7 +67,8 @@ RESUME_MAY_CHANGE_KEYS = (
     "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook",
     "num_data_workers", "generate_data", "enable_benchy", "benchy", "enable_manual_profiling", "profile_dir",
     "profile_window", "expdir", "log_every_n_steps", "peak_tflops",
-    "checkpoint_every_n_steps", "keep_checkpoints", "deterministic", "fast_loader", "gpu_storage_dtype",
+    "checkpoint_every_n_steps", "checkpoint_every_minutes", "keep_checkpoints", "deterministic", "fast_loader",
+    "gpu_storage_dtype",
 )
 ABSENT = "<absent>"  # how a key missing from one config shows in differences
 # How values are compared where equal meaning has several spellings: paths resolve against the
@@ -108,18 +115,33 @@ def _write_error(err, path, previous):
     return CheckpointError(f"{what} checkpoint {path} ({name}: {err.strerror}); {intact}; {advice}")
 
 
-def save_checkpoint(directory, payload, step, keep_last):
-    """Write ``payload`` as ``directory/ckpt_step{step:08d}.pt`` atomically; keep the newest ``keep_last``.
-
-    Checkpoints with a higher step than ``step`` belong to an abandoned timeline (the run went back to
-    an earlier checkpoint) and are removed, so that resuming never jumps forward into them.
-    """
+def _check_payload(payload, step, keep_last):
     if keep_last < 1:
         raise CheckpointError(f"keep_last must be at least 1 (the checkpoint just written), got {keep_last}")
     missing = [key for key in REQUIRED_KEYS if key not in payload]
     if missing or payload["step"] != step:
         raise CheckpointError(f"checkpoint payload needs keys {', '.join(REQUIRED_KEYS)} with step == {step}; "
                               f"missing {', '.join(missing) or 'nothing'}, step {payload.get('step')}")
+
+
+def _os_error_in(err):
+    """``err`` if it is an OSError, else the OSError it wraps (torch's writer raises RuntimeError around one)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def save_checkpoint(directory, payload, step, keep_last):
+    """Write ``payload`` as ``directory/ckpt_step{step:08d}.pt`` atomically; keep the newest ``keep_last``.
+
+    Checkpoints with a higher step than ``step`` belong to an abandoned timeline (the run went back to
+    an earlier checkpoint) and are removed, so that resuming never jumps forward into them.
+    """
+    _check_payload(payload, step, keep_last)
     directory = Path(directory)
     path = checkpoint_path(directory, step)
     existing = list_checkpoints(directory)
@@ -143,8 +165,9 @@ def save_checkpoint(directory, payload, step, keep_last):
             os.close(dir_fd)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError):
-            raise _write_error(err, path, previous) from err
+        os_error = _os_error_in(err) if isinstance(err, Exception) else None
+        if os_error is not None:
+            raise _write_error(os_error, path, previous) from err
         raise
     older = [old for old in existing if checkpoint_step(old) < step]
     newer = [new for new in existing if checkpoint_step(new) > step]
@@ -271,8 +294,11 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
     optimizer.load_state_dict({**state_dict, "param_groups": merged})
 
 
-def rng_state():
-    """Generator states of python ``random``, numpy's global generator, torch CPU and the current CUDA device."""
+def rng_state(device=None):
+    """Generator states of python ``random``, numpy's global generator, torch CPU and the current CUDA device.
+
+    ``device``: the run's device; a CPU run (``device: cpu`` on a GPU machine) never touches CUDA.
+    """
     numpy_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),
@@ -280,7 +306,7 @@ def rng_state():
         "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()}},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         state["cuda"] = torch.cuda.get_rng_state()  # this rank's device, whatever else is visible
     return state
 
@@ -292,8 +318,8 @@ def set_rng_state(state):
     np.random.set_state({**numpy_state, "state": {**numpy_state["state"],
                                                    "key": np.asarray(numpy_state["state"]["key"], dtype=np.uint32)}})
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda"])  # only a CUDA run has initialised CUDA by the time it resumes
 
 
 def _flatten(config, keys):
@@ -357,3 +383,202 @@ def restore_training_state(model, optimizer, snapshot):
                 value.zero_()
             else:
                 value.copy_(saved[key])
+
+
+# Asynchronous checkpoints: the training loop stalls only while the state is copied to host memory.
+
+@dataclass
+class WrittenCheckpoint:
+    """A finished background write."""
+    path: Path
+    step: int
+    reason: str
+    seconds: float  # from the hand-over to the thread until the file was in place (fsync and rename included)
+    size_bytes: int
+
+
+class AsyncCheckpointer:
+    """Rank 0's checkpoint writer: ``save`` copies the payload to host memory and returns; one background
+    thread writes the copy with ``save_checkpoint`` (temporary file, fsync, atomic rename, pruning).
+
+    - Host copies: CUDA tensors go into pinned buffers kept from one save to the next (non_blocking copies
+      on the current stream, then a wait on an event recorded after them, not on the whole device); CPU
+      tensors are cloned. Once ``save`` returns, nothing done to the live tensors (optimizer steps,
+      CUDA-graph replays) reaches the file. ``reserve`` pins the buffers ahead of the first save.
+    - One write in flight: ``save`` first waits for the previous one (its buffers are reused).
+    - A failed write raises its CheckpointError (one line, naming the intact previous checkpoint) at the
+      next ``save``, ``poll`` or ``wait``, exactly once; ``close`` waits too, so none is lost.
+    - ``due()``: ``every_minutes`` (> 0) have passed on ``clock`` since the last save started, or since
+      construction.
+    - Statistics for benchmarks: ``saves``, ``stall_seconds`` (per save, the time the caller was blocked:
+      from ``started``, waiting for the previous write included), ``write_seconds`` and ``write_bytes``
+      (per finished write).
+    """
+
+    def __init__(self, directory, every_minutes=0.0, log=None, clock=None):
+        self.directory = Path(directory)
+        self.every_minutes = every_minutes
+        self.log = log or (lambda message: None)
+        self.clock = clock or monotonic
+        self.last_save = self.clock()
+        self.saves = 0
+        self.stall_seconds, self.write_seconds, self.write_bytes = [], [], []
+        self._pinned = {}  # where a CUDA tensor sits in the payload (its keys) -> its reusable pinned host buffer
+        self._executor = None
+        self._pending = None  # (future, step, reason) of the write in flight
+        self._reserving = None  # future of reserve()
+
+    def due(self):
+        """Whether the wall-clock interval has passed (a clock read, no sync)."""
+        return self.every_minutes > 0 and self.clock() - self.last_save >= 60 * self.every_minutes
+
+    @property
+    def pending(self):
+        return self._pending is not None
+
+    def _thread(self):
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        return self._executor
+
+    def reserve(self, payload):
+        """Pin host buffers for payloads laid out like ``payload`` on the writer thread, so that the first
+        save does not stall for it (pinning the 1.4 GB of the reference U-Net and its Adam state takes about
+        a second). Optional; nothing is copied here."""
+        layouts = {}
+
+        def note(tensor, keys):
+            if tensor.device.type == "cuda":
+                layouts[keys] = _host_layout(tensor)
+            return None
+
+        _map_tensors(payload, note)
+        if layouts:
+            self._reserving = self._thread().submit(self._pin_buffers, layouts)
+
+    def _pin_buffers(self, layouts):
+        for keys, (shape, strides, dtype, device) in layouts.items():
+            torch.cuda.set_device(device)  # this thread's device: no context on GPU 0 for other ranks' buffers
+            self._pinned[keys] = torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
+
+    def save(self, payload, step, keep_last, reason="checkpoint", started=None):
+        """Copy ``payload`` to host memory and start writing it; the seconds the caller was blocked.
+
+        ``started``: the ``time.perf_counter()`` at which the caller began the checkpoint (default: now), so
+        the stall counts what it did before (building the payload) too.
+        """
+        started = perf_counter() if started is None else started
+        self.wait()  # one write in flight; raises the previous write's error
+        if self._reserving is not None:
+            self._reserving.exception()  # finished (a failure only means the buffers are pinned below instead)
+            self._reserving = None
+        _check_payload(payload, step, keep_last)
+        self.last_save = self.clock()
+        snapshot = self._snapshot(payload)
+        future = self._thread().submit(_write_in_background, self.directory, snapshot, step, keep_last)
+        self._pending = (future, step, reason)
+        stall = perf_counter() - started
+        self.saves += 1
+        self.stall_seconds.append(stall)
+        return stall
+
+    def poll(self):
+        """The write in flight if it has finished (logged, as ``wait``), else None; never blocks."""
+        if self._pending is not None and self._pending[0].done():
+            return self.wait()
+        return None
+
+    def wait(self):
+        """Wait for the write in flight, if any: log and return it (WrittenCheckpoint), or raise its CheckpointError."""
+        if self._pending is None:
+            return None
+        future, step, reason = self._pending
+        self._pending = None
+        path, seconds, size = future.result()  # a failed write raises here, once
+        self.write_seconds.append(seconds)
+        self.write_bytes.append(size)
+        self.log(f"Checkpoint ({reason}) written: {path} ({seconds:.1f} s, {size / 1e9:.2f} GB)")
+        return WrittenCheckpoint(path, step, reason, seconds, size)
+
+    def close(self):
+        """Wait for the write in flight (raising its error) and stop the thread."""
+        try:
+            return self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def _snapshot(self, payload):
+        """``payload`` with every tensor copied to host memory that training never touches."""
+        devices = set()
+
+        def copy(tensor, keys):
+            tensor = tensor.detach()
+            if tensor.device.type != "cuda":
+                return tensor.clone()  # preserves the strides (channels-last included) of dense tensors
+            shape, strides, dtype, _ = _host_layout(tensor)
+            buffer = self._pinned.get(keys)
+            if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.stride() != strides:
+                buffer = torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
+                self._pinned[keys] = buffer
+            buffer.copy_(tensor, non_blocking=True)  # queued on the current stream, after the step
+            devices.add(tensor.device)
+            return buffer
+
+        snapshot = _map_tensors(payload, copy)
+        for device in devices:  # wait for these copies only, not for other streams' work
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            done.synchronize()
+        return snapshot
+
+
+def _host_layout(tensor):
+    """(shape, strides, dtype, device) of a host copy: the tensor's own strides where dense (channels-last too)."""
+    return tensor.shape, torch.empty_like(tensor, device="meta").stride(), tensor.dtype, tensor.device
+
+
+def _map_tensors(obj, function, keys=()):
+    """A copy of the containers of ``obj`` (dicts, lists, tuples) with ``function(tensor, keys)`` applied to
+    every tensor; ``keys``: where it sits (dict keys and list positions from the top)."""
+    if isinstance(obj, torch.Tensor):
+        return function(obj, keys)
+    if isinstance(obj, dict):
+        copied = type(obj)()
+        for key, value in obj.items():
+            copied[key] = _map_tensors(value, function, keys + (key,))
+        if hasattr(obj, "__dict__"):  # a state dict's OrderedDict carries its module versions in _metadata
+            copied.__dict__.update(obj.__dict__)
+        return copied
+    if isinstance(obj, (list, tuple)):
+        values = [_map_tensors(value, function, keys + (index,)) for index, value in enumerate(obj)]
+        if isinstance(obj, list):
+            return values
+        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
+    return obj
+
+
+def _write_in_background(directory, snapshot, step, keep_last):
+    """save_checkpoint on the writer thread: (path, seconds, bytes); every failure becomes one CheckpointError."""
+    start = perf_counter()
+    try:
+        path = save_checkpoint(directory, snapshot, step, keep_last)
+        size = path.stat().st_size
+    except CheckpointError:
+        raise
+    except Exception as err:  # not an OSError (those are CheckpointErrors by now): still one line, not lost
+        raise _background_write_error(err, Path(directory), step) from err
+    return path, perf_counter() - start, size
+
+
+def _background_write_error(err, directory, step):
+    path = checkpoint_path(directory, step)
+    try:
+        previous = next((old for old in list_checkpoints(directory) if old != path), None)
+    except OSError:
+        previous = None
+    intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else "no details"
+    return CheckpointError(f"cannot write checkpoint {path} ({type(err).__name__}: {first_line}); {intact}; "
+                           f"check free space and that the directory is writable, or point --expdir elsewhere")

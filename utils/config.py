@@ -58,6 +58,13 @@ def _float(value):
     return float(value)
 
 
+def _non_negative_float(value):
+    value = _float(value)
+    if not value >= 0:  # NaN too
+        raise TypeError("a number >= 0")
+    return value
+
+
 def _bool(value):
     if not isinstance(value, bool):
         raise TypeError("true or false")
@@ -159,7 +166,9 @@ SCHEMA = {
     "static_graph": (_bool, "DDP static_graph optimisations (same graph every step)"),
     "ddp_comm_hook": (_choice("none", "bf16"), "gradient compression for the all-reduce"),
     "noddp": (_bool, "no gradient synchronisation: measures compute alone (not real training)"),
-    "checkpoint_every_n_steps": (_non_negative_int, "steps between checkpoints; 0: only at epoch ends"),
+    "checkpoint_every_n_steps": (_non_negative_int, "steps between checkpoints; 0: off"),
+    "checkpoint_every_minutes": (_non_negative_float, "wall-clock minutes between checkpoints; 0: off "
+                                                      "(epoch ends and preemption always checkpoint)"),
     "keep_checkpoints": (_positive_int, "newest checkpoints kept in the run directory"),
     "deterministic": (_bool, "deterministic algorithms, so resumed runs are bit-identical"),
     "expdir": (_str, "root folder of runs"),

@@ -6,7 +6,9 @@ step, writes a checkpoint and exits with ``PREEMPTED_EXIT_CODE`` so the submit s
 
 Under DDP every rank must stop at the same step, and a non-finite loss on any rank must stop all
 of them before a checkpoint is written. ``RunControl.agree`` does both with one small all-reduce,
-called only at steps that already synchronise with the host (log and checkpoint steps).
+called only at steps that already synchronise with the host (log and checkpoint steps); the same
+all-reduce carries rank 0's "the wall-clock checkpoint interval has passed", so all ranks checkpoint
+at the same step.
 """
 import signal
 
@@ -52,13 +54,16 @@ class RunControl:
         bad = ~torch.isfinite(loss) & (self.first_bad_step < 0)
         self.first_bad_step = torch.where(bad, step, self.first_bad_step)
 
-    def agree(self):
-        """(stop, first_bad_step or None), the same on every rank. A host sync (and a collective under DDP)."""
-        # One MAX all-reduce for both: the stop flag, and minus the bad step (so MAX finds the earliest).
+    def agree(self, checkpoint_due=False):
+        """(stop, first_bad_step or None, checkpoint_due), the same on every rank: stop if any rank got a
+        signal, checkpoint if any rank (in train.py only rank 0 looks at the clock) says one is due.
+        A host sync (and a collective under DDP)."""
+        # One MAX all-reduce for all three: the flags, and minus the bad step (so MAX finds the earliest).
         none = -(2 ** 62)
         negated_bad = torch.where(self.first_bad_step >= 0, -self.first_bad_step, none)
-        flags = torch.stack([torch.tensor(int(self.stop_requested_locally), device=self.info.device), negated_bad])
+        local = torch.tensor([int(self.stop_requested_locally), int(bool(checkpoint_due))], device=self.info.device)
+        flags = torch.cat([local, negated_bad.view(1)])
         if self.info.enabled:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, negated = flags.tolist()
-        return bool(stop), (None if negated == none else -negated)
+        stop, due, negated = flags.tolist()
+        return bool(stop), (None if negated == none else -negated), bool(due)

@@ -1,0 +1,292 @@
+"""Checkpoints written in the background: same files, snapshots taken at the step, failures never lost,
+and the wall-clock interval."""
+import errno
+import io
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import train
+from networks.UNet import UNet, loss_func
+from utils import checkpoint
+from utils.checkpoint import (AsyncCheckpointer, CheckpointError, load_checkpoint, plain_state_dict, rng_state,
+                              save_checkpoint)
+from utils.config import load_config
+from utils.run_control import RunControl
+
+
+def trained_model_and_optimizer(steps=2):
+    torch.manual_seed(0)
+    model = UNet([4, 8])
+    model.init_weights(0.02, 0.0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_func(model(torch.rand(2, 4, 8, 8, 8)), torch.rand(2, 5, 8, 8, 8)).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def payload(step, model, optimizer):
+    return {"step": step, "config": dict(load_config("quickstart")), "model": plain_state_dict(model),
+            "optimizer": optimizer.state_dict(), "rng": rng_state(), "epoch_loss_sum": 1.5}
+
+
+def names(directory):
+    return sorted(path.name for path in directory.iterdir())
+
+
+def test_background_write_gives_the_same_file_as_a_synchronous_save(tmp_path):
+    model, optimizer = trained_model_and_optimizer()
+    state = payload(7, model, optimizer)
+    writer = AsyncCheckpointer(tmp_path / "async")
+    stall = writer.save(state, 7, keep_last=2, reason="periodic")
+    written = writer.close()
+    synchronous = save_checkpoint(tmp_path / "sync", state, 7, keep_last=2)
+    assert written.path == tmp_path / "async" / "ckpt_step00000007.pt" and written.step == 7
+    assert written.path.read_bytes() == synchronous.read_bytes()  # byte for byte, module versions included
+    assert written.size_bytes == synchronous.stat().st_size
+    assert writer.saves == 1 and writer.stall_seconds == [stall] and len(writer.write_seconds) == 1
+    assert names(tmp_path / "async") == ["ckpt_step00000007.pt"]
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """torch.save waits until the test releases it: the write is surely still in flight meanwhile."""
+    release, entered, real_save = threading.Event(), threading.Event(), torch.save
+
+    def held_save(obj, f):
+        entered.set()
+        assert release.wait(30), "the test never released the write"
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", held_save)
+    return SimpleNamespace(release=release, entered=entered)
+
+
+def test_snapshot_is_taken_when_save_returns(tmp_path, held_writes):
+    model, optimizer = trained_model_and_optimizer()
+    expected_weights = {key: value.clone() for key, value in plain_state_dict(model).items()}
+    first = model.conv_last.weight
+    expected_moment = optimizer.state[first]["exp_avg"].clone()
+    writer = AsyncCheckpointer(tmp_path)
+    writer.save(payload(2, model, optimizer), 2, keep_last=1)
+    assert held_writes.entered.wait(30)
+    with torch.no_grad():  # training goes on in place while the file is written
+        for parameter in model.parameters():
+            parameter.mul_(-3.0).add_(1.0)
+        optimizer.state[first]["exp_avg"].add_(5.0)
+    held_writes.release.set()
+    writer.close()
+    loaded = load_checkpoint(tmp_path / "ckpt_step00000002.pt")
+    for key, value in expected_weights.items():
+        assert torch.equal(loaded["model"][key], value), key
+        assert not torch.equal(plain_state_dict(model)[key], value) or value.numel() == 0, key
+    first_index = next(index for index, parameter in enumerate(model.parameters()) if parameter is first)
+    assert torch.equal(loaded["optimizer"]["state"][first_index]["exp_avg"], expected_moment)
+
+
+def test_one_write_in_flight_and_the_stall_includes_waiting_for_it(tmp_path, held_writes):
+    model, optimizer = trained_model_and_optimizer(steps=1)
+    writer = AsyncCheckpointer(tmp_path)
+    writer.save(payload(1, model, optimizer), 1, keep_last=3)
+    assert writer.pending and held_writes.entered.wait(30)
+    started = time.perf_counter()  # the caller's start: save() counts from there
+    threading.Timer(0.3, held_writes.release.set).start()
+    stall = writer.save(payload(2, model, optimizer), 2, keep_last=3, started=started)  # waits for step 1's write
+    assert stall >= 0.3 and writer.stall_seconds[1] == stall
+    assert (tmp_path / "ckpt_step00000001.pt").exists() and len(writer.write_seconds) == 1
+    writer.close()
+    assert names(tmp_path) == ["ckpt_step00000001.pt", "ckpt_step00000002.pt"] and writer.saves == 2
+
+
+def disk_full():
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+def raise_disk_full():
+    raise disk_full()
+
+
+def raise_wrapped_disk_full():  # what torch's C++ zip writer may raise around the OSError of a write
+    try:
+        raise_disk_full()
+    except OSError as err:
+        raise RuntimeError("[enforce fail at inline_container.cc] PytorchStreamWriter failed writing file") from err
+
+
+def raise_runtime_error():
+    raise RuntimeError("PytorchStreamWriter failed writing file data/3: file write failed")
+
+
+FAILURES = {"ENOSPC": raise_disk_full, "RuntimeError around ENOSPC": raise_wrapped_disk_full,
+            "RuntimeError": raise_runtime_error}
+
+
+def failing_save(raise_failure):
+    def save(obj, f):
+        real = io.BytesIO()
+        torch.serialization.save(obj, real)
+        f.write(real.getvalue()[: len(real.getvalue()) // 2])  # half a file, then the error
+        raise_failure()
+    return save
+
+
+@pytest.mark.parametrize("surfaces_at", ["save", "wait", "close"])
+@pytest.mark.parametrize("failure", FAILURES)
+def test_failed_background_write_surfaces_once_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, failure,
+                                                                                  surfaces_at):
+    model, optimizer = trained_model_and_optimizer(steps=1)
+    writer = AsyncCheckpointer(tmp_path)
+    writer.save(payload(1, model, optimizer), 1, keep_last=3)
+    writer.wait()
+    monkeypatch.setattr(torch, "save", failing_save(FAILURES[failure]))
+    writer.save(payload(2, model, optimizer), 2, keep_last=3)  # returns: the failure happens on the thread
+    with pytest.raises(CheckpointError) as caught:
+        if surfaces_at == "save":
+            writer.save(payload(3, model, optimizer), 3, keep_last=3)
+        elif surfaces_at == "wait":
+            writer.wait()
+        else:
+            writer.close()
+    failed, previous = tmp_path / "ckpt_step00000002.pt", tmp_path / "ckpt_step00000001.pt"
+    if failure == "RuntimeError":
+        assert str(caught.value) == (
+            f"cannot write checkpoint {failed} (RuntimeError: PytorchStreamWriter failed writing file data/3: file "
+            f"write failed); the previous checkpoint {previous} is intact; check free space and that the directory "
+            f"is writable, or point --expdir elsewhere")
+    else:  # exactly the synchronous save's message
+        assert str(caught.value) == (
+            f"disk full while writing checkpoint {failed} (ENOSPC: No space left on device); the previous "
+            f"checkpoint {previous} is intact; free space there or point --expdir at a file system with room")
+    assert len(str(caught.value).splitlines()) == 1
+    assert names(tmp_path) == ["ckpt_step00000001.pt"]  # no partial file, no temporary file
+    assert load_checkpoint(previous)["step"] == 1
+    assert writer.wait() is None  # reported once, not again
+    monkeypatch.undo()  # room on the disk again: checkpoints go on
+    writer.save(payload(4, model, optimizer), 4, keep_last=3)
+    writer.close()
+    assert names(tmp_path) == ["ckpt_step00000001.pt", "ckpt_step00000004.pt"]
+
+
+def test_wall_clock_interval():
+    now = [100.0]
+    writer = AsyncCheckpointer("unused", every_minutes=10, clock=lambda: now[0])
+    assert not writer.due()
+    now[0] += 599
+    assert not writer.due()
+    now[0] += 1
+    assert writer.due()
+    writer.last_save = now[0]  # what save() does
+    assert not writer.due()
+    off = AsyncCheckpointer("unused", every_minutes=0, clock=lambda: now[0])
+    now[0] += 1e9
+    assert not off.due()
+
+
+def test_agree_carries_the_checkpoint_flag_on_one_process():
+    control = RunControl(SimpleNamespace(device=torch.device("cpu"), enabled=False))
+    try:
+        assert control.agree() == (False, None, False)
+        assert control.agree(checkpoint_due=True) == (False, None, True)
+        control.track(torch.tensor(float("nan")), 4)
+        control.signal_name = "SIGUSR1"
+        assert control.agree() == (True, 4, False)
+    finally:
+        control.close()
+
+
+def checkpoint_steps(run_dir):
+    return sorted(int(path.name[9:17]) for path in (run_dir / "checkpoints").glob("ckpt_step*.pt"))
+
+
+@pytest.mark.parametrize("minutes, expected", [
+    # 25 fake seconds per step, 8 steps per epoch. The interval starts after the first step (t = 25 s) and a
+    # checkpoint is due once 60 s have passed since then or since the last one: steps 4 and 7; the epoch end
+    # (8) restarts it, then 11 and 14, and the end (16).
+    ("1", [4, 7, 8, 11, 14, 16]),
+    ("0", [8, 16]),  # both intervals off: epoch ends only, however much time passes
+])
+def test_wall_clock_checkpoints_in_a_training_run(tiny_argv, tmp_path, monkeypatch, minutes, expected):
+    now = [0.0]
+    monkeypatch.setattr(checkpoint, "monotonic", lambda: now[0])
+
+    def slow_step(state, inp, tar):
+        now[0] += 25.0
+        return train.eager_step(state, inp, tar)
+
+    argv = tiny_argv + ["--run_num", "clock", "--checkpoint_every_minutes", minutes, "--checkpoint_every_n_steps", "0",
+                        "--keep_checkpoints", "20"]
+    assert train.main(argv, make_step=lambda state: slow_step) is not None
+    run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "clock"
+    assert checkpoint_steps(run_dir) == expected
+    log = (run_dir / "out.log").read_text()
+    periodic = [step for step in expected if step % 8]
+    for step in periodic:
+        assert f"Checkpoint (periodic) at step {step}: state copied to host in " in log
+        assert f"Checkpoint (periodic) written: {run_dir / 'checkpoints' / f'ckpt_step{step:08d}.pt'} (" in log
+    assert log.count("Checkpoint (periodic) at step") == len(periodic)
+    assert "Checkpoint (end of epoch 2) written:" in log and f"Checkpoints: {len(expected)}, training stalled" in log
+    events = EventAccumulator(str(run_dir / "logs"))
+    events.Reload()
+    stalls = events.Scalars("Perf/checkpoint_stall_s")
+    assert len(stalls) == 1 and stalls[0].step == 16 and 0 <= stalls[0].value < 60
+
+
+def test_failed_final_write_ends_the_run_with_one_line(tiny_argv, tmp_path, monkeypatch, capsys):
+    real_fsync, calls = checkpoint.os.fsync, []
+
+    def fsync_then_disk_full(fd):
+        calls.append(fd)
+        if len(calls) > 2:  # the first checkpoint (file + directory) lands, the last one hits a full disk
+            raise disk_full()
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync_then_disk_full)
+    argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "0"]
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(lambda: train.main(argv))
+    err = capsys.readouterr().err.strip()
+    checkpoints = tmp_path / "runs" / "tiny" / "1GPU" / "0" / "checkpoints"
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: disk full while writing checkpoint {checkpoints / 'ckpt_step00000016.pt'}")
+    assert f"the previous checkpoint {checkpoints / 'ckpt_step00000008.pt'} is intact" in err
+    assert names(checkpoints) == ["ckpt_step00000008.pt"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_snapshot_uses_reused_pinned_buffers_and_ignores_later_steps(tmp_path):
+    model, optimizer = trained_model_and_optimizer()
+    model.cuda().to(memory_format=torch.channels_last_3d)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    inp, tar = torch.rand(2, 4, 8, 8, 8, device="cuda"), torch.rand(2, 5, 8, 8, 8, device="cuda")
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss_func(model(inp), tar).backward()
+        optimizer.step()
+
+    step()
+    writer = AsyncCheckpointer(tmp_path)
+    writer.reserve(payload(0, model, optimizer))  # pins the buffers on the writer thread
+    writer._reserving.result()
+    reserved = sorted(id(buffer) for buffer in writer._pinned.values())
+    buffers = []
+    for number in (1, 2):
+        expected = {key: value.cpu() for key, value in plain_state_dict(model).items()}
+        writer.save(payload(number, model, optimizer), number, keep_last=2)
+        buffers.append(sorted(id(buffer) for buffer in writer._pinned.values()))
+        for _ in range(3):  # queued right after save() returned, while the file is written
+            step()
+        writer.wait()
+        loaded = load_checkpoint(tmp_path / f"ckpt_step{number:08d}.pt")
+        for key, value in expected.items():
+            assert torch.equal(loaded["model"][key], value), key
+            assert loaded["model"][key].stride() == value.stride(), key  # channels-last kept
+    writer.close()
+    assert reserved == buffers[0] == buffers[1] and all(buffer.is_pinned() for buffer in writer._pinned.values())
+    assert len(writer._pinned) > len(expected)  # the optimizer's moments too
