@@ -8,6 +8,13 @@ Each rung adds one optimisation to the previous rung (bf16 replaces fp16):
     fp32 (TF32 off) -> TF32 -> AMP fp16 + GradScaler -> bf16 -> fused Adam -> torch.compile
     -> channels-last-3d -> CUDA graph of the whole step (train_graph.py)
 
+plus one side rung, the CUDA graph on the compiled model. On CUDA, torch.compile and
+channels-last-3d together hit a PyTorch Inductor bug (pytorch#171622: the compiled backward of a
+channels-last ConvTranspose3d fails a stride assertion; seen with torch 2.11), which train.py
+refuses up front; so the channels-last rung replaces compile rather than adding to it (Inductor
+already chooses channels-last layouts for the convolutions inside a compiled graph), and the two
+CUDA-graph rungs measure both branches.
+
 Every rung builds the model as train.py does (``train.build_training``: same seed, same initial
 weights) and trains on one batch of generated N-body -> hydro crops cached on the device, so the
 numbers measure compute alone (the tutorial's SYNTHETIC trial), not data loading. Per rung:
@@ -69,8 +76,10 @@ RUNGS = (
     Rung("fused_adam", "+ fused Adam", {"enable_fused": True}),
     Rung("compile", "+ torch.compile", {"enable_jit": True},
          needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
-    Rung("channels_last", "+ channels-last-3d", {"channels_last": True}),
+    Rung("channels_last", "+ channels-last-3d, compile off", {"channels_last": True, "enable_jit": False}),
     Rung("cuda_graph", "+ CUDA graph", graph=True, needs_cuda="CUDA graphs need a CUDA GPU"),
+    Rung("cuda_graph_compile", "CUDA graph of the compiled model", {"channels_last": False, "enable_jit": True},
+         graph=True, needs_cuda="CUDA graphs need a CUDA GPU"),
 )
 
 FULL = dict(model_channels=None, batch_size=64, crop_size=64,  # None: the base config's (reference) widths
@@ -157,6 +166,9 @@ def run_rung(rung, params, device, batch, args):
 
     for _ in range(args.warmup_steps):
         step(state, inp, tar)
+    if device.type == "cuda":  # peak of the timed steps: cuDNN autotuning and compilation are done by now
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     window_rates = []
     for _ in range(args.windows):
         synchronize(device)
@@ -173,6 +185,8 @@ def run_rung(rung, params, device, batch, args):
             "ms_per_step": 1000 * args.batch_size / samples_per_sec,
             "mfu": flops_per_sample * samples_per_sec / peak if peak else None,
             "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+            # a CUDA graph's private pool is reserved, not allocated, during replays: this counts it
+            "peak_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None,
             "loss_first": losses[0].item(), "loss_last": losses[-1].item()}
 
 
@@ -201,8 +215,10 @@ def run_ladder(args, device):
         row = {"name": rung.name, "label": rung.label, "settings": describe(params, device) + (
             ", CUDA graph" if rung.graph else "")}
         print(f"[{rung.name}] {row['settings']} ...", flush=True)
+        begin = time.perf_counter()
         try:
             row.update(status="ok", **run_rung(rung, params, device, batch, args))
+            row["seconds"] = round(time.perf_counter() - begin, 1)  # build, autotuning, compilation and all steps
             print(f"[{rung.name}] {row['samples_per_sec']:.1f} samples/s, loss {row['loss_first']:.5f} -> "
                   f"{row['loss_last']:.5f}", flush=True)
         except Exception as err:  # report it and go on: one broken rung must not hide the others

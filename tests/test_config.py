@@ -34,13 +34,13 @@ def overrides_from(argv, world_size=1):
 def test_precedence_base_named_flags():
     # named config beats base; an absent flag changes nothing
     opt = load_config("short_opt", overrides=overrides_from([]))
-    assert opt.enable_fused and opt.enable_jit and opt.amp_mode == "bf16" and opt.Nsamples == 4096
+    assert opt.enable_fused and opt.channels_last and opt.amp_mode == "bf16" and opt.Nsamples == 4096
     # a given flag beats the named config
     opt = load_config("short_opt", overrides=overrides_from(["--amp_mode=none", "--num_epochs", "2"]))
     assert opt.amp_mode == "none" and opt.num_epochs == 2 and opt.enable_fused
     assert load_config("base", overrides=overrides_from(["--enable_amp"])).amp_mode == "fp16"
     assert load_config("base", overrides=overrides_from(["--disable_tf32"])).enable_tf32 is False
-    assert load_config("short_opt", overrides=overrides_from(["--no-enable_jit"])).enable_jit is False
+    assert load_config("short_opt", overrides=overrides_from(["--no-channels_last"])).channels_last is False
     assert load_config("base", overrides=overrides_from(["--local_batch_size", "16"], world_size=4)).global_batch_size == 64
 
 
@@ -104,4 +104,4 @@ def test_resolved_config_round_trips(tmp_path):
     params = load_config("short_opt", overrides={"num_epochs": 7})
     save_config(params, tmp_path / "config.yaml")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert saved["num_epochs"] == 7 and saved["config_name"] == "short_opt" and saved["enable_jit"] is True
+    assert saved["num_epochs"] == 7 and saved["config_name"] == "short_opt" and saved["channels_last"] is True
