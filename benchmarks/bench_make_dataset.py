@@ -1,17 +1,21 @@
-"""Time the synthetic dataset generator (utils/make_dataset.py): whole pipeline and per stage.
+"""Time the dataset generator (utils/make_dataset.py) writing a box to disk: per stage, total, peak memory.
 
-    python benchmarks/bench_make_dataset.py [--box 256] [--repeats 3] [--write]
+    python benchmarks/bench_make_dataset.py [--box 512] [--repeats 1] [--device auto] [--dir /tmp] [--npy]
 
-Prints one row per repeat (wall seconds per pipeline stage, in total, and the process CPU
-seconds), the median, the peak resident memory and the machine (cores, load, library versions).
-Timings on a shared machine are noisy: the 1-minute load average is printed with each row so a
-slow run can be told from a busy machine.
+Each repeat runs in a fresh Python process (so its peak RSS is its own, libraries included) and
+streams a box to a temporary HDF5 file under --dir, which is deleted afterwards. Prints one row
+per repeat (wall seconds per pipeline stage, the total, the process CPU seconds, peak RSS in GiB
+and in bytes per cell of the box, the 1-minute load average before and after), the median, and
+the machine (cores, CPU model, memory, library versions). Timings on a shared machine are noisy:
+the load average is printed with each row so a slow run can be told from a busy machine.
 """
 import argparse
+import json
 import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,8 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import h5py  # noqa: E402
 import numpy as np  # noqa: E402
-import scipy  # noqa: E402
+import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from utils import make_dataset as md  # noqa: E402
@@ -29,60 +34,112 @@ from utils import make_dataset as md  # noqa: E402
 class StageTimer(tqdm):
     """A silent progress bar that records how long each pipeline stage takes.
 
-    The generator names a stage with set_postfix_str when it starts and calls update(1) when it ends.
-    """
+    The generator names a stage with set_postfix_str when it starts; a stage ends when the next starts."""
 
     def __init__(self):
-        super().__init__(total=len(md._STAGES), disable=True)
+        super().__init__(total=1, disable=True)
         self.times, self._name, self._start = {}, None, None
 
     def set_postfix_str(self, s="", refresh=True):
-        self._name, self._start = s, time.perf_counter()
+        now = time.perf_counter()
+        if self._name is not None:
+            self.times[self._name] = self.times.get(self._name, 0.0) + now - self._start
+        self._name, self._start = s, now
 
     def update(self, n=1):
-        self.times[self._name] = self.times.get(self._name, 0.0) + time.perf_counter() - self._start
+        pass
+
+    def finish(self):
+        self.set_postfix_str(None)
 
 
-def run_once(box, seed, write):
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine(device):
+    mem = md.memory_available()
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    text = (f"machine: {cores} cores ({cpu_model()}), {total / 2 ** 30:.0f} GiB RAM "
+            f"({mem / 2 ** 30 if mem else float('nan'):.1f} GiB available), python {platform.python_version()}, "
+            f"numpy {np.__version__}, torch {torch.__version__}, h5py {h5py.__version__}, device {device}")
+    if device.type == "cuda":
+        text += f" ({torch.cuda.get_device_name(device)})"
+    return text
+
+
+def child(args):
+    """One timed run in this process; prints a JSON line."""
+    device = md.resolve_device(args.device)
     timer = StageTimer()
+    load_before = os.getloadavg()[0]
     start, cpu_start = time.perf_counter(), time.process_time()
-    nbody, hydro = md.make_dataset(box, seed, progress=timer)
-    if write:
-        with tempfile.TemporaryDirectory() as tmp:
-            timer.set_postfix_str("write")
-            md.write_h5(Path(tmp) / "bench.h5", nbody, hydro, {"seed": seed})
-            timer.update(1)
-    timer.times["total"] = time.perf_counter() - start
-    timer.times["cpu"] = time.process_time() - cpu_start  # all threads; ~ wall x busy cores
-    return timer.times
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        md.write_dataset(Path(tmp) / "bench.h5", args.box, args.seed, npy=args.npy, progress=timer,
+                         device=device, slab=args.slab)
+        timer.finish()
+        total = time.perf_counter() - start
+    times = dict(timer.times, total=total, cpu=time.process_time() - cpu_start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024                  # ru_maxrss is KiB on Linux
+    row = dict(times=times, peak_rss=peak, load_before=load_before, load_after=os.getloadavg()[0],
+               slab=args.slab or md.slab_planes(args.box, device))
+    if device.type == "cuda":
+        row["peak_gpu"] = torch.cuda.max_memory_allocated(device)
+    print(json.dumps(row))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--box", type=int, default=256, help="cells per side (default 256)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (default 3)")
+    parser.add_argument("--box", type=int, default=512, help="cells per side (default 512)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs, each in a fresh process (default 1)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--write", action="store_true", help="also time writing the HDF5 file (to a temp dir)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--slab", type=int, default=None, help="planes per slab (default: the generator's)")
+    parser.add_argument("--dir", default=None, help="folder for the temporary output file (default: the system's)")
+    parser.add_argument("--npy", action="store_true", help="also write (and time) the .npy twins")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
 
-    print(f"machine: {os.cpu_count()} cores, {platform.machine()}, python {platform.python_version()}, "
-          f"numpy {np.__version__}, scipy {scipy.__version__}, fft workers {md._WORKERS}")
-    stages = [s for s in md._STAGES if s != "write" or args.write] + ["total", "cpu"]
-    header = f"{'box':>5} {'run':>4} " + " ".join(f"{s:>12}" for s in stages) + f" {'load1':>6}"
+    device = md.resolve_device(args.device)
+    print(machine(device))
+    cells = args.box ** 3
+    stages = [s for s in md._STAGES] + ["total", "cpu"]
+    header = (f"{'box':>5} {'run':>4} " + " ".join(f"{s:>12}" for s in stages)
+              + f" {'peak GiB':>9} {'B/cell':>7} {'load1 before':>12} {'after':>6}")
     print(header)
     print("-" * len(header))
     rows = []
+    command = [sys.executable, __file__, "--child", "--box", str(args.box), "--seed", str(args.seed),
+               "--device", args.device] + (["--slab", str(args.slab)] if args.slab else []) \
+        + (["--dir", args.dir] if args.dir else []) + (["--npy"] if args.npy else [])
     for r in range(args.repeats):
-        times = run_once(args.box, args.seed, args.write)
-        rows.append(times)
-        print(f"{args.box:>5} {r:>4} " + " ".join(f"{times.get(s, float('nan')):>12.2f}" for s in stages)
-              + f" {os.getloadavg()[0]:>6.2f}", flush=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
+            sys.exit(f"run {r} failed: {last}")
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        t = row["times"]
+        print(f"{args.box:>5} {r:>4} " + " ".join(f"{t.get(s, float('nan')):>12.2f}" for s in stages)
+              + f" {row['peak_rss'] / 2 ** 30:>9.2f} {row['peak_rss'] / cells:>7.1f}"
+              + f" {row['load_before']:>12.2f} {row['load_after']:>6.2f}", flush=True)
     print("-" * len(header))
-    median = {s: statistics.median(row.get(s, float("nan")) for row in rows) for s in stages}
+    median = {s: statistics.median(row["times"].get(s, float("nan")) for row in rows) for s in stages}
+    peak = max(row["peak_rss"] for row in rows)
     print(f"{args.box:>5} {'med':>4} " + " ".join(f"{median[s]:>12.2f}" for s in stages))
-    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # ru_maxrss is KiB on Linux
-    print(f"median {median['total']:.2f} s for {args.box}^3 ({args.box ** 3 / median['total'] / 1e6:.2f} Mcell/s), "
-          f"peak RSS {peak_gib:.2f} GiB ({peak_gib * 2 ** 30 / args.box ** 3:.0f} bytes/cell)")
+    gpu = (f", peak GPU memory {max(r['peak_gpu'] for r in rows) / 2 ** 30:.2f} GiB"
+           f" ({max(r['peak_gpu'] for r in rows) / cells:.1f} bytes/cell)") if "peak_gpu" in rows[0] else ""
+    print(f"median {median['total']:.2f} s for {args.box}^3 ({cells / median['total'] / 1e6:.2f} Mcell/s, "
+          f"slab {rows[0]['slab']} planes), peak RSS {peak / 2 ** 30:.2f} GiB ({peak / cells:.1f} bytes/cell){gpu}")
 
 
 if __name__ == "__main__":

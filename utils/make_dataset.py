@@ -1,6 +1,6 @@
 """Generate a synthetic N-body -> hydro training pair (a toy cosmology, cheap and exactly symmetric).
 
-    python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5 [--npy]
+    python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5 [--npy] [--device auto|cpu|cuda]
 
 writes an HDF5 file with two float32 datasets, channels first, periodic box of N^3 cells:
 
@@ -9,7 +9,7 @@ writes an HDF5 file with two float32 datasets, channels first, periodic box of N
 
 Velocity component k points along spatial array axis k (axis 1 + k of the stored array).
 
-Physics (standard cheap approximations; every step is a numpy FFT, a pointwise map or a bincount):
+Physics (standard cheap approximations; every step is an FFT, a pointwise map or a scatter-add):
 
 1. Initial conditions: unit white noise (N^3 standard normals) coloured by sqrt(P(k)) gives the
    linear density contrast delta. P(k) = A k^n_s T(k)^2 with the BBKS transfer function (shape
@@ -38,8 +38,8 @@ Symmetry: every step is equivariant under the 48-element group of the cube (util
 the k-space filters are isotropic, spectral gradients/divergence have their Nyquist modes zeroed
 (the only modes whose derivative is not odd in k), and particles start on integer grid points
 with CIC nodes at integers, so the flip i -> N-1-i maps grid points to grid points and a
-position x to N-1-x. Transforming the white noise by g gives exactly g applied to the outputs,
-up to float rounding (~1e-6).
+position x to N-1-x. Transforming the white noise by g gives g applied to the outputs, up to
+float32 rounding.
 
 Normalisation uses fixed constants (never per-box statistics), so train and validation files
 share one scale; every stored value lies in (-1, 1), matching the model's tanh output:
@@ -51,24 +51,50 @@ share one scale; every stored value lies in (-1, 1), matching the model's tanh o
 each clipped to [-CLIP, CLIP]. :func:`to_physical` (and the per-field ``denormalize_*``) map back
 to rho/mean, km/s and K, for numpy arrays or torch tensors.
 
-Cost: float64 throughout the pipeline (float32 positions would break the exact symmetry in
-near-empty cells); peak memory ~170 bytes per cell (256^3: 2.6 GiB, 512^3: ~21 GiB) and about
-one microsecond per cell on 2 cores (256^3 in 12-20 s; benchmarks/bench_make_dataset.py), most
-of it in the CIC bincounts. The same seed gives identical bytes every run.
+How it runs (bounded memory, one code path for CPU and GPU). Every FFT and scatter-add is a torch
+operation on ``device`` (CUDA when present, else the CPU), done slab by slab, and the nine output
+channels double as scratch space: the pipeline streams slabs of planes between the device and a
+*store* (the output HDF5 file, or arrays for the in-memory API) and never holds more than one
+padded float64 field plus one float32 field (12 bytes per cell) on the device:
+
+- displacements: for each component, the white noise (drawn slab by slab from one seeded stream,
+  so the values do not depend on the slab size; drawn again per component, so one float64 field is
+  the only full-size buffer) is FFT'd in place in float64, coloured, multiplied by i k_a / k^2 and
+  transformed back slab by slab; psi_a goes to the store as float32 plus its float32 residual
+  (psi = hi + lo to ~1e-14, i.e. the float64 positions of a whole-box run);
+- CIC: particle slabs in x order deposit mass and momentum into a ring of planes (the slab plus
+  twice the largest x displacement); finished planes go to the store, overwriting positions
+  already read; the planes that wrap around the periodic boundary are completed at the end;
+- gas, velocities, temperature: one float64 field at a time is smoothed (in-place FFT), divided by
+  the gas density (read back from its stored channel), written, and its spectral divergence
+  accumulated in a float32 spectrum.
+
+Mass and momentum are accumulated in float32, and the divergence spectrum is stored in float32;
+everything else is float64. Results agree with a float64 whole-box computation (and between slab
+sizes and devices) to float32 rounding: a few ulps of the stored values (<= 5e-7; equivariance
+under the cube group to 3e-7).
+
+Measured on 2 CPU cores (libraries included): 512^3 in 43 s with 1.86 GiB peak RSS (14.9 bytes
+per cell), 1024^3 in 12 min with 13.2 GiB (13.2 bytes per cell); benchmarks/bench_make_dataset.py,
+benchmarks/results/make_dataset_cpu.md. The CLI checks free memory (/proc/meminfo MemAvailable, or
+the GPU's) and disk space first and fails in one line (exit status 2).
 """
 import argparse
+import contextlib
 import functools
 import os
+import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import h5py
 import numpy as np
-import scipy.fft
+import torch
 from tqdm import tqdm
 
-GENERATOR_VERSION = "utils.make_dataset/1"
+GENERATOR_VERSION = "utils.make_dataset/2"
 
 # --- normalisation constants (stored as HDF5 attributes too) ---------------------------------
 DENSITY_LOG_SCALE = 14.0          # x = ln(rho/mean) / 14
@@ -96,11 +122,10 @@ DEFAULT_PHYSICS = dict(
 )
 
 _SHOCK_T_PER_KMS2 = 3.0 / 16.0 * 0.6 * 1.6726e-24 * 1e10 / 1.3807e-16  # K per (km/s)^2, mu = 0.6
-_STAGES = ("noise", "fft", "displacement", "cic", "gas", "temperature", "write")
-# FFT threads: the cores this process may use (not the host's count), at most 8. pocketfft splits
-# whole 1-D transforms between threads, so the result does not depend on the count.
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-_WORKERS = max(1, min(_CORES, 8))
+# Pipeline stages, in order (the progress bar's postfix; benchmarks/bench_make_dataset.py times them).
+_STAGES = ("displacement", "cic", "gas", "velocity", "temperature", "write")
+_SLAB_STEPS = 27                  # progress steps per slab of the whole pipeline (see _generate)
+_FIELD_BYTES_PER_CELL = 12        # peak: one padded float64 field + one float32 field
 
 
 # --- normalisation ------------------------------------------------------------------------------
@@ -218,200 +243,643 @@ def power_spectrum(k, sigma8=DEFAULT_PHYSICS["sigma8"], spectral_index=DEFAULT_P
     return _amplitude(sigma8, spectral_index, shape_gamma) * _bbks_shape(k, spectral_index, shape_gamma)
 
 
-# --- spectral helpers ---------------------------------------------------------------------------
-def _wavenumbers(n):
-    """Angular wavenumbers in radians per cell for an rfftn grid: kx (N,1,1), ky (1,N,1), kz (1,1,N//2+1).
-
-    Also returns the derivative multipliers (same shapes) with the Nyquist mode zeroed: d/dx of the
-    Nyquist cosine is a sine that the grid cannot hold, and keeping it would break flip symmetry.
-    """
-    k_full = 2 * np.pi * np.fft.fftfreq(n)
-    k_half = 2 * np.pi * np.fft.rfftfreq(n)
-    kx, ky, kz = k_full[:, None, None], k_full[None, :, None], k_half[None, None, :]
-    deriv = []
-    for k in (kx, ky, kz):
-        d = k.copy()
-        if n % 2 == 0:
-            d[np.abs(np.abs(d) - np.pi) < 1e-12] = 0.0
-        deriv.append(d)
-    return (kx, ky, kz), tuple(deriv)
+# --- errors, device, memory and disk --------------------------------------------------------------
+class GenerationError(RuntimeError):
+    """A failure the CLI reports in one line (exit status 2): what is wrong and what to do."""
 
 
-def _rfftn(x):
-    return scipy.fft.rfftn(x, workers=_WORKERS)
+def resolve_device(device=None):
+    """The torch.device to generate on: None or "auto" -> CUDA when available, else the CPU."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GenerationError("device cuda was asked for but CUDA is not available; use --device cpu or auto")
+    return device
 
 
-def _irfftn(xk, n):
-    return scipy.fft.irfftn(xk, s=(n, n, n), workers=_WORKERS)
+def _gib(nbytes):
+    return f"{nbytes / 2 ** 30:.1f} GiB"
 
 
-class _Stages:
-    """A tqdm bar advanced once per pipeline stage. progress: None/True (own bar), False, or a bar."""
+def memory_available():
+    """Bytes the system can still give a process (/proc/meminfo MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def slab_planes(n, device="cpu"):
+    """Default planes per slab: slab temporaries (~200 bytes per slab cell) of ~1 byte per box cell."""
+    budget = max(2 ** 27, n ** 3) * (4 if torch.device(device).type == "cuda" else 1)
+    return int(max(1, min(n, budget // (200 * n * n))))
+
+
+def memory_needed(n, slab):
+    """Bytes the pipeline allocates on its device: the peak fields plus slab temporaries."""
+    return _FIELD_BYTES_PER_CELL * n * n * 2 * (n // 2 + 1) + 200 * min(slab, n) * n * n
+
+
+def check_memory(n, slab, device, host_extra=0):
+    """Raise GenerationError (one line) unless the pipeline's memory fits what is free now."""
+    need = memory_needed(n, slab)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            raise GenerationError(f"not enough GPU memory for a {n}^3 box: it needs about {_gib(need)}, "
+                                  f"{_gib(free)} free on {device}; free GPU memory, use --device cpu "
+                                  f"or a smaller --box")
+        need = 200 * min(slab, n) * n * n                                   # host: slabs in flight
+    need += host_extra
+    available = memory_available()
+    if available is not None and need > available:
+        raise GenerationError(f"not enough memory for a {n}^3 box: it needs about {_gib(need)} more, "
+                              f"{_gib(available)} available (MemAvailable); free memory, use a machine with "
+                              f"more or a smaller --box")
+
+
+def output_bytes(box, npy=False):
+    """Disk bytes of one generated box: 9 float32 channels (and the same again for the .npy twins)."""
+    return 9 * 4 * box ** 3 * (2 if npy else 1) + 2 ** 20
+
+
+def check_disk(path, nbytes, what):
+    """Raise GenerationError (one line) unless ``nbytes`` fit in the free space where ``path`` goes."""
+    folder = Path(path).resolve().parent
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if nbytes > free:
+        raise GenerationError(f"not enough disk space for {what}: it needs {_gib(nbytes)}, {_gib(free)} free in "
+                              f"{folder}; free some space or choose another --out")
+
+
+# --- stores: where slabs go ------------------------------------------------------------------------
+# Channels 0-3 are Nbody, 4-8 Hydro. Until the final values are written, some slots hold scratch data:
+_POSITION = (1, 2, 3)     # psi_a rounded to float32 (in the DM velocity slots) ...
+_RESIDUAL = (5, 6, 7)     # ... and psi_a - that, as float32 (in the gas velocity slots)
+_MASS = 8                 # raw CIC mass (in the temperature slot)
+_MOMENTUM = (1, 2, 3)     # raw CIC sum of weight x psi_a, in cells (overwrites the positions plane by plane)
+
+
+class _ArrayStore:
+    """The nine channels in memory: Nbody (4,N,N,N) and Hydro (5,N,N,N) float32 arrays."""
+
+    def __init__(self, n):
+        self.nbody = np.empty((4, n, n, n), np.float32)
+        self.hydro = np.empty((5, n, n, n), np.float32)
+
+    def _slot(self, channel):
+        return (self.nbody, channel) if channel < 4 else (self.hydro, channel - 4)
+
+    def read(self, channel, x0, x1):
+        data, c = self._slot(channel)
+        return np.array(data[c, x0:x1])
+
+    def write(self, channel, x0, x1, values):
+        data, c = self._slot(channel)
+        data[c, x0:x1] = values
+
+
+class _H5Store(_ArrayStore):
+    """The nine channels as the contiguous float32 datasets of an open HDF5 file."""
+
+    def __init__(self, f, n):
+        self.nbody = f.create_dataset("Nbody", (4, n, n, n), np.float32, fill_time="never")
+        self.hydro = f.create_dataset("Hydro", (5, n, n, n), np.float32, fill_time="never")
+
+    def read(self, channel, x0, x1):
+        data, c = self._slot(channel)
+        return data[c, x0:x1]
+
+
+class _Progress:
+    """One tqdm bar over the pipeline's slab steps with the stage as postfix.
+
+    progress: None/True (own bar), False (none) or a tqdm to drive (benchmarks time the stages by
+    its set_postfix_str calls)."""
 
     def __init__(self, progress, total, desc):
         self.own = not isinstance(progress, tqdm) and progress is not False
-        self.bar = tqdm(total=total, desc=desc, unit="stage") if self.own else (progress or None)
+        self.bar = tqdm(total=total, desc=desc, unit="slab") if self.own else (progress or None)
 
-    def __call__(self, name):
+    def stage(self, name):
         if self.bar is not None:
             self.bar.set_postfix_str(name, refresh=True)
-        return self
 
-    def __enter__(self):
-        return self
+    def step(self, n=1):
+        if self.bar is not None:
+            self.bar.update(n)
 
-    def __exit__(self, *exc):
-        if self.bar is not None and exc[0] is None:
-            self.bar.update(1)
-
-    def close(self):
+    def close(self, failed=False):
         if self.own and self.bar is not None:
+            if failed:
+                self.bar.leave = False                  # cleared, so an error message stands alone
             self.bar.close()
 
 
-# --- the pipeline -------------------------------------------------------------------------------
-def _cic_deposit(psi, n):
-    """Periodic CIC deposit of N^3 unit-mass particles starting on grid points q, moved to q + psi(q).
+# --- slab-wise spectral machinery -----------------------------------------------------------------
+class _Box:
+    """An N^3 periodic grid on one device: slab ranges, k-space tables and slab-wise FFT passes.
 
-    psi: 3 arrays (N,N,N) float64, displacements in cells. Returns the deposited mass (N^3,) (mean 1)
-    and sum_p w_p psi_p (3, N^3), float64, flat C order; momentum = the latter x velocity/displacement.
+    A field is an (N, N, 2(N//2+1)) real tensor; the same memory viewed as complex (N, N, N//2+1)
+    holds an rfftn. A 3-D transform is three passes that need only slab-sized temporaries:
+    to_spectrum (2-D rfft of each x-slab of values, into the field's memory), along_x (1-D FFTs
+    along x of each y-slab, with a k-space operation between the forward and inverse transform),
+    from_spectrum (2-D inverse rfft of each x-slab, handed to a consumer). Slabs run on the worker
+    threads (torch releases the GIL), each with one intra-op thread.
     """
-    # Per-axis index parts fit int32 (half the memory) while the flat index N^3 does.
-    index_dtype = np.int32 if n ** 3 < 2 ** 31 else np.int64
-    q = np.arange(n, dtype=index_dtype)
-    nodes, weights = [], []                      # per axis: (flat-index part, weight) for offsets 0, 1
-    for axis, stride in enumerate((n * n, n, 1)):
-        # Split the position into integer node + fraction without forming q + psi in floating point:
-        # frac = psi - floor(psi) is exact, so a flipped run (psi -> -psi) gets exactly 1 - frac.
-        floor = np.floor(psi[axis])
-        frac = (psi[axis] - floor).astype(np.float32)                                 # (N,N,N) in [0,1)
-        shape = [1, 1, 1]
-        shape[axis] = n
-        node = (floor.astype(index_dtype) + q.reshape(shape)) % n                     # (N,N,N)
+
+    def __init__(self, n, device, slab, progress, pool=None, workers=1):
+        self.n, self.device, self.progress, self.pool = n, device, progress, pool
+        self.workers = workers if pool is not None else 1
+        self.slab = max(1, min(int(slab), n))
+        self.ranges = [(x0, min(n, x0 + self.slab)) for x0 in range(0, n, self.slab)]
+        index = torch.as_tensor(np.rint(np.fft.fftfreq(n) * n).astype(np.int64), device=device)
+        self.index = index                                                  # signed integer frequencies
+        self.m_xz = index[:, None] ** 2 + torch.arange(n // 2 + 1, device=device)[None, :] ** 2
+        self.derivs = []
+        for k in (2 * np.pi * np.fft.fftfreq(n),) * 2 + (2 * np.pi * np.fft.rfftfreq(n),):
+            # d/dx of the Nyquist cosine is a sine the grid cannot hold: zeroed (keeps flip symmetry).
+            k = k.copy()
+            if n % 2 == 0:
+                k[np.abs(np.abs(k) - np.pi) < 1e-12] = 0.0
+            self.derivs.append(torch.as_tensor(k, device=device))
+
+    def map(self, func, items):
+        """[func(item) for item in items], on the worker threads."""
+        return list(self.pool.map(func, items)) if self.pool is not None else [func(item) for item in items]
+
+    def each(self, body, inputs=None):
+        """body(x0, x1) -- or body(x0, x1, item), items taken in slab order from ``inputs`` on this
+        thread -- for every slab, at most one slab per worker in flight; one progress step each."""
+        if self.pool is None:
+            for x0, x1 in self.ranges:
+                body(x0, x1) if inputs is None else body(x0, x1, next(inputs))
+                self.progress.step()
+            _release_memory()
+            return
+        pending = []
+        try:
+            for x0, x1 in self.ranges:
+                args = (x0, x1) if inputs is None else (x0, x1, next(inputs))
+                pending.append(self.pool.submit(body, *args))
+                if len(pending) >= self.workers:
+                    pending.pop(0).result()
+                    self.progress.step()
+            while pending:
+                pending.pop(0).result()
+                self.progress.step()
+            _release_memory()
+        finally:
+            for future in pending:                   # after a failure: let the others finish first
+                future.cancel()
+                with contextlib.suppress(BaseException):
+                    future.result()
+
+    def field(self, dtype):
+        return torch.empty((self.n, self.n, 2 * (self.n // 2 + 1)), dtype=dtype, device=self.device)
+
+    def table(self, func, dtype):
+        """func(k^2) (k in radians per cell) tabulated on the integer m = ix^2 + iy^2 + iz^2."""
+        k2 = np.arange(3 * (self.n // 2) ** 2 + 1) * (2 * np.pi / self.n) ** 2
+        return torch.as_tensor(func(k2), dtype=dtype, device=self.device)
+
+    def radial(self, table, y0, y1):
+        """A tabulated isotropic filter on the y-slab [y0, y1) of an rfftn: (N, y1-y0, N//2+1)."""
+        return table[self.m_xz[:, None, :] + self.index[y0:y1, None] ** 2]
+
+    def deriv(self, axis, y0, y1, dtype=torch.float64):
+        """k_axis (Nyquist zeroed), broadcastable to the y-slab [y0, y1) of an rfftn."""
+        d = self.derivs[axis].to(dtype)
+        return (d[:, None, None], d[y0:y1][None, :, None], d[None, None, :])[axis]
+
+    @staticmethod
+    def spectrum(field):
+        return field.view(torch.complex128 if field.dtype == torch.float64 else torch.complex64)
+
+    def to_spectrum(self, field, values, inputs=None):
+        """Pass 1: the 2-D rfft of values(x0, x1[, item]) -> (x1-x0, N, N) into each x-slab of field."""
+        spec = self.spectrum(field)
+
+        def body(x0, x1, *item):
+            torch.fft.rfft2(values(x0, x1, *item).to(field.dtype), out=spec[x0:x1])
+        self.each(body, inputs)
+        return spec
+
+    def along_x(self, spec, operation, inverse=True):
+        """Pass 2: per y-slab, FFT along x, operation(pencils, y0, y1) in place, inverse FFT back."""
+        def body(y0, y1):
+            pencils = torch.fft.fft(spec[:, y0:y1], dim=0)
+            operation(pencils, y0, y1)
+            if inverse:
+                spec[:, y0:y1] = torch.fft.ifft(pencils, dim=0)
+        self.each(body)
+
+    def inverse_along_x(self, spec, dtype=None):
+        """Pass 2 without an operation: the inverse FFT along x (computed in ``dtype`` if given)."""
+        def body(y0, y1):
+            spec[:, y0:y1] = torch.fft.ifft(spec[:, y0:y1].to(dtype or spec.dtype), dim=0)
+        self.each(body)
+
+    def from_spectrum(self, spec, consume, dtype=None):
+        """Pass 3: consume(x0, x1, values) with the 2-D inverse rfft of each x-slab, (x1-x0, N, N)
+        (computed in ``dtype`` if given)."""
+        def body(x0, x1):
+            consume(x0, x1, torch.fft.irfft2(spec[x0:x1].to(dtype or spec.dtype), s=(self.n, self.n)))
+        self.each(body)
+
+
+class _SeedNoise:
+    """Unit white noise from np.random.default_rng(seed), drawn slab by slab from the one stream (the
+    values of a whole-box draw, whatever the slab size)."""
+
+    def __init__(self, seed):
+        self.seed = seed
+
+    def slabs(self, box):
+        rng = np.random.default_rng(self.seed)
+        for x0, x1 in box.ranges:
+            yield rng.standard_normal((x1 - x0, box.n, box.n))
+
+
+class _ArrayNoise:
+    """White noise given as an (N, N, N) array."""
+
+    def __init__(self, white):
+        self.white = white
+
+    def slabs(self, box):
+        for x0, x1 in box.ranges:
+            yield np.ascontiguousarray(self.white[x0:x1], dtype=np.float64)
+
+
+def _host(tensor):
+    return tensor.detach().to("cpu", torch.float32).numpy()
+
+
+def _normalize_density_t(rho):
+    return (torch.log(rho.double().clamp(min=DENSITY_FLOOR)) / DENSITY_LOG_SCALE).clamp_(-CLIP, CLIP).float()
+
+
+def _normalize_velocity_t(v):
+    return (v.double() / VELOCITY_SCALE).clamp_(-CLIP, CLIP).float()
+
+
+def _normalize_temperature_t(t):
+    return ((torch.log10(t) - TEMPERATURE_LOG10_OFFSET) / TEMPERATURE_LOG10_SCALE).clamp_(-CLIP, CLIP).float()
+
+
+def _libc():
+    try:
+        import ctypes
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc() if sys.platform.startswith("linux") else None
+
+
+def _release_memory():
+    """Give freed heap memory back to the system (glibc keeps freed slab temporaries otherwise, which
+    would add up to the next stage's peak)."""
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
+@contextlib.contextmanager
+def _workers(device, workers):
+    """A pool of ``workers`` threads (None for one), each slab op on one torch intra-op thread.
+
+    On the CPU, MKL's own FFT threading costs ~10 ms a call on a busy 2-core machine; threads over
+    slabs do not. Restores torch's thread count afterwards."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="make_dataset") if workers > 1 else None
+    try:
+        yield pool
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+        torch.set_num_threads(threads)
+
+
+# --- the pipeline ---------------------------------------------------------------------------------
+def _displacements(box, store, noise, cell, p):
+    """Zel'dovich displacements psi_a (cells) into the store as float32 + float32 residual.
+
+    Returns the reach: every particle's CIC nodes along x lie within that many planes of its own."""
+    device = box.device
+
+    def colour(k2):
+        # psi_k = i k delta_k / k^2 with delta_k = W_k sqrt(P / cell^3): <|W_k|^2> = N^3 for unit white
+        # noise and the DFT of delta needs <|delta_k|^2> = P N^3 / cell^3.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            amplitude = np.sqrt(power_spectrum(np.sqrt(k2) / cell, p["sigma8"], p["spectral_index"],
+                                               p["shape_gamma"]) / cell ** 3)
+            return np.where(k2 > 0, amplitude / k2, 0.0)
+
+    factor = box.table(colour, torch.float64)
+    field = box.field(torch.float64)        # 8 bytes per cell: the noise is drawn again for each component
+    floors = []
+    for axis in range(3):
+        def displace(pencils, y0, y1, axis=axis):
+            pencils *= box.radial(factor, y0, y1) * box.deriv(axis, y0, y1)
+            pencils *= 1j
+
+        def positions(x0, x1, psi, axis=axis):
+            hi = psi.float()
+            lo = (psi - hi.double()).float()
+            if axis == 0:
+                floor = torch.floor(hi.double() + lo.double())                # what _deposit will see
+                floors.append((int(floor.min()), int(floor.max())))
+            store.write(_POSITION[axis], x0, x1, _host(hi))
+            store.write(_RESIDUAL[axis], x0, x1, _host(lo))
+
+        spec = box.to_spectrum(field, lambda x0, x1, white: torch.from_numpy(white).to(device), noise.slabs(box))
+        box.along_x(spec, displace)
+        box.from_spectrum(spec, positions)
+    return max(max(-low, high + 1) for low, high in floors)
+
+
+def _deposit(box, store, reach):
+    """Periodic CIC deposit of mass and momentum (weight x psi, cells) of the particles in the store.
+
+    Particle slabs in x order scatter into a ring of (slab + 2 reach) planes; a plane is written to
+    the store once no later slab can reach it. Planes within `reach` of x = 0 also get particles
+    from the far end of the box: their first part is held until the end. With a ring as large as
+    the box (small boxes, or slab ~ N) the accumulators are simply the whole box.
+    """
+    n, device, nn = box.n, box.device, box.n * box.n
+    ring = box.slab + 2 * reach < n
+    planes = box.slab + 2 * reach if ring else n
+    # Two complex64 accumulators hold (mass, momentum_x) and (momentum_y, momentum_z): one random
+    # access adds two float32 sums (the scatter-adds are most of the deposit's time).
+    acc = torch.zeros((2, planes * nn), dtype=torch.complex64, device=device)
+    itype = torch.int32 if planes * nn < 2 ** 31 else torch.int64
+    grid = [None, torch.arange(n, device=device, dtype=itype).view(1, n, 1),
+            torch.arange(n, device=device, dtype=itype).view(1, 1, n)]
+    held, emitted = {}, -reach
+
+    def write_planes(j0, j1, values):                        # values (2, j1-j0, N, N) complex
+        values = torch.view_as_real(values)
+        store.write(_MASS, j0, j1, _host(values[0, ..., 0]))
+        for a, (q, part) in enumerate(((0, 1), (1, 0), (1, 1))):
+            store.write(_MOMENTUM[a], j0, j1, _host(values[q, ..., part]))
+
+    def emit(u):                                              # u: unwrapped plane index
+        r, j = u % planes, u % n
+        plane = acc[:, r * nn:(r + 1) * nn].view(2, 1, n, n)
+        if u < reach:                                         # more will come from x ~ N
+            held[j] = plane.clone()
+        else:
+            if j in held:
+                plane += held.pop(j)
+            write_planes(j, j + 1, plane)
+        plane.zero_()
+
+    def prepare(axis, x0, x1):
+        psi = (torch.from_numpy(store.read(_POSITION[axis], x0, x1)).to(device, torch.float64)
+               + torch.from_numpy(store.read(_RESIDUAL[axis], x0, x1)).to(device, torch.float64))
+        # Node + fraction without forming q + psi in floating point: frac = psi - floor(psi) is
+        # exact, so a flipped box (psi -> -psi) gets exactly 1 - frac.
+        floor = torch.floor(psi)
+        frac = (psi - floor).float()
+        node = floor.to(itype)
         del floor
-        nodes.append((node * stride, (node + 1) % n * stride))
-        weights.append((1 - frac, frac))
-        del node, frac
-    mass = np.zeros(n ** 3)
-    moment = np.zeros((3, n ** 3))
-    flat_psi = [a.ravel() for a in psi]
-    # Reused buffers: fresh 8-byte-per-cell temporaries in every pass cost more in page faults than
-    # the arithmetic. (Threads over particle slabs and batching corners into one bincount were
-    # tried: no faster on 2 shared cores, and more memory.)
-    index_xy = np.empty((n, n, n), dtype=np.int64)
-    weight_xy = np.empty((n, n, n))
-    index = np.empty((n, n, n), dtype=np.int64)
-    weight = np.empty((n, n, n))
-    weighted_psi = np.empty(n ** 3)
-    # Loop over the 8 cube corners, building the index and weight of each corner incrementally
-    # (x, then xy, then xyz) so each corner costs one add, one multiply and four bincounts.
-    for cx in (0, 1):
-        for cy in (0, 1):
-            np.add(nodes[0][cx], nodes[1][cy], out=index_xy, dtype=np.int64)
-            np.multiply(weights[0][cx], weights[1][cy], out=weight_xy, dtype=np.float64)
-            for cz in (0, 1):
-                np.add(index_xy, nodes[2][cz], out=index)
-                np.multiply(weight_xy, weights[2][cz], out=weight)
-                flat_index, flat_weight = index.ravel(), weight.ravel()                # (N^3,) views
-                mass += np.bincount(flat_index, weights=flat_weight, minlength=n ** 3)
-                for a in range(3):
-                    np.multiply(flat_weight, flat_psi[a], out=weighted_psi)
-                    moment[a] += np.bincount(flat_index, weights=weighted_psi, minlength=n ** 3)
-    return mass, moment
+        node += torch.arange(x0, x1, device=device, dtype=itype).view(-1, 1, 1) if axis == 0 else grid[axis]
+        period, stride = (planes, nn) if axis == 0 else (n, n if axis == 1 else 1)
+        node.remainder_(period)
+        after = node + 1
+        after.masked_fill_(after == period, 0)
+        return (node * stride, after * stride), (1 - frac, frac), psi.float().view(-1)
+
+    def scatter(which, index, weight, values):
+        for cx in (0, 1):
+            for cy in (0, 1):
+                index_xy = index[0][cx] + index[1][cy]
+                weight_xy = weight[0][cx] * weight[1][cy]
+                for cz in (0, 1):
+                    flat = (index_xy + index[2][cz]).view(-1)
+                    w = (weight_xy * weight[2][cz]).view(-1)
+                    for q in which:
+                        acc[q].index_add_(0, flat, values[q] * w)
+
+    groups = ((0,), (1,)) if box.pool is not None else ((0, 1),)       # one accumulator per thread
+    for x0, x1 in box.ranges:
+        index, weight, velocity = zip(*box.map(functools.partial(prepare, x0=x0, x1=x1), range(3)))
+        # Per particle, deposit weight x (1 + i v_x) and weight x (v_y + i v_z), v = psi in cells.
+        values = (torch.complex(torch.ones_like(velocity[0]), velocity[0]), torch.complex(velocity[1], velocity[2]))
+        box.map(functools.partial(scatter, index=index, weight=weight, values=values), groups)
+        del index, weight, velocity, values
+        if ring:
+            while emitted < x1 - reach:
+                emit(emitted)
+                emitted += 1
+        box.progress.step()
+    _release_memory()
+    if ring:
+        while emitted < n + reach:
+            emit(emitted)
+            emitted += 1
+        assert not held, sorted(held)
+    else:
+        for x0, x1 in box.ranges:
+            write_planes(x0, x1, acc[:, x0 * nn:x1 * nn].view(2, x1 - x0, n, n))
 
 
-def generate_fields(white_noise, box_length=None, smoothing=DEFAULT_SMOOTHING, progress=None, **physics):
-    """Nbody (4,N,N,N) and Hydro (5,N,N,N) float32 fields, normalised, from (N,N,N) white noise.
+def _cic_deposit(psi, n, slab=None, device="cpu"):
+    """The pipeline's CIC deposit on its own: particles starting on the grid points, displaced by psi
+    (3 arrays (N,N,N), cells). Returns mass (N^3,) and sum of weight x psi (3, N^3), float32."""
+    device, store = resolve_device(device), _ArrayStore(n)
+    for a in range(3):
+        exact = np.asarray(psi[a], dtype=np.float64)
+        hi = exact.astype(np.float32)
+        store.write(_POSITION[a], 0, n, hi)
+        store.write(_RESIDUAL[a], 0, n, (exact - hi).astype(np.float32))
+    floor = np.floor(store.read(_POSITION[0], 0, n).astype(np.float64) + store.read(_RESIDUAL[0], 0, n))
+    reach = int(max(-floor.min(), floor.max() + 1))
+    with _workers(device, default_workers(device)) as pool, torch.no_grad():
+        _deposit(_Box(n, device, slab or n, _Progress(False, 0, ""), pool, default_workers(device)), store, reach)
+    return (store.read(_MASS, 0, n).reshape(-1),
+            np.stack([store.read(_MOMENTUM[a], 0, n).reshape(-1) for a in range(3)]))
 
-    A pure function of its arguments. box_length in Mpc/h (None: N * DEFAULT_CELL_SIZE);
-    smoothing: gas filtering scale in cells; physics: overrides of DEFAULT_PHYSICS.
-    """
+
+def _hydro(box, store, cell, smoothing, p, progress):
+    """Gas density and velocity (DM smoothed), DM velocity, temperature; all channels final.
+
+    The gas fields are computed in float64 (the FFT error is relative to the rms of a field, and the
+    gas velocity divides by the density, small in voids) one at a time: a float64 field and the
+    float32 divergence spectrum, 12 bytes per cell. The gas density is read back from its stored
+    channel (ln(rho)/14 in float32: rho to ~4e-7) instead of being kept."""
+    device = box.device
+    kernel = box.table(lambda k2: np.exp(-0.5 * k2 * smoothing ** 2), torch.float64)
+    scale = p["velocity_per_displacement"] * cell                         # km/s per cell of displacement
+
+    def read(channel, x0, x1):
+        return torch.from_numpy(store.read(channel, x0, x1)).to(device)
+
+    def smooth(pencils, y0, y1):
+        pencils *= box.radial(kernel, y0, y1)
+
+    progress.stage("gas")
+
+    def dm_density(x0, x1):
+        mass = read(_MASS, x0, x1)
+        store.write(0, x0, x1, _host(_normalize_density_t(mass)))
+        return mass
+
+    def gas_density(x0, x1, gas):
+        store.write(4, x0, x1, _host(_normalize_density_t(gas.clamp_(min=DENSITY_FLOOR))))
+
+    spec = box.to_spectrum(box.field(torch.float64), dm_density)
+    box.along_x(spec, smooth)
+    box.from_spectrum(spec, gas_density)
+    del spec
+
+    progress.stage("velocity")
+    divergence = box.spectrum(box.field(torch.float32))
+    for a in range(3):
+        _velocity(box, store, a, divergence, kernel, scale)
+
+    progress.stage("temperature")
+    box.inverse_along_x(divergence, torch.complex128)
+
+    def temperature(x0, x1, div):
+        div_v = div / cell                                                 # km/s per Mpc/h
+        jump = (-div_v).clamp_(min=0.0) * (p["shock_length"] * cell)       # km/s
+        t = (p["temperature_mean_density"] * _gas_density(read, x0, x1) ** (p["eos_gamma"] - 1)
+             + _SHOCK_T_PER_KMS2 * jump ** 2)                              # K
+        store.write(8, x0, x1, _host(_normalize_temperature_t(t)))
+
+    box.from_spectrum(divergence, temperature, torch.complex128)
+
+
+def _gas_density(read, x0, x1):
+    """rho_gas / mean (float64) from its stored channel."""
+    return torch.exp(read(4, x0, x1).double() * DENSITY_LOG_SCALE)
+
+
+def _velocity(box, store, a, divergence, kernel, scale):
+    """Component a: gas velocity (smoothed momentum / gas density) and DM velocity into the store;
+    i k_a v_a added to the divergence spectrum (float32; the transforms are float64)."""
+    device, eps = box.device, DENSITY_FLOOR
+
+    def read(channel, x0, x1):
+        return torch.from_numpy(store.read(channel, x0, x1)).to(device)
+
+    def smooth(pencils, y0, y1):
+        pencils *= box.radial(kernel, y0, y1)
+
+    def velocities(x0, x1, gas_v):
+        gas_v /= _gas_density(read, x0, x1)                                # km/s
+        # DM velocity = momentum / mass; near-empty cells blend towards the gas velocity so the
+        # field stays continuous in the mass (no threshold for rounding to flip under a symmetry).
+        momentum = read(_MOMENTUM[a], x0, x1).double() * scale
+        dm_v = (momentum + eps * gas_v) / (read(_MASS, x0, x1).double() + eps)
+        store.write(1 + a, x0, x1, _host(_normalize_velocity_t(dm_v)))
+        store.write(5 + a, x0, x1, _host(_normalize_velocity_t(gas_v)))
+        torch.fft.rfft2(gas_v, out=spec[x0:x1])                           # on to the divergence
+
+    def derivative(pencils, y0, y1):
+        pencils *= box.deriv(a, y0, y1)
+        pencils *= 1j
+        if a == 0:
+            divergence[:, y0:y1] = pencils
+        else:
+            divergence[:, y0:y1] += pencils
+
+    spec = box.to_spectrum(box.field(torch.float64), lambda x0, x1: read(_MOMENTUM[a], x0, x1).double() * scale)
+    box.along_x(spec, smooth)
+    box.from_spectrum(spec, velocities)
+    box.along_x(spec, derivative, inverse=False)
+
+
+def _physics(n, box_length, smoothing, physics):
     unknown = set(physics) - set(DEFAULT_PHYSICS)
     if unknown:
         raise TypeError(f"unknown physics parameters {sorted(unknown)}; known: {sorted(DEFAULT_PHYSICS)}")
-    p = {**DEFAULT_PHYSICS, **physics}
-    white_noise = np.asarray(white_noise)
-    n = white_noise.shape[0]
-    if white_noise.shape != (n, n, n) or n < 2:
-        raise ValueError(f"white noise must be a cube (N,N,N), got shape {white_noise.shape}")
+    if n < 2:
+        raise ValueError(f"the box needs at least 2 cells per side, got {n}")
     if box_length is not None and not box_length > 0:
         raise ValueError(f"box_length must be positive (Mpc/h), got {box_length}")
     if not smoothing >= 0:
         raise ValueError(f"smoothing must be >= 0 cells, got {smoothing}")
-    cell = box_length / n if box_length is not None else DEFAULT_CELL_SIZE             # Mpc/h
-    stages = _Stages(progress, len(_STAGES) - 2, f"fields {n}^3")
-    (kx, ky, kz), deriv = _wavenumbers(n)
-    k2 = kx ** 2 + ky ** 2 + kz ** 2                                                   # (N,N,N//2+1) rad^2/cell^2
+    cell = box_length / n if box_length is not None else DEFAULT_CELL_SIZE            # Mpc/h
+    return cell, {**DEFAULT_PHYSICS, **physics}
 
-    with stages("fft"):
-        # <|W_k|^2> = N^3 for unit white noise; the DFT of delta needs <|delta_k|^2> = P N^3 / cell^3.
-        amplitude = np.sqrt(power_spectrum(np.sqrt(k2) / cell, p["sigma8"], p["spectral_index"],
-                                           p["shape_gamma"]) / cell ** 3)
-        delta_k = _rfftn(white_noise.astype(np.float64)) * amplitude                  # (N,N,N//2+1)
-        del amplitude
 
-    with stages("displacement"):
-        # psi_k = i k delta_k / k^2 (cells), so that div psi = -delta.
-        with np.errstate(divide="ignore", invalid="ignore"):
-            potential_k = np.where(k2 > 0, delta_k / k2, 0.0)
-        del delta_k
-        psi = [_irfftn(1j * d * potential_k, n) for d in deriv]                        # 3 x (N,N,N) cells
-        del potential_k
+def default_workers(device):
+    """Worker threads: the cores this process may use (at most 2: the deposit splits in two) on the CPU."""
+    if device.type != "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 2))
 
-    with stages("cic"):
-        mass, moment = _cic_deposit(psi, n)                                            # (N^3,), (3,N^3)
-        del psi
-        mass = mass.reshape(n, n, n)
-        momentum = moment.reshape(3, n, n, n)
-        momentum *= p["velocity_per_displacement"] * cell                             # km/s x mass
-        del moment
 
-    with stages("gas"):
-        # Gas = DM smoothed at the filtering scale (isotropic Gaussian in k).
-        kernel = np.exp(-0.5 * k2 * smoothing ** 2)
-        gas_density = np.maximum(_irfftn(_rfftn(mass) * kernel, n), DENSITY_FLOOR)    # (N,N,N)
-        gas_velocity = np.stack([_irfftn(_rfftn(momentum[a]) * kernel, n) for a in range(3)])
-        gas_velocity /= gas_density                                                   # (3,N,N,N) km/s
-        del kernel
-        # DM velocity = momentum / mass; near-empty cells blend towards the gas velocity so the
-        # field stays continuous in the mass (no threshold for rounding to flip under a symmetry).
-        eps = DENSITY_FLOOR
-        dm_velocity = (momentum + eps * gas_velocity) / (mass + eps)                  # (3,N,N,N) km/s
-        del momentum
+def _generate(store, noise, n, cell, smoothing, p, device, slab, progress, workers=None):
+    """Run the whole pipeline into ``store`` (every channel written)."""
+    workers = workers or default_workers(device)
+    with _workers(device, workers) as pool, torch.no_grad():
+        box = _Box(n, device, slab, progress, pool, workers)
+        progress.stage("displacement")
+        reach = _displacements(box, store, noise, cell, p)
+        progress.stage("cic")
+        _deposit(box, store, reach)
+        _hydro(box, store, cell, smoothing, p, progress)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    with stages("temperature"):
-        div_k = sum(1j * d * _rfftn(gas_velocity[a]) for a, d in enumerate(deriv))
-        divergence = _irfftn(div_k, n) / cell                                         # km/s per Mpc/h
-        del div_k
-        jump = np.maximum(0.0, -divergence) * (p["shock_length"] * cell)               # km/s
-        temperature = (p["temperature_mean_density"] * gas_density ** (p["eos_gamma"] - 1)
-                       + _SHOCK_T_PER_KMS2 * jump ** 2)                                # (N,N,N) K
-        del divergence, jump
 
-        nbody = np.empty((4, n, n, n), dtype=np.float32)
-        normalize_density(mass, out=nbody[0])
-        normalize_velocity(dm_velocity, out=nbody[1:])
-        hydro = np.empty((5, n, n, n), dtype=np.float32)
-        normalize_density(gas_density, out=hydro[0])
-        normalize_velocity(gas_velocity, out=hydro[1:4])
-        normalize_temperature(temperature, out=hydro[4])
-    stages.close()
-    return nbody, hydro
+def _in_memory(noise, n, box_length, smoothing, progress, device, slab, physics):
+    cell, p = _physics(n, box_length, smoothing, physics)
+    device = resolve_device(device)
+    slab = slab or slab_planes(n, device)
+    check_memory(n, slab, device, host_extra=9 * 4 * n ** 3)
+    store = _ArrayStore(n)
+    bar = _Progress(progress, _SLAB_STEPS * -(-n // slab), f"fields {n}^3")
+    try:
+        _generate(store, noise, n, cell, smoothing, p, device, slab, bar)
+    except BaseException:
+        bar.close(failed=True)
+        raise
+    bar.close()
+    return store.nbody, store.hydro
+
+
+def generate_fields(white_noise, box_length=None, smoothing=DEFAULT_SMOOTHING, progress=None, device=None,
+                    slab=None, **physics):
+    """Nbody (4,N,N,N) and Hydro (5,N,N,N) float32 fields, normalised, from (N,N,N) white noise.
+
+    A pure function of its arguments (up to float32 rounding: slab size and device change only the
+    order of float32 sums). box_length in Mpc/h (None: N * DEFAULT_CELL_SIZE); smoothing: gas
+    filtering scale in cells; device: "cpu", "cuda" or None (CUDA when available); slab: planes per
+    slab (None: from the memory budget); physics: overrides of DEFAULT_PHYSICS.
+    """
+    white_noise = np.asarray(white_noise)
+    n = white_noise.shape[0]
+    if white_noise.shape != (n, n, n):
+        raise ValueError(f"white noise must be a cube (N,N,N), got shape {white_noise.shape}")
+    return _in_memory(_ArrayNoise(white_noise), n, box_length, smoothing, progress, device, slab, physics)
 
 
 def default_box_length(box):
     return box * DEFAULT_CELL_SIZE
 
 
-def make_dataset(box, seed, box_length=None, smoothing=DEFAULT_SMOOTHING, progress=None, **physics):
-    """Draw (box,)*3 white noise from np.random.default_rng(seed) and run :func:`generate_fields`."""
-    stages = _Stages(progress, len(_STAGES) - 1, f"dataset {box}^3 seed {seed}")
-    with stages("noise"):
-        white = np.random.default_rng(seed).standard_normal((box, box, box), dtype=np.float64)
-    nbody, hydro = generate_fields(white, box_length=box_length, smoothing=smoothing,
-                                   progress=stages.bar if stages.bar is not None else False, **physics)
-    stages.close()
-    return nbody, hydro
+def make_dataset(box, seed, box_length=None, smoothing=DEFAULT_SMOOTHING, progress=None, device=None, slab=None,
+                 **physics):
+    """(Nbody, Hydro) arrays from the white noise of np.random.default_rng(seed) (see generate_fields).
+
+    Holds the output in memory (36 bytes per cell): for big boxes use write_dataset, which streams."""
+    return _in_memory(_SeedNoise(seed), box, box_length, smoothing, progress, device, slab, physics)
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -445,22 +913,45 @@ def npy_paths(path_stem):
     return stem.with_name(stem.name + "_data.npy"), stem.with_name(stem.name + "_label.npy")
 
 
-def write_npy(path_stem, nbody, hydro):
-    """Write <stem>_data.npy (N,N,N,4) and <stem>_label.npy (N,N,N,5) float32, (D,H,W,C), atomically."""
+def _write_npy_file(path, fields, progress=None):
+    """fields (C,N,N,N) -- an array or HDF5 dataset -- as an (N,N,N,C) float32 .npy file, a slab of
+    planes at a time (never the whole volume in memory)."""
+    channels, n = fields.shape[0], fields.shape[1]
+    slab = max(1, min(n, 2 ** 26 // (8 * channels * n * n)))
+    with open(path, "wb") as fp:
+        np.lib.format.write_array_header_1_0(fp, {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")),
+                                                  "fortran_order": False, "shape": (n,) * 3 + (channels,)})
+        for x0 in range(0, n, slab):
+            x1 = min(n, x0 + slab)
+            block = np.empty((x1 - x0, n, n, channels), dtype="<f4")
+            for c in range(channels):
+                block[..., c] = fields[c, x0:x1]
+            block.tofile(fp)
+            if progress is not None:
+                progress.step()
+
+
+def _npy_steps(n):
+    return 2 * -(-n // max(1, min(n, 2 ** 26 // (8 * 4 * n * n))))
+
+
+def write_npy(path_stem, nbody, hydro, progress=None, then=None):
+    """Write <stem>_data.npy (N,N,N,4) and <stem>_label.npy (N,N,N,5) float32, (D,H,W,C), atomically.
+
+    nbody/hydro: arrays or HDF5 datasets (C,N,N,N). Both go to temporary names first and are renamed
+    together (then ``then()``, e.g. renaming the .h5), so a failure leaves neither behind."""
     paths = npy_paths(path_stem)
-    for path, fields in zip(paths, (nbody, hydro)):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_path(path)
-        try:
-            # open_memmap writes straight to disk: no second in-memory copy of the transposed volume.
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
-                                            shape=fields.shape[1:] + fields.shape[:1])
-            for c in range(fields.shape[0]):
-                out[..., c] = fields[c]
-            out.flush()
-            del out
+    tmps = [_tmp_path(path) for path in paths]
+    try:
+        for tmp, fields in zip(tmps, (nbody, hydro)):
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            _write_npy_file(tmp, fields, progress)
+        for tmp, path in zip(tmps, paths):
             os.replace(tmp, path)
-        finally:
+        if then is not None:
+            then()
+    finally:
+        for tmp in tmps:
             if tmp.exists():
                 tmp.unlink()
     return paths
@@ -473,20 +964,49 @@ def _attrs(box, seed, box_length, smoothing, physics):
                 smoothing_cells=smoothing, **{**DEFAULT_PHYSICS, **physics})
 
 
-def _generate_and_write(path, box, seed, npy, box_length, smoothing, progress, physics):
-    stages = _Stages(progress, len(_STAGES), f"{Path(path).name} {box}^3 seed {seed}")
-    bar = stages.bar if stages.bar is not None else False
-    nbody, hydro = make_dataset(box, seed, box_length=box_length, smoothing=smoothing, progress=bar, **physics)
-    with stages("write"):
-        if npy:
-            write_npy(path, nbody, hydro)
-        # The .h5 last: its existence is what ensure_dataset takes as "done".
-        write_h5(path, nbody, hydro, _attrs(box, seed, box_length, smoothing, physics))
-    stages.close()
+def write_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT_SMOOTHING, progress=None,
+                  device=None, slab=None, **physics):
+    """Generate box^3 from ``seed`` straight into ``path`` (and with npy its .npy twins); returns path.
+
+    Streams slabs: peak memory ~15 bytes per cell whatever the box. Checks free memory and disk
+    first (GenerationError, one line, nothing written). Writes to temporary names and renames, so
+    an interrupted or failed run leaves nothing behind (the .h5 comes last: its existence means done).
+    """
+    path = Path(path)
+    cell, p = _physics(box, box_length, smoothing, physics)
+    device = resolve_device(device)
+    slab = slab or slab_planes(box, device)
+    check_memory(box, slab, device)
+    check_disk(path, output_bytes(box, npy), f"{path}{' and its .npy twins' if npy else ''} ({box}^3)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    steps = _SLAB_STEPS * -(-box // slab) + (_npy_steps(box) if npy else 0)
+    bar = _Progress(progress, steps, f"{path.name} {box}^3 seed {seed}")
+    tmp = _tmp_path(path)
+    try:
+        with h5py.File(tmp, "w") as f:
+            store = _H5Store(f, box)
+            _generate(store, _SeedNoise(seed), box, cell, smoothing, p, device, slab, bar)
+            bar.stage("write")
+            for key, value in {**physical_attrs(), **_attrs(box, seed, box_length, smoothing, physics)}.items():
+                f.attrs[key] = value
+        if npy:            # the .npy twins first, the .h5 last: its existence is what means done
+            with h5py.File(tmp, "r") as f:
+                write_npy(path, f["Nbody"], f["Hydro"], progress=bar, then=lambda: os.replace(tmp, path))
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        bar.close(failed=True)
+        raise
+    else:
+        bar.close()
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
 
 
 def ensure_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT_SMOOTHING,
-                   progress=None, **physics):
+                   progress=None, device=None, slab=None, **physics):
     """Generate ``path`` (and with npy its .npy twins) only if missing; return the path.
 
     Files are written to a temporary name and renamed, so an interrupted run never leaves a
@@ -494,10 +1014,11 @@ def ensure_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAUL
     """
     path = Path(path)
     if not path.exists():
-        _generate_and_write(path, box, seed, npy, box_length, smoothing, progress, physics)
+        write_dataset(path, box, seed, npy, box_length, smoothing, progress, device, slab, **physics)
     elif npy and not all(p.exists() for p in npy_paths(path)):
         with h5py.File(path, "r") as f:
-            write_npy(path, f["Nbody"][...], f["Hydro"][...])
+            check_disk(path, output_bytes(f["Nbody"].shape[1]), f"the .npy twins of {path}")
+            write_npy(path, f["Nbody"], f["Hydro"])
     return path
 
 
@@ -511,18 +1032,44 @@ def main(argv=None):
                         help=f"box side in Mpc/h (default box * {DEFAULT_CELL_SIZE:g})")
     parser.add_argument("--smoothing", type=float, default=DEFAULT_SMOOTHING,
                         help=f"gas filtering scale, Gaussian sigma in cells (default {DEFAULT_SMOOTHING})")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where the FFTs and scatter-adds run (default auto: CUDA when available)")
+    parser.add_argument("--slab", type=int, default=None,
+                        help="planes per slab (default: from the memory budget; the result does not depend on it)")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     args = parser.parse_args(argv)
     if args.box < 2:
         parser.error(f"--box must be >= 2, got {args.box}")
+    if args.slab is not None and args.slab < 1:
+        parser.error(f"--slab must be >= 1, got {args.slab}")
+
+    def fail(message, status=2):
+        # One line on stderr, exit status 2; no traceback, nothing partial left behind.
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        return status
+
     targets = [Path(args.out)] + (list(npy_paths(args.out)) if args.npy else [])
     existing = [str(t) for t in targets if t.exists()]
     if existing and not args.force:
-        # One line on stderr, exit status 1 (SystemExit carries the message for callers of main).
-        raise SystemExit(f"{parser.prog}: error: {', '.join(existing)} already "
-                         f"{'exists' if len(existing) == 1 else 'exist'}; pass --force to overwrite")
+        return fail(f"{', '.join(existing)} already {'exists' if len(existing) == 1 else 'exist'}; "
+                    f"pass --force to overwrite")
     start = time.perf_counter()
-    _generate_and_write(args.out, args.box, args.seed, args.npy, args.box_length, args.smoothing, None, {})
+    try:
+        write_dataset(args.out, args.box, args.seed, args.npy, args.box_length, args.smoothing, None,
+                      args.device, args.slab)
+    except GenerationError as err:
+        return fail(str(err))
+    except (MemoryError, torch.OutOfMemoryError, RuntimeError) as err:
+        # torch reports a failed CPU allocation as a RuntimeError ("DefaultCPUAllocator: can't allocate").
+        if isinstance(err, RuntimeError) and not isinstance(err, torch.OutOfMemoryError) \
+                and "allocate" not in str(err):
+            raise
+        return fail(f"ran out of memory generating a {args.box}^3 box ({type(err).__name__}); nothing was "
+                    f"written. Free memory or choose a smaller --box")
+    except OSError as err:
+        return fail(f"writing {args.out} failed: {' '.join(str(err).split())}; nothing was written")
+    except KeyboardInterrupt:
+        return fail("interrupted; nothing was written", 130)
     print(f"wrote {args.out} ({args.box}^3, seed {args.seed}) in {time.perf_counter() - start:.1f} s",
           file=sys.stderr)
     return 0
