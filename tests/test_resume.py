@@ -1,4 +1,5 @@
 """Nothing lost: kill -9, signals, elastic restarts, truncated checkpoints and NaNs, through the real CLI."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, write_random_box
+
+pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
 
 # 32 steps over 2 epochs, a checkpoint after every step, deterministic kernels.
 RUN_FLAGS = ["--Nsamples", "64", "--checkpoint_every_n_steps", "1", "--keep_checkpoints", "2", "--deterministic",
@@ -58,7 +61,11 @@ def started():
     yield processes
     for process in processes:
         if process.poll() is None:
+            workers = worker_pids(process.pid)  # torchrun puts every rank in a session of its own
             os.killpg(process.pid, signal.SIGKILL)
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             process.wait()
 
 

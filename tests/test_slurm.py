@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETUP = REPO_ROOT / ".ci" / "setup_slurm.sh"
 # The CPU-only submission documented in submit_pm.sh: command-line options override its GPU #SBATCH lines.
@@ -131,7 +133,10 @@ STUB_TRAIN = """\
 import json, os, sys
 keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_RESTART_COUNT",
         "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "BENCHY_OUTPUT")
-print("STUB " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}), flush=True)
+# one write: with PYTHONUNBUFFERED, print() writes the text and the newline separately, and two ranks' lines
+# could interleave in the job's output
+sys.stdout.write("STUB " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}) + "\\n")
+sys.stdout.flush()
 sys.exit(3 if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0)  # 3: "preempted, checkpoint written"
 """
 
