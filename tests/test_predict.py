@@ -15,10 +15,10 @@ import torch
 
 import predict
 from conftest import REPO_ROOT
-from networks.UNet import build_model
+from networks.UNet import UNet, build_model
 from utils.checkpoint import plain_state_dict, save_checkpoint
 from utils.config import load_config
-from utils.make_dataset import physical_attrs
+from utils.make_dataset import make_dataset, physical_attrs
 
 TINY = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": None,
         "weight_init.conv_scale": 0.05}
@@ -163,6 +163,63 @@ def test_cli_end_to_end(run_dir, model, tmp_path):
     assert (attrs["tile"], attrs["overlap"], attrs["amp_mode"]) == (8, 2, "none")
     assert attrs["velocity_scale"] == physical_attrs()["velocity_scale"]  # the input's normalisation travels along
     assert sorted(p.name for p in output.parent.iterdir()) == ["hydro.h5"]  # no temporary file left
+
+
+def test_whole_box_l1_and_lyman_alpha_against_the_inputs_hydro(run_dir, model, tmp_path):
+    nbody_box, hydro_box = make_dataset(16, seed=5, progress=False)
+    source = tmp_path / "pair.h5"
+    with h5py.File(source, "w") as f:
+        f["Nbody"], f["Hydro"] = nbody_box, hydro_box
+        f.attrs.update(physical_attrs(), cell_size_mpc_h=0.1)
+    output = tmp_path / "hydro.h5"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "predict.py"), "--checkpoint", str(run_dir),
+                             "--input", str(source), "--output", str(output), "--device", "cpu"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with h5py.File(output, "r") as f:
+        hydro, attrs = f["Hydro"][...], dict(f.attrs)
+        group = {name: f["lyman_alpha"][name][...] for name in f["lyman_alpha"]}
+        flux = dict(f["lyman_alpha"].attrs)
+    l1 = np.abs(hydro - hydro_box).mean(axis=(1, 2, 3))
+    np.testing.assert_allclose(attrs["l1_per_channel"], l1, rtol=1e-5)
+    assert f"whole-box L1 against the input's Hydro: {l1.mean():.5f}" in result.stdout
+    # 16^2 skewers (stride max(1, 16 // 64) = 1) along the last axis; units from the input's cell size
+    assert "Lyman-alpha (256 skewers along the last axis; z=3" in result.stdout
+    assert "cell 0.1 Mpc/h = 11.15 km/s" in result.stdout and "P1D_pred/P1D_true at wavelengths" in result.stdout
+    assert flux["mean_flux_true"] == pytest.approx(0.7, abs=1e-6) and 0 < flux["mean_flux_pred"] < 1
+    assert {"p1d_ratio/wavelength_4-8_cells", "flux_pdf_ks", "flux_pdf_w1", "tau_amplitude"} <= set(flux)
+    assert group["p1d_k_s_per_km"].shape == group["p1d_pred_km_s"].shape == group["p1d_true_km_s"].shape == (8,)
+    assert group["flux_pdf_edges"].shape == (51,) and np.isclose(group["flux_pdf_true"].sum() / 50, 1.0)
+
+
+def test_without_a_truth_only_the_predictions_own_flux_statistics(run_dir, tmp_path, capsys):
+    source = write_nbody(tmp_path / "nbody.h5", nbody(16))
+    output = tmp_path / "hydro.h5"
+    predict.main(["--checkpoint", str(run_dir), "--input", str(source), "--output", str(output), "--device", "cpu"])
+    assert "no Hydro in the input to compare with" in capsys.readouterr().out
+    with h5py.File(output, "r") as f:
+        assert "p1d_true_km_s" not in f["lyman_alpha"] and f["lyman_alpha"]["p1d_pred_km_s"].shape == (8,)
+        assert "l1_mean" not in f.attrs
+    predict.main(["--checkpoint", str(run_dir), "--input", str(source), "--output", str(output), "--device", "cpu",
+                  "--force", "--no-lyman_alpha"])
+    with h5py.File(output, "r") as f:
+        assert "lyman_alpha" not in f
+
+
+def test_a_checkpoint_from_before_the_slope_and_upsample_keys_is_the_old_model(tmp_path):
+    """Checkpoints without leaky_relu_slope / upsample were trained with LeakyReLU(0.2) and transposed convs."""
+    config = dict(load_config("quickstart", overrides=TINY))
+    del config["leaky_relu_slope"], config["upsample"], config["lyman_alpha"]
+    old = UNet([4, 8], leaky_relu_slope=0.2)
+    payload = {"step": 1, "config": config, "model": plain_state_dict(old),
+               "optimizer": torch.optim.Adam(old.parameters()).state_dict()}
+    save_checkpoint(tmp_path / "old" / "checkpoints", payload, 1, keep_last=1)
+    model, params, _, _ = predict.load_trained_model(tmp_path / "old", "cpu")
+    assert all(block[1].negative_slope == 0.2 for block in model.down) and model.upsample == "transposed"
+    volume = torch.from_numpy(nbody(8))[None]
+    with torch.no_grad():
+        assert torch.equal(model(volume), old.eval()(volume))
+    assert predict.lyman_alpha_settings(params, tmp_path / "none.h5").mean_flux == 0.7   # defaults for old configs
 
 
 def test_force_overwrites_and_a_checkpoint_file_is_accepted(run_dir, tmp_path):

@@ -48,6 +48,8 @@ def test_perfect_prediction_and_the_generators_temperature_density_relation(gene
     assert list(ratios) == ["power_ratio/wavelength_2-4_cells", "power_ratio/wavelength_4-8_cells",
                             "power_ratio/wavelength_8-16_cells", "power_ratio/wavelength_16-32_cells"]
     assert all(v == 1.0 for v in ratios.values())
+    correlations = [v for tag, v in scalars.items() if tag.startswith("cross_correlation/")]
+    assert len(correlations) == 4 and all(v == pytest.approx(1.0, abs=1e-12) for v in correlations)
     assert scalars["T_rho/gamma_pred"] == scalars["T_rho/gamma_true"]
     # Underdense gas follows the generator's T = T0 (rho/mean)^(gamma - 1), T0 = 1e4 K, gamma = 1.5.
     assert scalars["T_rho/gamma_true"] == pytest.approx(md.DEFAULT_PHYSICS["eos_gamma"], abs=0.01)
@@ -65,6 +67,8 @@ def test_density_scaled_prediction(generated):
         if tag.startswith("power_ratio/"):
             assert value == pytest.approx(scale ** 2, rel=1e-4), tag  # every k: delta scales by 1.3
     assert metrics.power_spectra()["ratio"] == pytest.approx(np.full(CROP // 2, scale ** 2), rel=1e-4)
+    # the same structures, only brighter: perfectly correlated at every scale
+    assert all(v == pytest.approx(1.0, abs=1e-6) for tag, v in scalars.items() if tag.startswith("cross_correlation/"))
     assert science.format_summary(scalars).endswith("[cells] 2-4: 1.69, 4-8: 1.69, 8-16: 1.69, 16-32: 1.69")
     assert scalars["L1/gas_density"] == pytest.approx(math.log(scale) / md.DENSITY_LOG_SCALE, rel=1e-4)
     rho = md.denormalize_density(hydro[:, 0].double())
@@ -205,3 +209,36 @@ def test_figures_and_tensorboard_logging(generated, tmp_path):
     assert events.Scalars("T_rho/gamma_true")[0].step == 7
     assert events.Scalars("T_rho/gamma_true")[0].value == pytest.approx(scalars["T_rho/gamma_true"])
     assert set(events.Tags()["images"]) == {"Science/slices", "Science/power_spectrum", "Science/temperature_density"}
+
+
+def test_validation_metrics_follow_the_config(tmp_path):
+    from utils.config import load_config
+    params = load_config("quickstart", overrides={"val_path": str(tmp_path / "absent.h5")})
+    metrics = science.ScienceMetrics.for_validation(params, "cpu")
+    assert metrics.crop_size == 32 and not metrics.periodic
+    assert metrics.flux.settings.skewer_stride == 8 and metrics.flux.settings.skewer_axes == 3
+    assert metrics.flux.settings.cell_size == md.DEFAULT_CELL_SIZE       # no file: the generator's 20/256 Mpc/h
+    off = load_config("quickstart", overrides={"lyman_alpha.enabled": False})
+    assert science.ScienceMetrics.for_validation(off, "cpu").flux is None
+
+
+def test_a_periodic_box_is_measured_without_a_window(generated):
+    """A whole periodic box needs no window: a wave that fits the box stays in its own shell."""
+    x = torch.arange(CROP, dtype=torch.float64)
+    rho = 1 + 0.5 * torch.cos(2 * math.pi * 3 * x / CROP)
+    fields = torch.zeros(1, 5, CROP, CROP, CROP)
+    fields[:, 0] = (rho.log() / md.DENSITY_LOG_SCALE).float()[:, None, None]
+    metrics = science.ScienceMetrics(CROP, "cpu", periodic=True)
+    metrics.update(fields, fields)
+    power = metrics.power_spectra()["power_true"] * metrics.modes_per_shell
+    assert power[2] / power.sum() > 0.99                                   # shell |k| = 3 only
+    assert "periodic box" in science.power_spectrum_figure(metrics).axes[0].get_title()
+
+
+def test_cross_correlation_of_an_independent_field_is_near_zero(generated):
+    """The prediction of another box has the right power but the wrong structures: r ~ 0 at every scale."""
+    _, hydro = generated
+    other = torch.flip(hydro, dims=(0,))                                   # other crops, same statistics
+    scalars = metrics_of(other, hydro).compute()
+    correlations = {tag: v for tag, v in scalars.items() if tag.startswith("cross_correlation/")}
+    assert all(abs(v) < 0.3 for v in correlations.values()), correlations

@@ -9,12 +9,14 @@ on the (prediction, target) batches of normalised hydro fields (B, 5, S, S, S), 
 - the ratio of predicted to true gas-density power spectrum per k shell: the clustering amplitude
   of the prediction scale by scale (1: right; below 1 at high k: too smooth);
 - the temperature-density relation T = T0 (rho/mean)^(gamma - 1) of the photo-ionised IGM, fitted
-  on the predicted and on the true fields.
+  on the predicted and on the true fields;
+- with ``lyman_alpha`` settings, the Lyman-alpha forest: flux PDF and 1D flux power spectrum along
+  skewers through the crops (utils/lyman_alpha.py), the observable the emulator is meant for.
 
-    science = ScienceMetrics(crop_size=params.data_size, device=info.device)
+    science = ScienceMetrics.for_validation(params, info.device)   # crops of data_size, Lyman-alpha as configured
     for inp, tar in loader:
         science.update(model(inp), tar)       # no host sync
-    science.all_reduce(info)                  # one collective under DDP
+    science.all_reduce(info)                  # one collective under DDP (plus the flux statistics' few)
     scalars = science.compute()               # {"L1/gas_density": ..., "T_rho/gamma_pred": ...}
 
 Every statistic is a sum over cells or crops held in one float64 device tensor (``sums``), so
@@ -31,10 +33,14 @@ P(k): within 10% at wavelengths 32-5 cells, 1.1-1.2x at 5-3.4 cells, up to 1.6x 
 2-9x on the last three shells (where the real power is 1e-13 of its peak); the window smears the
 lowest shell (|k| = 1 reads 0.56 of the box's). Prediction and target are measured the same way,
 so the ratio compares like with like, and a prediction rho_pred = a rho gives a ratio of a^2 at
-every k. |delta_k|^2 is summed over spherical shells of integer |k| in units of the crop's
+every k. A whole periodic box (``periodic=True``: predict.py's output, the science report) is measured
+without the window. |delta_k|^2 is summed over spherical shells of integer |k| in units of the crop's
 fundamental mode 2 pi / S, from 1 to the axis Nyquist S/2. The scalars group the shells into
 octaves of wavelength S/|k| in cells: ``power_ratio/wavelength_4-8_cells`` is the summed predicted
-power over the summed true power at wavelengths in [4, 8) cells.
+power over the summed true power at wavelengths in [4, 8) cells, and
+``cross_correlation/wavelength_4-8_cells`` is r = P_cross / sqrt(P_pred P_true) there: 1 when the
+prediction's structures at those scales are the true ones, near 0 when they are noise. Together they
+give the error power: P_err / P_true = ratio + 1 - 2 r sqrt(ratio).
 
 Temperature-density relation. The generator (utils/make_dataset.py) sets T = T0 (rho/mean)^(gamma-1)
 and adds shock heating where the gas converges; underdense gas mostly expands, so there the relation
@@ -56,6 +62,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
+from utils.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_of, flux_figure
 from utils.make_dataset import (DENSITY_LOG_SCALE, HYDRO_CHANNELS, TEMPERATURE_LOG10_OFFSET, TEMPERATURE_LOG10_SCALE,
                                 denormalize_density, denormalize_temperature, denormalize_velocity, to_physical)
 
@@ -119,15 +126,24 @@ def fit_temperature_density(histogram):
 
 
 class ScienceMetrics:
-    """Accumulates science metrics over validation batches of (B, 5, S, S, S) normalised hydro fields."""
+    """Accumulates science metrics over validation batches of (B, 5, S, S, S) normalised hydro fields.
 
-    def __init__(self, crop_size, device):
+    ``lyman_alpha``: a ``LymanAlphaSettings`` to add the Lyman-alpha flux statistics
+    (utils/lyman_alpha.py: flux PDF, P1D) on skewers through the same fields; None leaves them out.
+    ``periodic``: the "crops" are whole periodic boxes (predict.py, the science report): no Hann window
+    on the 3D power spectrum nor on the flux P1D.
+    """
+
+    def __init__(self, crop_size, device, lyman_alpha=None, periodic=False):
         self.crop_size = crop_size
         self.device = torch.device(device)
+        self.periodic = periodic
+        self.flux = (FluxStatistics(crop_size, lyman_alpha, self.device, periodic=periodic)
+                     if lyman_alpha is not None else None)
         num_shells = crop_size // 2                              # |k| = 1 .. S/2 in units of 2 pi / S
         num_hist = NUM_DENSITY_BINS * NUM_TEMPERATURE_BINS
         self._sizes = dict(num_crops=1, l1=5, l1_physical=5, power_pred=num_shells, power_true=num_shells,
-                           hist_pred=num_hist, hist_true=num_hist)
+                           hist_pred=num_hist, hist_true=num_hist, power_cross=num_shells)
         # The whole state, one flat tensor (what all_reduce sums); the attributes below are views of it.
         self.sums = torch.zeros(sum(self._sizes.values()), dtype=torch.float64, device=self.device)
         for name, view in zip(self._sizes, self.sums.split(list(self._sizes.values()))):
@@ -151,9 +167,12 @@ class ScienceMetrics:
         self._mode_weight = weight[used].to(self.device)
         self.modes_per_shell = torch.zeros(num_shells, dtype=torch.float64).index_add_(
             0, shell[used] - 1, weight[used].double()).numpy()
-        hann = torch.hann_window(crop_size, periodic=False, dtype=torch.float64)
-        window = hann[:, None, None] * hann[None, :, None] * hann[None, None, :]
-        self._window = (window / (window ** 2).mean().sqrt()).float().to(self.device)  # (S, S, S)
+        if periodic:
+            self._window = torch.ones((crop_size,) * 3, device=self.device)
+        else:
+            hann = torch.hann_window(crop_size, periodic=False, dtype=torch.float64)
+            window = hann[:, None, None] * hann[None, :, None] * hann[None, None, :]
+            self._window = (window / (window ** 2).mean().sqrt()).float().to(self.device)  # (S, S, S)
 
     @torch.no_grad()
     def update(self, prediction, target):
@@ -170,6 +189,7 @@ class ScienceMetrics:
         physical_pred = to_physical(prediction, "hydro", channel_axis=1)
         physical_true = to_physical(target, "hydro", channel_axis=1)
         self.l1_physical += (physical_pred - physical_true).abs().sum(dim=(0, 2, 3, 4), dtype=torch.float64)
+        density_modes = []
         for power, physical in ((self.power_pred, physical_pred), (self.power_true, physical_true)):
             density = physical[:, DENSITY]                                    # rho/mean (B, S, S, S)
             # delta = rho/mean - 1 (mean of the box: the data's unit) less its crop average, which the
@@ -178,16 +198,24 @@ class ScienceMetrics:
             modes = torch.fft.rfftn(contrast * self._window, dim=(1, 2, 3))    # (B, S, S, S//2+1) complex
             modes_power = (modes.real ** 2 + modes.imag ** 2).sum(0).flatten()  # summed over the batch
             power.index_add_(0, self._mode_shell, (modes_power[self._mode_index] * self._mode_weight).double())
+            density_modes.append(modes)
+        cross = (density_modes[0] * density_modes[1].conj()).real.sum(0).flatten()   # Re(pred true*)
+        self.power_cross.index_add_(0, self._mode_shell, (cross[self._mode_index] * self._mode_weight).double())
         for histogram, fields in ((self.hist_pred, prediction), (self.hist_true, target)):
             density_bin = _histogram_bin(fields[:, DENSITY], NUM_DENSITY_BINS)            # (B, S, S, S)
             temperature_bin = _histogram_bin(fields[:, TEMPERATURE], NUM_TEMPERATURE_BINS)
             flat = (density_bin * NUM_TEMPERATURE_BINS + temperature_bin).flatten()
             histogram += torch.bincount(flat, minlength=histogram.numel())
+        if self.flux is not None:
+            self.flux.update(prediction, target)
 
     def all_reduce(self, info):
-        """Sum the state over ranks (one collective; a no-op in a single process). Call on every rank."""
+        """Sum the state over ranks (one collective; a no-op in a single process), and finalize the flux
+        statistics over ranks (a fixed number of small collectives). Call on every rank."""
         if info.enabled:
             dist.all_reduce(self.sums)
+        if self.flux is not None:
+            self.flux.finalize(info)
         self._host = None
 
     def _state(self):
@@ -212,11 +240,29 @@ class ScienceMetrics:
         for (low, high), shells in self.wavelength_octaves().items():
             ratio = state["power_pred"][shells].sum() / state["power_true"][shells].sum()
             scalars[f"power_ratio/wavelength_{low}-{high}_cells"] = float(ratio)
+        for (low, high), shells in self.wavelength_octaves().items():
+            pred, true, cross = (state[name][shells].sum() for name in ("power_pred", "power_true", "power_cross"))
+            scalars[f"cross_correlation/wavelength_{low}-{high}_cells"] = float(cross / math.sqrt(pred * true))
         (gamma_pred, t0_pred), (gamma_true, t0_true) = (fit_temperature_density(self.histogram(which))
                                                         for which in ("pred", "true"))
         scalars.update({"T_rho/gamma_pred": float(gamma_pred), "T_rho/gamma_true": float(gamma_true),
                         "T_rho/T0_pred_K": float(t0_pred), "T_rho/T0_true_K": float(t0_true)})
+        if self.flux is not None:
+            scalars.update(self.flux_statistics().compute())
         return scalars
+
+    @classmethod
+    def for_validation(cls, params, device):
+        """The metrics train.py's validation accumulates: crops of params.data_size, Lyman-alpha as configured."""
+        return cls(params.data_size, device, lyman_alpha=lyman_alpha_settings(params))
+
+    def flux_statistics(self):
+        """The finalized FluxStatistics (finalized here, in this process alone, if all_reduce was not called)."""
+        if self.flux is None:
+            raise RuntimeError("ScienceMetrics was made without lyman_alpha settings")
+        if self.flux.amplitude is None:
+            self.flux.finalize(None)
+        return self.flux
 
     def wavelength_octaves(self):
         """{(low, high): shell indices} grouping shells |k| = n by wavelength S/n in [low, high) cells."""
@@ -234,8 +280,10 @@ class ScienceMetrics:
         state = self._state()
         norm = state["num_crops"][0] * self.modes_per_shell * self.crop_size ** 3
         k = np.arange(1, self.crop_size // 2 + 1) / self.crop_size
+        with np.errstate(divide="ignore", invalid="ignore"):  # shells without power: inf or NaN, not a warning
+            ratio = state["power_pred"] / state["power_true"]
         return {"k": k, "power_pred": state["power_pred"] / norm, "power_true": state["power_true"] / norm,
-                "ratio": state["power_pred"] / state["power_true"]}
+                "ratio": ratio}
 
     def histogram(self, which):
         """(NUM_DENSITY_BINS, NUM_TEMPERATURE_BINS) cell counts of 'pred' or 'true' (edges: log_*_edges())."""
@@ -313,7 +361,8 @@ def power_spectrum_figure(metrics):
     top.loglog(wavelength, spectra["power_pred"], "C1--", label="prediction")
     top.set_ylabel("P(k) of delta [cells^3]")
     top.legend()
-    top.set_title(f"gas density power spectrum ({metrics.crop_size}^3 crops, Hann window)")
+    top.set_title(f"gas density power spectrum ({metrics.crop_size}^3 "
+                  f"{'periodic box' if metrics.periodic else 'crops, Hann window'})")
     bottom.loglog(wavelength, spectra["ratio"], "C1o-", markersize=3)
     bottom.axhline(1.0, color="k", linewidth=0.8)
     bottom.set_xlim(wavelength[0] * 1.1, wavelength[-1] / 1.1)
@@ -378,6 +427,24 @@ def write_tensorboard(writer, step, metrics, example=None):
     for tag, value in metrics.compute().items():
         writer.add_scalar(tag, value, step)
     writer.add_figure("Science/power_spectrum", power_spectrum_figure(metrics), step)
+    if metrics.flux is not None:
+        writer.add_figure("Science/lyman_alpha", flux_figure(metrics.flux_statistics()), step)
     writer.add_figure("Science/temperature_density", temperature_density_figure(metrics), step)
     if example is not None:
         writer.add_figure("Science/slices", slice_figure(*example), step)
+
+
+def lyman_alpha_settings(params, data_path=None):
+    """LymanAlphaSettings from a config's ``lyman_alpha`` section, or None when it is disabled.
+
+    A null ``cell_size_mpc_h`` takes the ``cell_size_mpc_h`` attribute of ``data_path`` (default: the
+    config's validation file) when it has one, else the generator's default 20/256 Mpc/h.
+    """
+    section = params.lyman_alpha
+    if not section["enabled"]:
+        return None
+    cell_size = None
+    if section["cell_size_mpc_h"] is None and params.data_loader_config != "synthetic":
+        from utils.config import resolve_path
+        cell_size = cell_size_of(resolve_path(data_path or params.val_path))
+    return LymanAlphaSettings.from_config(section, cell_size)

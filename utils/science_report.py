@@ -1,0 +1,266 @@
+"""One PNG page of science for a trained model: the picture for a paper's appendix.
+
+    python -m utils.science_report RUN_DIR [--output page.png]          # a train.py run directory
+    python -m utils.science_report prediction.h5 [--truth val.h5]       # a predict.py output
+
+With a run directory (or a checkpoint file) the newest checkpoint predicts the whole validation box
+(the run config's ``val_path``, or ``--input``: an HDF5 file with ``Nbody`` and the true ``Hydro``) by
+predict.py's overlapping tiles. With a prediction file the truth is ``--truth`` or, by default, the
+file predict.py read (its ``input`` attribute), which must hold ``Hydro``; the Lyman-alpha units come
+from the checkpoint named in its ``checkpoint`` attribute when that file is still there.
+
+The page, for prediction against truth on the whole periodic box (no window: the box is periodic):
+middle slices of the five gas fields, the gas-density power-spectrum ratio, the temperature-density
+plane of truth and prediction with their fitted T0 and gamma, the Lyman-alpha flux PDF, the 1D flux
+power spectrum and its ratio, and example skewers' flux, true against predicted (utils/science.py,
+utils/lyman_alpha.py). A header lists the scalars. Default output: ``RUN_DIR/science_report.png`` or
+``<prediction>_report.png``.
+"""
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+from utils import lyman_alpha as lya
+from utils.checkpoint import CheckpointError, load_checkpoint
+from utils.config import ConfigError, resolve_path
+from utils.data_loader import DataError
+from utils.science import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, _display_hydro,
+                           fit_temperature_density, log_density_edges, log_temperature_edges)
+
+FIELD_TITLES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
+NUM_SKEWER_EXAMPLES = 3
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m utils.science_report", description=__doc__.split("\n")[0])
+    parser.add_argument("source", help="a train.py run directory or checkpoint file, or a predict.py output (.h5)")
+    parser.add_argument("--output", help="PNG to write (default: RUN_DIR/science_report.png or <prediction>_report.png)")
+    parser.add_argument("--input", help="run directory mode: HDF5 file with Nbody and Hydro (default: the run "
+                                        "config's val_path)")
+    parser.add_argument("--truth", help="prediction mode: HDF5 file with the true Hydro (default: the prediction's "
+                                        "input attribute)")
+    parser.add_argument("--lya_stride", type=int, help="flux skewers at every n-th cell (default: N/64, at least 1)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], help="(default: cuda when available)")
+    parser.add_argument("--dpi", type=int, default=100)
+    return parser.parse_args(argv)
+
+
+def _read_hydro(path, what):
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{what} {path} does not exist")
+    with h5py.File(path, "r") as f:
+        if "Hydro" not in f:
+            raise DataError(f"{what} {path} has no dataset 'Hydro' (found: {', '.join(f) or 'nothing'})")
+        return f["Hydro"][...].astype(np.float32), dict(f.attrs)
+
+
+def load_from_run(source, input_path, device):
+    """(prediction, truth, description, settings section, cell size) by predicting the box with the newest checkpoint."""
+    import predict  # the repository root is on sys.path when run with -m from it
+    model, params, checkpoint, step = predict.load_trained_model(source, device)
+    path = Path(input_path) if input_path else resolve_path(params.val_path)
+    truth, attrs = _read_hydro(path, "input")
+    with h5py.File(path, "r") as f:
+        if "Nbody" not in f:
+            raise DataError(f"input {path} has no dataset 'Nbody'")
+        nbody = f["Nbody"][...].astype(np.float32)
+    box, tile = nbody.shape[1], params.data_size
+    predict.check_tiling(tile, 2 * (tile // 8), box, model.num_levels)
+    prediction = predict.predict_array(model, nbody, tile, 2 * (tile // 8), device=device)
+    section = {**predict.LYMAN_ALPHA_DEFAULTS, **(params.get("lyman_alpha") or {})}
+    run = checkpoint.parent.parent.name if checkpoint.parent.name == "checkpoints" else checkpoint.parent.name
+    description = (f"run {run}, {checkpoint.name} (step {step}), U-Net {params.model_channels} upsample="
+                   f"{params.get('upsample', 'transposed')}, on {path.name} ({box}^3)")
+    return prediction, truth, description, section, attrs.get("cell_size_mpc_h")
+
+
+def load_from_prediction(source, truth_path):
+    prediction, attrs = _read_hydro(source, "prediction")
+    truth_path = truth_path or attrs.get("input")
+    if truth_path is None:
+        raise DataError(f"{source} names no input file; give the true Hydro with --truth")
+    truth, truth_attrs = _read_hydro(truth_path, "truth")
+    if truth.shape != prediction.shape:
+        raise DataError(f"truth {truth_path} has shape {truth.shape}, the prediction {prediction.shape}")
+    description = f"{Path(source).name} (step {attrs.get('step', '?')}) against {Path(truth_path).name}"
+    import predict  # the repository root is on sys.path when run with -m from it
+    section = dict(predict.LYMAN_ALPHA_DEFAULTS)
+    checkpoint = attrs.get("checkpoint")
+    if checkpoint is not None and Path(checkpoint).is_file():   # the units the model was validated with
+        config = load_checkpoint(checkpoint)["config"]
+        section.update((config.get("lyman_alpha") or {}) if isinstance(config, dict) else {})
+    return prediction, truth, description, section, truth_attrs.get("cell_size_mpc_h")
+
+
+def measure(prediction, truth, settings, stride, device="cpu"):
+    """ScienceMetrics of the whole periodic box, with flux statistics on every ``stride``-th skewer of 3 axes."""
+    box = prediction.shape[1]
+    settings = dataclasses.replace(settings, skewer_stride=stride, skewer_axes=3)
+    metrics = ScienceMetrics(box, device, lyman_alpha=settings, periodic=True)
+    metrics.flux.num_examples = NUM_SKEWER_EXAMPLES
+    metrics.update(torch.from_numpy(prediction)[None].to(device), torch.from_numpy(truth)[None].to(device))
+    metrics.flux_statistics()
+    return metrics
+
+
+# --- the page --------------------------------------------------------------------------------------------------
+
+def _plot_slices(fig, grid, prediction, truth):
+    middle = prediction.shape[1] // 2
+    axes = grid.subplots(sharex=True, sharey=True)                          # (2, 5)
+    for field in range(5):
+        shown = [_display_hydro(fields[field, middle].astype(np.float64), field) for fields in (truth, prediction)]
+        low, high = min(a.min() for a in shown), max(a.max() for a in shown)
+        cmap = "inferno" if field == TEMPERATURE else "viridis"
+        if field in (1, 2, 3):
+            high = max(abs(low), abs(high))
+            low, cmap = -high, "RdBu_r"
+        for row, image in enumerate(shown):
+            im = axes[row, field].imshow(image.T, origin="lower", cmap=cmap, vmin=low, vmax=high)
+            axes[row, field].tick_params(labelsize="x-small")
+        axes[0, field].set_title(FIELD_TITLES[field], fontsize="small")
+        fig.colorbar(im, ax=axes[:, field], orientation="horizontal", shrink=0.9, pad=0.02).ax.tick_params(
+            labelsize="x-small")
+    axes[0, 0].set_ylabel("target", fontsize="medium")
+    axes[1, 0].set_ylabel("prediction", fontsize="medium")
+
+
+def _plot_power(ax, metrics):
+    spectra = metrics.power_spectra()
+    wavelength = 1 / spectra["k"]
+    ax.loglog(wavelength, spectra["ratio"], "C1o-", markersize=3)
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.axhspan(0.8, 1.25, color="C2", alpha=0.12, label="0.8 - 1.25")
+    ax.set_xlim(wavelength[0] * 1.1, wavelength[-1] / 1.1)
+    octaves = 2.0 ** np.arange(1, int(np.log2(metrics.crop_size)) + 1)
+    ax.set_xticks(octaves, [f"{w:g}" for w in octaves])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("wavelength 1/k [cells]")
+    ax.set_ylabel("P_pred / P_true (gas density)")
+    ax.set_title("gas power-spectrum ratio", fontsize="medium")
+    ax.legend(fontsize="small")
+
+
+def _plot_temperature_density(axes, metrics):
+    density_edges, temperature_edges = log_density_edges(), log_temperature_edges()
+    histograms = {which: metrics.histogram(which) for which in ("true", "pred")}
+    occupied = np.nonzero((histograms["true"] + histograms["pred"]).sum(axis=1))[0]
+    density_range = (density_edges[occupied[0]], density_edges[occupied[-1] + 1])
+    occupied = np.nonzero((histograms["true"] + histograms["pred"]).sum(axis=0))[0]
+    temperature_range = (temperature_edges[occupied[0]], temperature_edges[occupied[-1] + 1])
+    norm = LogNorm(vmin=1, vmax=max(h.max() for h in histograms.values()))
+    line_x = np.linspace(*density_range, 2)
+    for ax, which, title, style in zip(axes, ("true", "pred"), ("T-rho: target", "T-rho: prediction"),
+                                       ("C0--", "C1-")):
+        ax.pcolormesh(density_edges, temperature_edges, histograms[which].T, norm=norm, cmap="Greys")
+        gamma, t0 = fit_temperature_density(histograms[which])
+        if math.isfinite(gamma):
+            ax.plot(line_x, np.log10(t0) + (gamma - 1) * line_x, style, label=f"gamma {gamma:.3f}, T0 {t0:.0f} K")
+        ax.axvspan(*FIT_LOG_DENSITY_RANGE, color="C2", alpha=0.08)
+        ax.set_xlim(density_range)
+        ax.set_ylim(temperature_range)
+        ax.set_title(title, fontsize="medium")
+        ax.set_xlabel("log10 rho_gas / mean")
+        if math.isfinite(gamma):
+            ax.legend(loc="upper left", fontsize="small")
+    axes[0].set_ylabel("log10 T [K]")
+
+
+def _header(scalars):
+    bands = ", ".join(f"{tag.split('_')[-2]}: {value:.3g}" for tag, value in scalars.items()
+                      if tag.startswith("power_ratio/"))
+    p1d = ", ".join(f"{tag.split('_')[-2]}: {value:.3g}" for tag, value in scalars.items()
+                    if tag.startswith("lyman_alpha/p1d_ratio/"))
+    return (f"L1 (normalised) gas density {scalars['L1/gas_density']:.5f}, vx {scalars['L1/gas_vx']:.5f}, temperature "
+            f"{scalars['L1/temperature']:.5f} | gamma {scalars['T_rho/gamma_pred']:.3f} (target "
+            f"{scalars['T_rho/gamma_true']:.3f}), T0 {scalars['T_rho/T0_pred_K']:.0f} K (target "
+            f"{scalars['T_rho/T0_true_K']:.0f} K)\n"
+            f"P_pred/P_true by wavelength [cells] {bands}\n"
+            f"mean flux {scalars['lyman_alpha/mean_flux_pred']:.4f} (target {scalars['lyman_alpha/mean_flux_true']:.4f}) | "
+            f"flux PDF distance KS {scalars['lyman_alpha/flux_pdf_ks']:.4f}, W1 {scalars['lyman_alpha/flux_pdf_w1']:.4f} | "
+            f"P1D_pred/P1D_true by wavelength [cells] {p1d}")
+
+
+def report_figure(prediction, truth, metrics, description):
+    """The page: a Figure of slices, power ratio, T-rho (both), flux PDF, P1D and its ratio, example skewers."""
+    stats = metrics.flux_statistics()
+    scalars = metrics.compute()
+    fig = Figure(figsize=(15, 19), layout="constrained")
+    fig.suptitle(f"N-body -> hydro U-Net: {description}\n{_header(scalars)}", fontsize="medium")
+    rows = fig.subfigures(4, 1, height_ratios=(6.2, 4.2, 4.6, 3.2))
+    rows[0].suptitle(f"middle slice (first axis) of the {prediction.shape[1]}^3 box", fontsize="medium")
+    _plot_slices(rows[0], rows[0].add_gridspec(2, 5), prediction, truth)
+    middle = rows[1].subplots(1, 3)
+    _plot_power(middle[0], metrics)
+    middle[2].sharex(middle[1])
+    middle[2].sharey(middle[1])
+    _plot_temperature_density(middle[1:], metrics)
+    flux_axes = rows[2].subplots(2, 3, height_ratios=(2, 1))
+    gs = flux_axes[0, 0].get_gridspec()
+    for ax in flux_axes[:, 0]:
+        ax.remove()
+    lya.plot_flux_pdf(rows[2].add_subplot(gs[:, 0]), stats)
+    for ax in flux_axes[:, 2]:
+        ax.remove()
+    p1d_top = rows[2].add_subplot(gs[0, 1:])
+    p1d_bottom = rows[2].add_subplot(gs[1, 1:], sharex=p1d_top)
+    flux_axes[0, 1].remove()
+    flux_axes[1, 1].remove()
+    lya.plot_p1d(p1d_top, p1d_bottom, stats)
+    rows[2].suptitle(f"Lyman-alpha forest, FGPA: {stats.settings.describe()}; A = {stats.amplitude:.4g}",
+                     fontsize="medium")
+    skewer_axes = rows[3].subplots(NUM_SKEWER_EXAMPLES, 1, sharex=True)
+    lya.plot_example_skewers(list(skewer_axes), stats)
+    for ax in skewer_axes:
+        ax.label_outer()
+    rows[3].suptitle("example skewers: transmitted flux", fontsize="medium")
+    return fig
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    source = Path(args.source)
+    if not source.exists():
+        raise DataError(f"{source} does not exist; give a run directory, a checkpoint or a predict.py output")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if source.is_file() and source.suffix in (".h5", ".hdf5"):
+        prediction, truth, description, section, cell_size = load_from_prediction(source, args.truth)
+        output = Path(args.output) if args.output else source.with_name(source.stem + "_report.png")
+    else:
+        prediction, truth, description, section, cell_size = load_from_run(source, args.input, device)
+        run_dir = source if source.is_dir() else source.parent.parent
+        output = Path(args.output) if args.output else run_dir / "science_report.png"
+    box = prediction.shape[1]
+    settings = lya.LymanAlphaSettings.from_config(section, cell_size)
+    stride = args.lya_stride or max(1, box // 64)
+    metrics = measure(prediction, truth, settings, stride, device)
+    fig = report_figure(prediction, truth, metrics, description)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=args.dpi)
+    print(f"wrote {output}")
+    return output
+
+
+def cli(argv=None):
+    try:
+        main(argv)
+    except (ConfigError, DataError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
