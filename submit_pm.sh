@@ -32,15 +32,16 @@
 #SBATCH --signal=USR1@90
 #SBATCH --requeue
 #SBATCH --open-mode=append
-#SBATCH --output=%x-%j.out
+#SBATCH --output=logs/slurm/%x-%j.out
 # (--gpu-bind=none: every task sees all 4 GPUs and train.py picks cuda:$LOCAL_RANK; --open-mode=append:
-# a requeued job continues its log instead of truncating it.)
+# a requeued job continues its log instead of truncating it; logs/slurm/ is in the repository,
+# git-ignored, so the job's output lands next to the runs, which go to logs/ as well.)
 
 set -euo pipefail
 
 # --- settings: edit here, or set them on the sbatch line -----------------------------------------
 DATADIR=${DATADIR:-}                       # folder with train.h5 and val.h5; empty: the config's paths
-LOGDIR=${LOGDIR:-${SCRATCH:-$PWD}/nbody2hydro/logs}   # runs go to LOGDIR/<config>/<N>GPU/<run_num>/
+LOGDIR=${LOGDIR:-$PWD/logs}                # runs go to LOGDIR/<config>/<N>GPU/<run_num>/ (e.g. $SCRATCH/logs)
 CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}          # none | shifter | apptainer
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # shifter: e.g. nersc/pytorch:24.06.01; apptainer: a .sif file
 CPU_ONLY=${CPU_ONLY:-0}                    # 1: no GPU set-up at all (gloo backend); see the header

@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
+import yaml
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
@@ -30,95 +31,60 @@ from utils.benchy import run_benchmark
 from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, AsyncCheckpointer, CheckpointError, check_compatible,
                               config_differences, latest_valid_checkpoint, list_checkpoints, load_checkpoint,
                               load_model_state, load_optimizer_state, plain_state_dict, rng_state, set_rng_state)
-from utils.config import DEFAULT_YAML, ConfigError, load_config, resolve_path, save_config
+from utils.config import (DEFAULT_YAML, ConfigError, add_config_arguments, config_overrides_from_args, load_config,
+                          resolve_path, save_config)
 from utils.data_loader import DataError, get_data_loader
 from utils.distributed import DistInfo, all_reduce_sum, cleanup, env_world_size, init_distributed, wrap_ddp
 from utils.lr_schedule import learning_rate, total_steps
+from utils.make_dataset import GenerationError
 from utils.profiling import Profiler
 from utils.science import ScienceMetrics, format_summary, write_tensorboard
-from utils.run_control import NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteLoss, Preempted, RunControl
+from utils.run_control import (NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteLoss, Preempted, RunControl,
+                               StartupSignals)
 
 logger = logging.getLogger("train")
 
 
+# The reference tutorial's flag names: on/off aliases of config keys (key, value when on, value when off).
+FLAG_ALIASES = {
+    "enable_amp": ("amp_mode", "fp16", "none"),                # SC21's mixed-precision flag
+    "disable_tf32": ("enable_tf32", False, True),
+    "disable_broadcast_buffers": ("broadcast_buffers", False, True),
+    "benchy_continue": ("benchy.continue_training", True, False),
+}
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The run's own arguments, plus one flag per config key generated from the schema (utils/config.py).
+
+    No abbreviations: a misspelt flag stops the run instead of silently matching another.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--yaml_config", default=str(DEFAULT_YAML), help="YAML file of named configs "
                         "(default: config/UNet.yaml)")
     parser.add_argument("--config", default="base", help="named config in the YAML file (default: base)")
-    parser.add_argument("--run_num", default="0", help="run name inside expdir/<config>/<N>GPU/ (default: 0)")
-    parser.add_argument("--expdir", help="root of run folders (default: config's expdir, or $EXPDIR)")
-    # Every flag below defaults to None = "not given": only given flags override the config.
-    # On/off flags also have a --no- form, to switch off what a named config switched on.
-    flag = dict(action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--amp_mode", choices=["none", "fp16", "bf16"], help="mixed precision")
-    parser.add_argument("--enable_amp", action="store_const", const="fp16", dest="amp_mode_fp16",
-                        help="same as --amp_mode=fp16 (the SC21 flag)")
-    parser.add_argument("--enable_fused", help="fused Adam", **flag)
-    parser.add_argument("--enable_apex", help="apex FusedAdam if importable, else PyTorch's fused Adam", **flag)
-    parser.add_argument("--enable_jit", help="torch.compile the model and loss", **flag)
-    parser.add_argument("--channels_last", help="channels-last-3d model and batches", **flag)
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"],
-                        help="auto (default): the rank's GPU when CUDA is visible, else the CPU")
-    parser.add_argument("--disable_tf32", dest="enable_tf32", action="store_const", const=False, default=None,
-                        help="full fp32 matmuls/convolutions on GPU (TF32 is on by default)")
-    parser.add_argument("--enable_benchy", help="benchmark mode: IO, SYNTHETIC and FULL trials", **flag)
-    parser.add_argument("--benchy_continue", dest="benchy.continue_training", help="train after the benchmark",
-                        **flag)
-    parser.add_argument("--enable_manual_profiling", help="NVTX ranges + CUDA profiler window", **flag)
-    parser.add_argument("--data_loader_config", help="synthetic | inmem | lowmem | gpu | dali-lowmem")
-    parser.add_argument("--fast_loader", help="threads fill crops straight into reusable pinned batches", **flag)
-    parser.add_argument("--gpu_storage_dtype", choices=["fp32", "fp16", "bf16"],
-                        help="dtype of the volumes the gpu loader keeps on the device")
-    parser.add_argument("--local_batch_size", type=int, help="per-rank batch; sets global = local x world size")
-    parser.add_argument("--global_batch_size", type=int)
-    parser.add_argument("--num_epochs", type=int)
-    parser.add_argument("--num_data_workers", type=int)
-    parser.add_argument("--Nsamples", type=int, help="training crops per epoch")
-    parser.add_argument("--Nsamples_val", type=int, help="validation crops")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--train_path")
-    parser.add_argument("--val_path")
-    parser.add_argument("--log_every_n_steps", type=int)
-    parser.add_argument("--bucket_cap_mb", type=int, help="DDP gradient bucket size in MB")
-    parser.add_argument("--disable_broadcast_buffers", dest="broadcast_buffers", action="store_const", const=False,
-                        default=None, help="DDP: do not broadcast buffers every forward (the U-Net has none)")
-    parser.add_argument("--gradient_as_bucket_view", help="DDP: gradients are views into the buckets", **flag)
-    parser.add_argument("--static_graph", help="DDP: static-graph optimisations", **flag)
-    parser.add_argument("--ddp_comm_hook", choices=["none", "bf16"], help="DDP gradient compression")
-    parser.add_argument("--noddp", help="no gradient sync across ranks: measures compute alone; NOT real training",
-                        **flag)
+    parser.add_argument("--run_num", help="run folder inside expdir/<config>/<N>GPU/; default: the run this same "
+                                          "command started before (it continues), else the next free number")
     parser.add_argument("--resume", default="auto",
                         help="auto (default): continue from the newest valid checkpoint in the run directory; "
-                             "never; or a checkpoint path")
-    parser.add_argument("--checkpoint_every_n_steps", type=int, help="0: off (default); epoch ends always checkpoint")
-    parser.add_argument("--checkpoint_every_minutes", type=float,
-                        help="wall-clock interval between checkpoints (default 10); 0: off")
-    parser.add_argument("--keep_checkpoints", type=int, help="newest checkpoints kept")
-    parser.add_argument("--deterministic", help="deterministic algorithms (bit-reproducible resumes)", **flag)
-    parser.add_argument("--profile_dir", help="write a torch.profiler trace of profile_window here")
-    parser.add_argument("--peak_tflops", type=float,
-                        help="device peak TFLOP/s for MFU (looked up for known GPUs when not given)")
+                             "never: start over (in a new run folder unless --run_num names one); or a "
+                             "checkpoint path")
+    parser.add_argument("--local_batch_size", type=int, metavar="N",
+                        help="per-rank batch; sets global_batch_size = N x world size")
+    add_config_arguments(parser, FLAG_ALIASES)
     return parser.parse_args(argv)
 
 
 def config_overrides(args, world_size):
-    """The config keys the given flags override (None = flag not given)."""
-    overrides = {key: getattr(args, key) for key in (
-        "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32", "device", "enable_benchy",
-        "enable_manual_profiling", "data_loader_config", "global_batch_size", "num_epochs", "num_data_workers",
-        "Nsamples", "Nsamples_val", "seed", "train_path", "val_path", "log_every_n_steps", "peak_tflops",
-        "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook", "noddp",
-        "benchy.continue_training", "fast_loader", "gpu_storage_dtype", "checkpoint_every_n_steps",
-        "checkpoint_every_minutes", "keep_checkpoints", "deterministic", "profile_dir")}
-    if args.amp_mode_fp16:
-        if args.amp_mode not in (None, "fp16"):
-            raise ConfigError(f"--enable_amp means --amp_mode=fp16 and contradicts --amp_mode={args.amp_mode}")
-        overrides["amp_mode"] = "fp16"
+    """The config keys the given flags override; $EXPDIR sits between the named config and --expdir."""
+    overrides = config_overrides_from_args(args, FLAG_ALIASES)
     if args.local_batch_size is not None:
-        if args.global_batch_size is not None:
+        if "global_batch_size" in overrides:
             raise ConfigError("give --local_batch_size or --global_batch_size, not both")
         overrides["global_batch_size"] = args.local_batch_size * world_size
+    expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
+    if expdir:  # given on the command line or in the environment: relative to where you are
+        overrides["expdir"] = str(Path(expdir).expanduser().resolve())
     return overrides
 
 
@@ -138,25 +104,98 @@ def setup_logging(run_dir, info):
         logger.setLevel(logging.WARNING)  # one rank reports; the others speak only on problems
 
 
+def same_command(run_dir, params):
+    """Whether ``run_dir`` was started with this resolved config (its config.yaml), wherever expdir is."""
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    current = yaml.safe_load(yaml.safe_dump(dict(params)))  # the same round trip the saved file took
+    return isinstance(saved, dict) and {k: v for k, v in saved.items() if k != "expdir"} == \
+        {k: v for k, v in current.items() if k != "expdir"}
+
+
+def choose_run_num(parent, params, fresh):
+    """The run folder name: the newest numbered run this same config started (unless ``fresh``), else the next
+    free number. One rule for every command: rerunning a command continues its run; anything else -- a
+    benchmark, a profile, another flag -- is a run of its own and never collides with an earlier one."""
+    numbers = sorted(int(p.name) for p in parent.iterdir() if p.name.isdigit() and p.is_dir()) \
+        if parent.is_dir() else []
+    if not fresh:
+        for number in reversed(numbers):
+            if same_command(parent / str(number), params):
+                return str(number)
+    return str(numbers[-1] + 1 if numbers else 0)
+
+
 def make_run_dir(args, params, info):
-    expdir = args.expdir or os.environ.get("EXPDIR")
-    root = Path(expdir).resolve() if expdir else resolve_path(params.expdir)
-    run_dir = root / params.config_name / f"{info.world_size}GPU" / str(args.run_num)
+    """expdir/<config>/<N>GPU/<run_num>/, writable; rank 0 chooses run_num and tells the others.
+
+    Returns (run directory, a note for the log or None)."""
+    parent = resolve_path(params.expdir) / params.config_name / f"{info.world_size}GPU"
+    choice, note = [args.run_num], None
+    if info.is_main and args.run_num is None:
+        try:
+            choice = [choose_run_num(parent, params, fresh=args.resume == "never")]
+        except OSError as err:
+            raise ConfigError(f"cannot read the run folders in {parent} ({err.strerror}); "
+                              f"choose another --expdir") from None
+    if info.enabled:
+        dist.broadcast_object_list(choice, src=0)
+    run_dir = parent / choice[0]
     if info.is_main:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             probe = run_dir / ".write_test"
             probe.write_text("")
             probe.unlink()
+            if args.resume == "never":
+                note = archive_previous_run(run_dir)
         except OSError as err:
             raise ConfigError(f"run directory {run_dir} is not writable ({err.strerror}); "
                               f"choose another with --expdir or $EXPDIR") from None
-    return run_dir
+    return run_dir, note
+
+
+def archive_previous_run(run_dir):
+    """--resume never in a run folder that holds a run: move its checkpoints, TensorBoard events and log
+    into previous-<time>/, so the new run starts a clean history and nothing is lost."""
+    old = [run_dir / name for name in ("checkpoints", "logs", "out.log") if (run_dir / name).exists()]
+    if not old:
+        return None
+    archive = run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    archive.mkdir()
+    for path in old:
+        path.rename(archive / path.name)
+    return f"--resume never: the earlier run's {', '.join(p.name for p in old)} moved to {archive}"
+
+
+def missing_data_message(params):
+    """One line for a config whose data files are missing: both files, commands that make them at the config's
+    box sizes (with the memory and disk they need), and the laptop path. None when nothing is missing."""
+    files = [(resolve_path(path), box, seed) for path, box, seed in
+             ((params.train_path, params.box_size[0], 1), (params.val_path, params.box_size[1], 2))]
+    missing = [(path, box, seed) for path, box, seed in files if not path.exists()]
+    if not missing:
+        return None
+    largest = max(box for _, box, _ in missing)
+    make = " && ".join(f"python -m utils.make_dataset --box {box} --seed {seed} --out {path}"
+                       for path, box, seed in missing)
+    return (f"missing data: {' and '.join(f'{path} ({box}^3)' for path, box, _ in missing)}; make "
+            f"{'it' if len(missing) == 1 else 'them'} with `{make}` (the {largest}^3 box needs about "
+            f"{14 * largest ** 3 / 2 ** 30:.1f} GiB of memory and {36 * largest ** 3 / 1e9:.1f} GB of disk), or point "
+            f"--train_path/--val_path at your files and set --box_size to their sizes; on a laptop, "
+            f"`python train.py --config=quickstart` makes small data of its own")
 
 
 def prepare_data(params, info):
     """Generate the quickstart dataset on first use; never generate for configs that name user files."""
-    if params.generate_data is None or params.data_loader_config == "synthetic":
+    if params.data_loader_config == "synthetic":
+        return
+    if params.generate_data is None:
+        message = missing_data_message(params)
+        if message:
+            raise DataError(message)
         return
     if info.is_main:
         from utils.make_dataset import ensure_dataset
@@ -274,7 +313,7 @@ def validate(state, loader):
     """Validation loss over all ranks, weighted by samples (rank shares may differ), plus the science metrics
     (summed over ranks) and one (input, prediction, target) crop for the pictures."""
     state.model.eval()
-    science = ScienceMetrics(state.params.data_size, state.info.device)
+    science = ScienceMetrics.for_validation(state.params, state.info.device)  # with the Lyman-alpha flux statistics
     loss_sum = torch.zeros((), dtype=torch.float64, device=state.info.device)
     count, example = 0, None
     for inp, tar in loader:
@@ -294,7 +333,10 @@ def validate(state, loader):
 
 def log_validation(writer, step, val_loss, science, example, params):
     if params.data_loader_config != "synthetic":  # physics of random numbers means nothing
-        logger.info(f"  Science: {format_summary(science.compute())}")
+        scalars = science.compute()
+        logger.info(f"  Science: {format_summary(scalars)}")
+        if science.flux is not None:
+            logger.info(f"  Lyman-alpha: {science.flux.summary(scalars)}")
     if writer:
         writer.add_scalar("Loss/valid", val_loss, step)
         if params.data_loader_config != "synthetic":
@@ -328,9 +370,8 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
                 f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
                 f"global batch {params.global_batch_size} ({params.global_batch_size // info.world_size} per rank), "
                 f"{steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
-    num_params = sum(p.numel() for p in state.model.parameters())
-    logger.info(f"Model: U-Net {params.model_channels} full_scale={params.full_scale}, {num_params:,} parameters, "
-                f"{state.model.flops_per_sample(params.data_size) / 1e9:.2f} GFLOP/sample forward")
+    logger.info(f"Model: U-Net {params.model_channels} full_scale={params.full_scale}, "
+                f"{state.model.describe(params.data_size)}")
     active = [f"amp_mode={params.amp_mode}"] + [name for name in (
         "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
     if info.device.type == "cuda":
@@ -612,27 +653,34 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
 
 
 def main(argv=None, make_step=lambda state: eager_step, capturable=False):
-    args = parse_args(argv)
-    # Config errors first: before the process group exists, so a bad config fails fast on every rank.
-    world_size = env_world_size()
-    params = load_config(args.config, args.yaml_config, config_overrides(args, world_size))
-    if params.global_batch_size % world_size:
-        raise ConfigError(f"global batch size {params.global_batch_size} is not divisible by the world size "
-                          f"{world_size}; use a multiple of {world_size}")
-    info = init_distributed(params.device)
+    signals = StartupSignals()  # a stop signal from the first second on ends with exit code 3
     try:
-        run_dir = make_run_dir(args, params, info)
-        setup_logging(run_dir, info)
-        if info.is_main:
-            save_config(params, run_dir / "config.yaml")
-        prepare_data(params, info)
-        state = build_training(params, info, capturable, run_dir)
-        return train(params, state, run_dir, make_step, args.resume)
+        args = parse_args(argv)
+        # Config errors first: before the process group exists, so a bad config fails fast on every rank.
+        world_size = env_world_size()
+        params = load_config(args.config, args.yaml_config, config_overrides(args, world_size))
+        if params.global_batch_size % world_size:
+            raise ConfigError(f"global batch size {params.global_batch_size} is not divisible by the world size "
+                              f"{world_size}; use a multiple of {world_size}")
+        info = init_distributed(params.device)
+        try:
+            run_dir, note = make_run_dir(args, params, info)
+            signals.checkpoint = lambda: next(iter(list_checkpoints(run_dir / "checkpoints")), None)
+            setup_logging(run_dir, info)
+            if note:
+                logger.info(note)
+            if info.is_main:
+                save_config(params, run_dir / "config.yaml")
+            prepare_data(params, info)
+            state = build_training(params, info, capturable, run_dir)
+            return train(params, state, run_dir, make_step, args.resume)
+        finally:
+            cleanup(info)
     finally:
-        cleanup(info)
+        signals.close()
 
 
-EXIT_CODES = {ConfigError: 2, DataError: 2, CheckpointError: 2, Preempted: PREEMPTED_EXIT_CODE,
+EXIT_CODES = {ConfigError: 2, DataError: 2, CheckpointError: 2, GenerationError: 2, Preempted: PREEMPTED_EXIT_CODE,
               NonFiniteLoss: NONFINITE_EXIT_CODE}
 
 

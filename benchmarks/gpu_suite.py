@@ -22,7 +22,7 @@ e. train.py with checkpoints every few seconds against the eager run of d: the t
    checkpoint and the throughput with checkpointing on;
 f. a torch.profiler trace of a few training steps with the fast loader: cuDNN convolution kernels,
    the prefetcher's host-to-device copies overlapping compute, and the top kernels by time;
-g. tests/test_gpu.py, the CUDA tests (the whole suite on a GPU: `python -m pytest -q -n 14 tests`,
+g. tests/test_gpu.py, the CUDA tests (the whole suite on a GPU: `python -m pytest -q -n 14 --full tests`,
    about 4.5 minutes on the H100 with pytest-xdist).
 
 OUT_DIR receives at most 8 files: summary.json (the results behind benchmarks/results/h100.json),

@@ -56,3 +56,24 @@ def tiny_argv(tiny_files, tmp_path):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump({"tiny": tiny}))
     return ["--yaml_config", str(path), "--config", "tiny", "--expdir", str(tmp_path / "runs")]
+
+
+# --- fast and full runs -------------------------------------------------------------------------
+# `python -m pytest -q tests` is the fast run (unit tests, a few minutes on 2 cores); `--full` adds the
+# integration tests marked slow (subprocess and multi-process training, Slurm, the notebook, the GPU
+# suite's smoke mode), which CI runs (.ci/run).
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="also run the slow integration tests (what CI runs)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: an integration test, run with --full")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]

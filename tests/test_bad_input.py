@@ -61,7 +61,8 @@ def test_crop_larger_than_box(tiny_argv, capsys):
 
 def test_missing_and_unreadable_data(tiny_argv, tmp_path, capsys):
     code, err = run_cli(tiny_argv + ["--train_path", str(tmp_path / "nope.h5")], capsys)
-    assert code == 2 and "nope.h5 does not exist; generate one with" in err
+    assert code == 2 and f"missing data: {tmp_path / 'nope.h5'} (24^3); make it with `python -m utils.make_dataset " \
+        f"--box 24 --seed 1 --out {tmp_path / 'nope.h5'}`" in err and "--config=quickstart" in err
     garbage = tmp_path / "garbage.h5"
     garbage.write_bytes(b"\x00" * 100)
     code, err = run_cli(tiny_argv + ["--train_path", str(garbage)], capsys)

@@ -8,6 +8,8 @@ import torch
 
 from utils.config import REPO_ROOT
 
+pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the small mode is the CPU smoke test")
 def test_small_mode_runs_every_cpu_part_and_skips_the_gpu_parts(tmp_path):

@@ -36,6 +36,8 @@ pytest.importorskip("ipykernel", reason=f"ipykernel (the notebook's python3 kern
 from nbclient import NotebookClient  # noqa: E402
 from nbclient.exceptions import CellExecutionError  # noqa: E402
 
+pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO_ROOT / "start_tensorboard.ipynb"
 EXAMPLE_LOGS = REPO_ROOT / "example_logs"
@@ -55,6 +57,9 @@ def get_json(port, path, **query):
         url += "?" + urllib.parse.urlencode(query)
     with urllib.request.urlopen(url, timeout=5) as response:
         return json.load(response)
+
+
+TENSORBOARD_SCALAR_SAMPLES = 1000  # TensorBoard keeps at most this many points of a scalar series by default
 
 
 def served_scalars(port, run, tag, num_points, timeout=30):
@@ -171,7 +176,12 @@ def check_example_runs(port, event_files):
         assert TRAIN_TAGS <= tags, f"{run} lacks {sorted(TRAIN_TAGS - tags)}"
         for tag in sorted(tags):
             expected = [(e.step, e.value) for e in events.Scalars(tag)]
-            assert nan_as_text(served_scalars(port, run, tag, len(expected))) == nan_as_text(expected), tag
+            served = served_scalars(port, run, tag, min(len(expected), TENSORBOARD_SCALAR_SAMPLES))
+            if len(expected) <= TENSORBOARD_SCALAR_SAMPLES:
+                assert nan_as_text(served) == nan_as_text(expected), tag
+            else:  # TensorBoard serves an evenly drawn sample of long series (Loss/train_step: one point a step)
+                assert served[-1] == expected[-1], tag  # the reservoir always keeps the newest point
+                assert set(nan_as_text(served)) <= set(nan_as_text(expected)), tag
         out_log = run_dir.parent / "out.log"  # train.py's log of the same run
         if out_log.exists():
             logged = [float(v) for v in re.findall(r"Avg val loss=([0-9.eE+-]+)", out_log.read_text())]

@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks.scaling_study import StudyError, benchy_throughput, epoch_throughput, weak_scaling_rows
 
+pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

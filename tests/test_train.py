@@ -124,8 +124,11 @@ def test_user_files_that_do_not_exist_are_never_generated(tmp_path, capsys):
     missing = tmp_path / "mine" / "train.h5"
     with pytest.raises(SystemExit) as exit_info:
         train.cli(lambda: train.main(["--config=short", "--expdir", str(tmp_path), "--train_path", str(missing),
-                                      "--device", "cpu"]))
+                                      "--val_path", str(missing.with_name("val.h5")), "--device", "cpu"]))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: data file") and "does not exist" in err and "make_dataset" in err
+    # both files named, commands that make them at the config's sizes, their cost, and the laptop path
+    assert err.startswith(f"error: missing data: {missing} (1024^3) and ") and "(512^3); make them with" in err
+    assert f"python -m utils.make_dataset --box 1024 --seed 1 --out {missing} && " in err
+    assert "needs about 14.0 GiB of memory and 38.7 GB of disk" in err and "--config=quickstart" in err
     assert len(err.splitlines()) == 1 and not missing.parent.exists()

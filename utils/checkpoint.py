@@ -51,7 +51,7 @@ OPTIMIZER_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiab
 # cosine's total_steps; noddp stops gradient averaging), and the data (which crops, in which order,
 # validated on which crops).
 RUN_DEFINING_KEYS = (
-    "model_channels", "full_scale", "N_in_channels", "N_out_channels",
+    "model_channels", "full_scale", "N_in_channels", "N_out_channels", "leaky_relu_slope", "upsample",
     "lambda_rho",
     "global_batch_size", "base_batch_size", "lr_schedule", "num_epochs", "Nsamples", "noddp",
     "train_path", "val_path", "box_size", "data_size", "seed", "enable_augmentation", "Nsamples_val",
@@ -68,7 +68,7 @@ RESUME_MAY_CHANGE_KEYS = (
     "num_data_workers", "generate_data", "enable_benchy", "benchy", "enable_manual_profiling", "profile_dir",
     "profile_window", "expdir", "log_every_n_steps", "peak_tflops",
     "checkpoint_every_n_steps", "checkpoint_every_minutes", "keep_checkpoints", "deterministic", "fast_loader",
-    "gpu_storage_dtype",
+    "gpu_storage_dtype", "lyman_alpha",
 )
 ABSENT = "<absent>"  # how a key missing from one config shows in differences
 # How values are compared where equal meaning has several spellings: paths resolve against the

@@ -7,6 +7,8 @@ Precedence is one path, applied in this order and nowhere else:
 A flag that was not given is ``None`` and changes nothing, so a config that turns an optimisation
 on is never silently turned off by an absent flag (a defect of the reference tutorial).
 """
+import argparse
+import errno
 import os
 from pathlib import Path
 
@@ -20,7 +22,16 @@ class ConfigError(ValueError):
     """A configuration problem the user must fix; the message says what and how."""
 
 
+def _flag(**argparse_kwargs):
+    """Attach the command-line form of a validator: the keyword arguments of its add_argument call."""
+    def attach(check):
+        check.cli = argparse_kwargs
+        return check
+    return attach
+
+
 def _choice(*options):
+    @_flag(choices=options)
     def check(value):
         if value not in options:
             raise TypeError(f"one of {', '.join(map(str, options))}")
@@ -28,6 +39,7 @@ def _choice(*options):
     return check
 
 
+@_flag(type=int)
 def _int(value):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError("an integer")
@@ -35,6 +47,7 @@ def _int(value):
 
 
 def _int_at_least(minimum, description):
+    @_flag(type=int)
     def check(value):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise TypeError(description)
@@ -46,6 +59,7 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+@_flag(type=float)
 def _float(value):
     # PyYAML (YAML 1.1) reads `2e-4` as a string; accept it rather than punish the user.
     if isinstance(value, str):
@@ -58,6 +72,7 @@ def _float(value):
     return float(value)
 
 
+@_flag(type=float)
 def _non_negative_float(value):
     value = _float(value)
     if not value >= 0:  # NaN too
@@ -65,12 +80,14 @@ def _non_negative_float(value):
     return value
 
 
+@_flag(action=argparse.BooleanOptionalAction)
 def _bool(value):
     if not isinstance(value, bool):
         raise TypeError("true or false")
     return value
 
 
+@_flag(type=str)
 def _str(value):
     if not isinstance(value, str) or not value:
         raise TypeError("a non-empty string")
@@ -78,6 +95,7 @@ def _str(value):
 
 
 def _int_list(length=None):
+    @_flag(type=int, nargs=length or "+")
     def check(value):
         if (not isinstance(value, list) or not value or (length and len(value) != length)
                 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
@@ -87,6 +105,7 @@ def _int_list(length=None):
 
 
 def _section(schema):
+    @_flag(section=schema)
     def check(value):
         if not isinstance(value, dict):
             raise TypeError(f"a mapping with keys {', '.join(schema)}")
@@ -98,7 +117,15 @@ def _section(schema):
 def _optional(check):
     def optional(value):
         return None if value is None else check(value)
+    optional.cli = dict(check.cli)
+    if "type" in optional.cli:  # on the command line, `null` sets the key to null
+        inner = optional.cli["type"]
+        optional.cli["type"] = lambda text: NULL if text.lower() in ("null", "none") else inner(text)
+        optional.cli["type"].__name__ = inner.__name__
     return optional
+
+
+NULL = type("Null", (), {"__repr__": lambda self: "null"})()  # a flag's explicit null (None means "not given")
 
 
 # key: (validator, one-line meaning). Every key of every named config must be here.
@@ -123,9 +150,50 @@ GENERATE_DATA_SCHEMA = {
     "train_seed": (_int, "seed of the generated training box"),
     "val_seed": (_int, "seed of the generated validation box"),
 }
+
+
+@_flag(type=float)
+def _open_fraction(value):
+    value = _float(value)
+    if not 0 < value < 1:
+        raise TypeError("a number between 0 and 1 (exclusive)")
+    return value
+
+
+@_flag(type=float)
+def _positive_float(value):
+    value = _float(value)
+    if not value > 0:
+        raise TypeError("a number > 0")
+    return value
+
+
+@_flag(type=int, choices=(1, 3))
+def _one_or_three(value):
+    if isinstance(value, bool) or value not in (1, 3):
+        raise TypeError("1 or 3")
+    return value
+
+
+
+LYMAN_ALPHA_SCHEMA = {
+    "enabled": (_bool, "compute the Lyman-alpha flux statistics (flux PDF, P1D) at validation"),
+    "redshift": (_non_negative_float, "redshift z of the fields (a = 1/(1+z))"),
+    "omega_m": (_non_negative_float, "matter density of the flat LCDM that gives H(z)"),
+    "hubble_km_s_mpc_h": (_optional(_positive_float), "H(z) in km/s per Mpc/h; null: 100 sqrt(omega_m (1+z)^3 + 1 - "
+                                                      "omega_m)"),
+    "cell_size_mpc_h": (_optional(_positive_float), "comoving cell size in Mpc/h; null: the validation file's "
+                                                    "cell_size_mpc_h attribute, else the generator's 20/256"),
+    "mean_flux": (_open_fraction, "mean transmitted flux the true field is normalised to"),
+    "skewer_stride": (_positive_int, "validation skewers: every n-th cell along both transverse axes of a crop"),
+    "skewer_axes": (_one_or_three, "skewers along the first spatial axis (1) or along all three (3)"),
+}
 SCHEMA = {
     "weight_init": (_section(WEIGHT_INIT_SCHEMA), "weight initialisation"),
     "model_channels": (_int_list(), "U-Net widths, one per level, finest first"),
+    "leaky_relu_slope": (_non_negative_float, "negative slope of the down path's LeakyReLU (reference: 0.01)"),
+    "upsample": (_choice("transposed", "resize_conv", "linear_conv", "transposed_blur"),
+                 "up-path operator: transposed convolution (the reference) or a checkerboard-free one (networks/UNet.py)"),
     "full_scale": (_bool, "use every level of model_channels (False drops the coarsest)"),
     "N_in_channels": (_positive_int, "input channels (N-body: density, vx, vy, vz)"),
     "N_out_channels": (_positive_int, "output channels (hydro: density, vx, vy, vz, temperature)"),
@@ -174,6 +242,7 @@ SCHEMA = {
     "expdir": (_str, "root folder of runs"),
     "log_every_n_steps": (_positive_int, "steps between progress lines"),
     "peak_tflops": (_optional(_float), "device peak TFLOP/s for MFU; null looks it up for known GPUs"),
+    "lyman_alpha": (_section(LYMAN_ALPHA_SCHEMA), "Lyman-alpha forest statistics at validation (units, sampling)"),
 }
 
 
@@ -233,22 +302,81 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
     configs = read_yaml(yaml_path)
     if name not in configs:
         raise ConfigError(f"unknown config '{name}' in {yaml_path}; available: {', '.join(configs)}")
+    if not isinstance(configs[name], (dict, type(None))):
+        raise ConfigError(f"config '{name}' in {yaml_path} must be a mapping of keys to values, got a "
+                          f"{type(configs[name]).__name__}")
     values = dict(configs[name] or {})
     _check_keys(values, SCHEMA, f" in config '{name}'")
     for key, value in (overrides or {}).items():
         if value is None:
             continue
+        value = None if value is NULL else value
         section, _, sub = key.partition(".")
         if section not in SCHEMA:
             raise ConfigError(f"unknown override '{key}'; valid keys: {', '.join(sorted(SCHEMA))}")
         if sub:
-            values[section] = {**values[section], sub: value}
+            values[section] = {**(values[section] or {}), sub: value}
         else:
             values[key] = value
     params = Params({key: _validate(key, values[key], check) for key, (check, _) in SCHEMA.items()})
     params["config_name"] = name
     _check_consistency(params)
     return params
+
+
+def add_config_arguments(parser, aliases=None):
+    """One flag per schema key (``--section.key`` inside sections), generated from the schema.
+
+    Every flag defaults to None, "not given", so only given flags override the named config. On/off
+    keys also get a ``--no-`` form. ``aliases`` maps extra on/off flag names (the reference
+    tutorial's ``--disable_tf32`` and friends) to ``(key, value_when_on, value_when_off)``.
+    """
+    group = parser.add_argument_group("config keys (override the named config; see config/UNet.yaml)")
+    for key, (check, meaning) in SCHEMA.items():
+        _add_flag(group, key, check, meaning)
+    for alias, (key, on, off) in (aliases or {}).items():
+        group.add_argument(f"--{alias}", dest=f"alias:{alias}", default=None,
+                           action=argparse.BooleanOptionalAction,
+                           help=f"same as {_alias_help(key, on)}; --no-{alias}: {_alias_help(key, off)}")
+
+
+def _alias_help(key, value):
+    if isinstance(value, bool):
+        return f"--{key}" if value else f"--no-{key}"
+    return f"--{key}={value}"
+
+
+def _add_flag(parser, name, check, meaning):
+    cli = dict(check.cli)
+    if "section" in cli:
+        for sub, (sub_check, sub_meaning) in cli["section"].items():
+            _add_flag(parser, f"{name}.{sub}", sub_check, sub_meaning)
+        return
+    if "choices" not in cli and "action" not in cli:
+        cli["metavar"] = {"int": "N", "float": "X"}.get(getattr(cli.get("type"), "__name__", ""), "TEXT")
+    parser.add_argument(f"--{name}", dest=name, default=None, help=meaning, **cli)
+
+
+def config_overrides_from_args(args, aliases=None):
+    """{key: value} of the config flags that were given (see add_config_arguments); an alias that
+    contradicts its key's own flag is a ConfigError."""
+    overrides = {}
+    for key, (check, _) in SCHEMA.items():
+        section = check.cli.get("section")
+        for name in ([f"{key}.{sub}" for sub in section] if section else [key]):
+            value = getattr(args, name, None)
+            if value is not None:
+                overrides[name] = value
+    for alias, (key, on, off) in (aliases or {}).items():
+        given = getattr(args, f"alias:{alias}", None)
+        if given is None:
+            continue
+        value = on if given else off
+        if overrides.get(key, value) != value:
+            raise ConfigError(f"--{'' if given else 'no-'}{alias} means {_alias_help(key, value)} and contradicts "
+                              f"{_alias_help(key, overrides[key])}")
+        overrides[key] = value
+    return overrides
 
 
 def _check_consistency(params):
@@ -271,5 +399,14 @@ def resolve_path(path):
 
 
 def save_config(params, path):
-    with open(path, "w") as f:
-        yaml.safe_dump(dict(params), f, sort_keys=False)
+    """Write the resolved config atomically (a run folder's config.yaml names the command that made it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            yaml.safe_dump(dict(params), f, sort_keys=False)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {path} ({errno.errorcode.get(err.errno, 'error')}: {err.strerror}); free "
+                          f"space there or choose another --expdir") from None

@@ -72,13 +72,17 @@ def read_volume_shapes(path, channels, hint=""):
                     raise DataError(f"{path}: dataset '{key}' is not a cubic box: shape {shape}")
                 shapes[key] = shape
     except OSError as err:
-        raise DataError(f"cannot read {path} as HDF5: {err}") from None
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"cannot read {path} as HDF5: {first_line}") from None
     return shapes
 
 
 def check_data_file(path, box, in_channels, out_channels):
     """Fail early, with a one-line message, on anything that would break training later."""
     path = resolve_path(path)
+    if path.is_dir():
+        raise DataError(f"data path {path} is a directory; give the HDF5 file in it (train_path/val_path, e.g. "
+                        f"{path / 'train.h5'})")
     if not path.exists():
         raise DataError(f"data file {path} does not exist; generate one with "
                         f"`python -m utils.make_dataset --box {box} --out {path}` or point "

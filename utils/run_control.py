@@ -28,6 +28,28 @@ class NonFiniteLoss(RuntimeError):
     """The loss became NaN or Inf; no checkpoint was written after it."""
 
 
+class StartupSignals:
+    """SIGTERM/SIGUSR1 before the training loop takes over (data generation or staging, loading volumes onto
+    the GPU, compilation warm-up: minutes on a real run) stop the run at once with PREEMPTED_EXIT_CODE, so
+    Slurm requeues it; nothing new was trained, so nothing is lost. ``checkpoint`` (set once the run folder
+    is known) returns the run's newest checkpoint, named in the message. RunControl's handlers replace
+    these while the loop runs and hand them back after it."""
+
+    def __init__(self):
+        self.checkpoint = lambda: None
+        self.previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
+
+    def _on_signal(self, signum, frame):
+        last = self.checkpoint()
+        resume = f"the run's last checkpoint is {last}" if last else "no checkpoint was written yet"
+        raise Preempted(f"stopped by {signal.Signals(signum).name} outside the training steps (start-up, or the "
+                        f"final validation); {resume}; rerun the same command to continue")
+
+    def close(self):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
 class RunControl:
     def __init__(self, info):
         self.info = info

@@ -1,0 +1,168 @@
+"""train.py's command line: flags generated from the schema, the reference's aliases with off forms, no
+abbreviations, $EXPDIR on the precedence path, the run-folder rule, and stop signals from the first second."""
+import errno
+import os
+import signal
+
+import pytest
+import yaml
+
+import train
+import utils.config
+from utils.config import SCHEMA, ConfigError, load_config
+
+
+def overrides(argv, world_size=1):
+    return train.config_overrides(train.parse_args(argv), world_size)
+
+
+def run_cli(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(lambda: train.main(argv))
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return exit_info.value.code, err
+
+
+# --- flags ------------------------------------------------------------------------------------------
+def test_every_schema_key_has_a_flag_and_an_absent_flag_is_none():
+    args = train.parse_args([])
+    for key, (check, _) in SCHEMA.items():
+        section = check.cli.get("section")
+        for name in ([f"{key}.{sub}" for sub in section] if section else [key]):
+            assert hasattr(args, name), f"no flag for config key {name}"
+            assert getattr(args, name) is None, name  # not given: changes nothing
+    assert overrides([]) == {}
+
+
+def test_flags_of_every_kind_reach_the_config():
+    given = overrides(["--box_size", "256", "128", "--data_size", "32", "--lr_schedule.start_lr", "1e-3",
+                       "--model_channels", "8", "16", "--profile_dir", "null", "--peak_tflops", "400",
+                       "--no-enable_augmentation", "--amp_mode", "bf16", "--benchy.trials", "5"])
+    params = load_config("short", overrides=given)
+    assert params.box_size == [256, 128] and params.data_size == 32 and params.model_channels == [8, 16]
+    assert params.lr_schedule["start_lr"] == 1e-3 and params.lr_schedule["scaling"] == "sqrt"  # rest of the section kept
+    assert params.profile_dir is None and params.peak_tflops == 400.0 and params.enable_augmentation is False
+    assert params.benchy["trials"] == 5 and params.amp_mode == "bf16"
+    assert load_config("base", overrides=overrides(["--profile_dir", "traces"])).profile_dir == "traces"
+
+
+@pytest.mark.parametrize("argv, key, value", [
+    (["--enable_amp"], "amp_mode", "fp16"), (["--no-enable_amp"], "amp_mode", "none"),
+    (["--disable_tf32"], "enable_tf32", False), (["--no-disable_tf32"], "enable_tf32", True),
+    (["--disable_broadcast_buffers"], "broadcast_buffers", False),
+    (["--no-disable_broadcast_buffers"], "broadcast_buffers", True),
+    (["--benchy_continue"], "benchy.continue_training", True),
+])
+def test_reference_flags_and_their_off_forms(argv, key, value):
+    assert overrides(argv)[key] == value
+
+
+def test_an_alias_that_contradicts_its_key_is_refused():
+    with pytest.raises(ConfigError, match="--enable_amp means --amp_mode=fp16 and contradicts --amp_mode=bf16"):
+        overrides(["--enable_amp", "--amp_mode=bf16"])
+    with pytest.raises(ConfigError, match="--no-disable_tf32 means --enable_tf32 and contradicts --no-enable_tf32"):
+        overrides(["--no-disable_tf32", "--no-enable_tf32"])
+    assert overrides(["--disable_tf32", "--no-enable_tf32"])["enable_tf32"] is False  # agreeing is fine
+
+
+@pytest.mark.parametrize("typo", [["--num_epoch", "1"], ["--box", "64", "64"], ["--amp", "bf16"]])
+def test_abbreviations_are_errors_not_guesses(typo, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(typo)
+    assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_expdir_precedence_config_then_environment_then_flag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EXPDIR", raising=False)
+    assert load_config("base", overrides=overrides([])).expdir == "logs"  # the config's (repository-relative)
+    monkeypatch.setenv("EXPDIR", "from_env")
+    assert load_config("base", overrides=overrides([])).expdir == str(tmp_path / "from_env")
+    assert load_config("base", overrides=overrides(["--expdir", "flag"])).expdir == str(tmp_path / "flag")
+
+
+# --- one-line errors ----------------------------------------------------------------------------
+def test_a_named_config_that_is_not_a_mapping_is_one_line(tmp_path, capsys):
+    path = tmp_path / "list.yaml"
+    path.write_text("tiny: [1, 2]\n")
+    code, err = run_cli(["--yaml_config", str(path), "--config", "tiny"], capsys)
+    assert code == 2 and "config 'tiny'" in err and "must be a mapping of keys to values, got a list" in err
+
+
+def test_a_directory_as_data_path_is_one_line(tiny_argv, tmp_path, capsys):
+    code, err = run_cli(tiny_argv + ["--train_path", str(tmp_path)], capsys)
+    assert code == 2 and f"data path {tmp_path} is a directory" in err
+
+
+def test_a_full_disk_writing_config_yaml_is_one_line(tiny_argv, tmp_path, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(utils.config.yaml, "safe_dump", full)
+    code, err = run_cli(tiny_argv, capsys)
+    assert code == 2 and "cannot write" in err and "config.yaml (ENOSPC: No space left on device)" in err
+    run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "0"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["out.log"]  # no config.yaml, no temporary file
+
+
+# --- the run-folder rule ------------------------------------------------------------------------
+def run_folders(tmp_path):
+    return sorted(p.name for p in (tmp_path / "runs" / "tiny" / "1GPU").iterdir())
+
+
+def test_the_same_command_continues_and_another_command_starts_a_new_run(tiny_argv, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "tiny" / "1GPU"
+    assert train.main(tiny_argv) is not None
+    assert run_folders(tmp_path) == ["0"]
+    assert train.main(tiny_argv) is None  # the same command: run 0 again, finished, nothing to do
+    assert "This run already finished" in (run_dir / "0" / "out.log").read_text()
+    assert run_folders(tmp_path) == ["0"]
+    train.main(tiny_argv + ["--num_epochs", "1"])  # another command: a run of its own
+    assert run_folders(tmp_path) == ["0", "1"]
+    assert yaml.safe_load((run_dir / "1" / "config.yaml").read_text())["num_epochs"] == 1
+    train.main(tiny_argv + ["--resume", "never"])  # never resume: a fresh folder
+    assert run_folders(tmp_path) == ["0", "1", "2"]
+    train.main(tiny_argv)  # the same command as run 0 and run 2: the newest of them
+    assert (run_dir / "2" / "out.log").read_text().count("This run already finished") == 1
+    train.main(tiny_argv + ["--run_num", "mine"])  # a name you choose is used as it is
+    assert run_folders(tmp_path) == ["0", "1", "2", "mine"]
+
+
+def test_resume_never_in_a_named_run_starts_a_clean_history(tiny_argv, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    argv = tiny_argv + ["--run_num", "0"]
+    train.main(argv)
+    train.main(argv + ["--resume", "never"])
+    run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "0"
+    archives = [p for p in run_dir.iterdir() if p.name.startswith("previous-")]
+    assert len(archives) == 1 and sorted(p.name for p in archives[0].iterdir()) == ["checkpoints", "logs", "out.log"]
+    events = list((run_dir / "logs").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    accumulator = EventAccumulator(str(events[0]))
+    accumulator.Reload()
+    steps = [event.step for event in accumulator.Scalars("Loss/valid")]
+    assert steps == sorted(set(steps)) and steps[0] == 0  # one history: 0, 8, 16, not 0, 8, 16, 0, 8, 16
+    assert "moved to" in (run_dir / "out.log").read_text()
+
+
+# --- stop signals from the first second ---------------------------------------------------------
+@pytest.mark.parametrize("when", ["before any checkpoint", "after a checkpoint"])
+def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_argv, capsys, monkeypatch, when):
+    handler_before = signal.getsignal(signal.SIGUSR1)
+    if when == "after a checkpoint":
+        train.main(tiny_argv + ["--num_epochs", "1", "--run_num", "0"])
+    real = train.prepare_data
+
+    def slow_start(params, info):  # a signal while data is being staged
+        os.kill(os.getpid(), signal.SIGUSR1)
+        real(params, info)
+        pytest.fail("the signal should have stopped the start-up")
+
+    monkeypatch.setattr(train, "prepare_data", slow_start)
+    code, err = run_cli(tiny_argv + ["--run_num", "0"], capsys)
+    assert code == 3 and err.startswith("stopped: stopped by SIGUSR1 outside the training steps")
+    if when == "before any checkpoint":
+        assert "no checkpoint was written yet" in err
+    else:
+        assert "the run's last checkpoint is" in err and "ckpt_step00000008.pt" in err
+    assert signal.getsignal(signal.SIGUSR1) == handler_before  # handlers handed back
