@@ -37,7 +37,6 @@ attribute when the config leaves it null. ``python -m utils.science_report`` dra
 import argparse
 import dataclasses
 import os
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -49,6 +48,7 @@ from tqdm import tqdm
 
 from networks.UNet import build_model
 from utils import lyman_alpha as lya
+from utils.cli import run as run_cli
 from utils.checkpoint import CheckpointError, latest_valid_checkpoint, load_checkpoint, load_model_state
 from utils.config import ConfigError, Params
 from utils.data_loader import DataError, read_volume_shapes
@@ -322,12 +322,8 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    """Run ``main``; a user error ends with one line on stderr and exit code 2 (as train.py does)."""
-    try:
-        main(argv)
-    except (ConfigError, DataError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    """Run ``main``; a user error ends with one line on stderr and exit code 2 (utils/cli.py)."""
+    run_cli(main, argv)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch.utils.tensorboard import SummaryWriter
 from networks.UNet import build_model, loss_func
 from utils import metrics
 from utils.benchy import run_benchmark
+from utils.cli import run as run_cli
 from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, AsyncCheckpointer, CheckpointError, check_compatible,
                               config_differences, latest_valid_checkpoint, list_checkpoints, load_checkpoint,
                               load_model_state, load_optimizer_state, plain_state_dict, rng_state, set_rng_state)
@@ -36,11 +37,9 @@ from utils.config import (DEFAULT_YAML, ConfigError, add_config_arguments, confi
 from utils.data_loader import DataError, get_data_loader
 from utils.distributed import DistInfo, all_reduce_sum, cleanup, env_world_size, init_distributed, wrap_ddp
 from utils.lr_schedule import learning_rate, total_steps
-from utils.make_dataset import GenerationError
 from utils.profiling import Profiler
 from utils.science import ScienceMetrics, format_summary, write_tensorboard
-from utils.run_control import (NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE, NonFiniteLoss, Preempted, RunControl,
-                               StartupSignals)
+from utils.run_control import NonFiniteLoss, Preempted, RunControl, StartupSignals
 
 logger = logging.getLogger("train")
 
@@ -680,17 +679,9 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False):
         signals.close()
 
 
-EXIT_CODES = {ConfigError: 2, DataError: 2, CheckpointError: 2, GenerationError: 2, Preempted: PREEMPTED_EXIT_CODE,
-              NonFiniteLoss: NONFINITE_EXIT_CODE}
-
-
 def cli(entry=main):
     """Run ``entry``; a user error, a preemption or a non-finite loss ends with one line and its exit code."""
-    try:
-        entry()
-    except tuple(EXIT_CODES) as err:
-        print(f"{'stopped' if isinstance(err, Preempted) else 'error'}: {err}", file=sys.stderr)
-        sys.exit(EXIT_CODES[type(err)])
+    run_cli(entry)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,16 @@ def write_random_box(path, box, seed=0, in_channels=4, out_channels=5):
     return path
 
 
+def run_train_cli(argv, capsys):
+    """(exit code, the one stderr line) of train.py's command line on ``argv``; fails on more than one line."""
+    import train
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(lambda: train.main(argv))
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return exit_info.value.code, err
+
+
 @pytest.fixture(scope="session")
 def tiny_files(tmp_path_factory):
     """(train, val) HDF5 files: a 24^3 training box and a 16^3 validation box of random values."""

@@ -2,20 +2,11 @@
 import errno
 import os
 
-import pytest
 import torch
 
 import train
 import utils.checkpoint
-from conftest import write_random_box
-
-
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        train.cli(lambda: train.main(argv))
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return exit_info.value.code, err
+from conftest import run_train_cli, write_random_box
 
 
 def edit(path, old, new):
@@ -25,14 +16,14 @@ def edit(path, old, new):
 
 
 def test_unknown_config_name(tiny_argv, capsys):
-    code, err = run_cli(tiny_argv[:2] + ["--config", "tinny"], capsys)
+    code, err = run_train_cli(tiny_argv[:2] + ["--config", "tinny"], capsys)
     assert code == 2 and "unknown config 'tinny'" in err and "available: tiny" in err
 
 
 def test_malformed_yaml(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("tiny: {num_epochs: 2\n")
-    code, err = run_cli(["--yaml_config", str(path), "--config", "tiny"], capsys)
+    code, err = run_train_cli(["--yaml_config", str(path), "--config", "tiny"], capsys)
     assert code == 2 and err.startswith("error: malformed YAML in") and "line" in err
 
 
@@ -40,45 +31,45 @@ def test_unknown_key_and_wrong_type(tiny_argv, tmp_path, capsys):
     yaml_path = tiny_argv[1]
     text = open(yaml_path).read()
     open(yaml_path, "w").write(text.replace("num_epochs: 2", "num_epoch: 2"))
-    code, err = run_cli(tiny_argv, capsys)
+    code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and "unknown config key num_epoch in config 'tiny'" in err
     open(yaml_path, "w").write(text.replace("num_epochs: 2", "num_epochs: two"))
-    code, err = run_cli(tiny_argv, capsys)
+    code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and "config key 'num_epochs' must be a positive integer, got 'two'" in err
 
 
 def test_global_batch_not_divisible_by_world_size(tiny_argv, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")  # fails before any process group is set up
-    code, err = run_cli(tiny_argv, capsys)
+    code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and "global batch size 4 is not divisible by the world size 3" in err
 
 
 def test_crop_larger_than_box(tiny_argv, capsys):
     edit(tiny_argv[1], "data_size: 8", "data_size: 32")
-    code, err = run_cli(tiny_argv, capsys)
+    code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and "crop size data_size=32 is larger than the training box (24)" in err
 
 
 def test_missing_and_unreadable_data(tiny_argv, tmp_path, capsys):
-    code, err = run_cli(tiny_argv + ["--train_path", str(tmp_path / "nope.h5")], capsys)
+    code, err = run_train_cli(tiny_argv + ["--train_path", str(tmp_path / "nope.h5")], capsys)
     assert code == 2 and f"missing data: {tmp_path / 'nope.h5'} (24^3); make it with `python -m utils.make_dataset " \
         f"--box 24 --seed 1 --out {tmp_path / 'nope.h5'}`" in err and "--config=quickstart" in err
     garbage = tmp_path / "garbage.h5"
     garbage.write_bytes(b"\x00" * 100)
-    code, err = run_cli(tiny_argv + ["--train_path", str(garbage)], capsys)
+    code, err = run_train_cli(tiny_argv + ["--train_path", str(garbage)], capsys)
     assert code == 2 and "cannot read" in err and "as HDF5" in err
 
 
 def test_wrong_box_in_file(tiny_argv, tmp_path, capsys):
     path = write_random_box(tmp_path / "big.h5", 32)
-    code, err = run_cli(tiny_argv + ["--train_path", str(path)], capsys)
+    code, err = run_train_cli(tiny_argv + ["--train_path", str(path)], capsys)
     assert code == 2 and "holds a 32^3 box but the config's box_size says 24" in err
 
 
 def test_run_directory_not_writable(tiny_argv, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the run directory should go")
-    code, err = run_cli(tiny_argv + ["--expdir", str(blocker / "runs")], capsys)
+    code, err = run_train_cli(tiny_argv + ["--expdir", str(blocker / "runs")], capsys)
     assert code == 2 and "is not writable" in err and "--expdir" in err
     assert blocker.read_text() == "a file where the run directory should go"
 
@@ -93,7 +84,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tiny_argv, 
         real_fsync(fd)
 
     monkeypatch.setattr(utils.checkpoint.os, "fsync", fsync_then_disk_full)
-    code, err = run_cli(tiny_argv + ["--checkpoint_every_n_steps", "1"], capsys)
+    code, err = run_train_cli(tiny_argv + ["--checkpoint_every_n_steps", "1"], capsys)
     checkpoints = tmp_path / "runs" / "tiny" / "1GPU" / "0" / "checkpoints"
     first = checkpoints / "ckpt_step00000001.pt"
     assert code == 2 and "disk full while writing checkpoint" in err and f"{first} is intact" in err
@@ -106,7 +97,7 @@ def test_checkpoint_from_another_model_is_refused(tiny_argv, tmp_path, capsys):
     checkpoint = next((tmp_path / "runs" / "tiny" / "1GPU" / "a" / "checkpoints").glob("*.pt"))
     edit(tiny_argv[1], "model_channels:\n  - 4\n  - 8\n", "model_channels:\n  - 4\n  - 16\n")
     before = checkpoint.read_bytes()
-    code, err = run_cli(tiny_argv + ["--run_num", "b", "--resume", str(checkpoint)], capsys)
+    code, err = run_train_cli(tiny_argv + ["--run_num", "b", "--resume", str(checkpoint)], capsys)
     assert code == 2 and "was written with a different config: model_channels [4, 8] -> [4, 16]" in err
     assert checkpoint.read_bytes() == before
 
@@ -114,5 +105,5 @@ def test_checkpoint_from_another_model_is_refused(tiny_argv, tmp_path, capsys):
 def test_truncated_checkpoint_given_explicitly(tiny_argv, tmp_path, capsys):
     truncated = tmp_path / "ckpt_step00000001.pt"
     truncated.write_bytes(b"PK\x03\x04 not a whole checkpoint")
-    code, err = run_cli(tiny_argv + ["--resume", str(truncated)], capsys)
+    code, err = run_train_cli(tiny_argv + ["--resume", str(truncated)], capsys)
     assert code == 2 and "is truncated or not a checkpoint" in err

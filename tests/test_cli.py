@@ -9,19 +9,12 @@ import yaml
 
 import train
 import utils.config
+from conftest import run_train_cli
 from utils.config import SCHEMA, ConfigError, load_config
 
 
 def overrides(argv, world_size=1):
     return train.config_overrides(train.parse_args(argv), world_size)
-
-
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        train.cli(lambda: train.main(argv))
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return exit_info.value.code, err
 
 
 # --- flags ------------------------------------------------------------------------------------------
@@ -86,12 +79,12 @@ def test_expdir_precedence_config_then_environment_then_flag(tmp_path, monkeypat
 def test_a_named_config_that_is_not_a_mapping_is_one_line(tmp_path, capsys):
     path = tmp_path / "list.yaml"
     path.write_text("tiny: [1, 2]\n")
-    code, err = run_cli(["--yaml_config", str(path), "--config", "tiny"], capsys)
+    code, err = run_train_cli(["--yaml_config", str(path), "--config", "tiny"], capsys)
     assert code == 2 and "config 'tiny'" in err and "must be a mapping of keys to values, got a list" in err
 
 
 def test_a_directory_as_data_path_is_one_line(tiny_argv, tmp_path, capsys):
-    code, err = run_cli(tiny_argv + ["--train_path", str(tmp_path)], capsys)
+    code, err = run_train_cli(tiny_argv + ["--train_path", str(tmp_path)], capsys)
     assert code == 2 and f"data path {tmp_path} is a directory" in err
 
 
@@ -99,7 +92,7 @@ def test_a_full_disk_writing_config_yaml_is_one_line(tiny_argv, tmp_path, capsys
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(utils.config.yaml, "safe_dump", full)
-    code, err = run_cli(tiny_argv, capsys)
+    code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and "cannot write" in err and "config.yaml (ENOSPC: No space left on device)" in err
     run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "0"
     assert sorted(p.name for p in run_dir.iterdir()) == ["out.log"]  # no config.yaml, no temporary file
@@ -159,7 +152,7 @@ def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_a
         pytest.fail("the signal should have stopped the start-up")
 
     monkeypatch.setattr(train, "prepare_data", slow_start)
-    code, err = run_cli(tiny_argv + ["--run_num", "0"], capsys)
+    code, err = run_train_cli(tiny_argv + ["--run_num", "0"], capsys)
     assert code == 3 and err.startswith("stopped: stopped by SIGUSR1 outside the training steps")
     if when == "before any checkpoint":
         assert "no checkpoint was written yet" in err

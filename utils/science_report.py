@@ -19,7 +19,6 @@ utils/lyman_alpha.py). A header lists the scalars. Default output: ``RUN_DIR/sci
 import argparse
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
 import h5py
@@ -30,8 +29,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from utils import lyman_alpha as lya
-from utils.checkpoint import CheckpointError, load_checkpoint
-from utils.config import ConfigError, resolve_path
+from utils.cli import run as run_cli
+from utils.checkpoint import load_checkpoint
+from utils.config import resolve_path
 from utils.data_loader import DataError
 from utils.science import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, _display_hydro,
                            fit_temperature_density, log_density_edges, log_temperature_edges)
@@ -255,11 +255,8 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    try:
-        main(argv)
-    except (ConfigError, DataError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    """Run ``main``; a user error ends with one line on stderr and exit code 2 (utils/cli.py)."""
+    run_cli(main, argv)
 
 
 if __name__ == "__main__":
