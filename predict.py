@@ -49,9 +49,10 @@ from tqdm import tqdm
 from networks.UNet import build_model
 from utils import lyman_alpha as lya
 from utils.cli import run as run_cli
-from utils.checkpoint import CheckpointError, latest_valid_checkpoint, load_checkpoint, load_model_state
-from utils.config import ConfigError, Params
-from utils.data_loader import DataError, read_volume_shapes
+from utils.checkpoint import latest_valid_checkpoint, load_checkpoint, load_model_state
+from utils.config import Params
+from utils.data_loader import read_volume_shapes
+from utils.errors import CheckpointError, ConfigError, DataError
 
 # Config keys build_model and the default tile need; older or foreign checkpoints may lack them.
 MODEL_KEYS = ("model_channels", "full_scale", "N_in_channels", "N_out_channels", "weight_init", "data_size")

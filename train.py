@@ -39,7 +39,8 @@ from utils.distributed import DistInfo, all_reduce_sum, cleanup, env_world_size,
 from utils.lr_schedule import learning_rate, total_steps
 from utils.profiling import Profiler
 from utils.science import ScienceMetrics, format_summary, write_tensorboard
-from utils.run_control import NonFiniteLoss, Preempted, RunControl, StartupSignals
+from utils.errors import NonFiniteLoss, Preempted
+from utils.run_control import RunControl, StartupSignals
 
 logger = logging.getLogger("train")
 

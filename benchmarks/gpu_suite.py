@@ -53,7 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.kernel_probe import CUDNN_MARKERS, SLOW_MARKERS, environment  # noqa: E402
-from utils.cli import EXIT_CODES  # noqa: E402
+from utils.errors import ReportedError  # noqa: E402
 from utils.config import DEFAULT_YAML  # noqa: E402
 
 # Sizes of the two modes. GPU: the tutorial's model and batch on a 256^3 box; small: seconds on a CPU.
@@ -171,8 +171,8 @@ class Suite:
         with self.quiet():
             try:
                 (train_graph.main if graph else train.main)(argv)
-            except tuple(EXIT_CODES) as err:
-                rc, message = EXIT_CODES[type(err)], f"{type(err).__name__}: {err}"
+            except ReportedError as err:
+                rc, message = err.exit_code, f"{type(err).__name__}: {err}"
             except Exception as err:
                 traceback.print_exc()
                 rc, message = 1, f"{type(err).__name__}: {err}".splitlines()[0]

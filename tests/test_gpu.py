@@ -30,7 +30,7 @@ from utils.data_loader import get_data_loader, sample_plan
 from utils.distributed import init_distributed
 from utils.fast_loader import FastLoader, get_fast_loader
 from utils.gpu_loader import get_gpu_loader
-from utils.run_control import Preempted
+from utils.errors import Preempted
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

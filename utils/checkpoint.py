@@ -37,6 +37,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from utils.config import resolve_path
+from utils.errors import CheckpointError
 
 CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")
 # Keys every payload must have for a run to continue from it.
@@ -78,10 +79,6 @@ _COMPARED_AS = {
     "val_path": resolve_path,
     "data_loader_config": lambda loader: "synthetic" if loader == "synthetic" else "files",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written, read or continued from; the message says what to do."""
 
 
 def print_warning(message):

@@ -14,12 +14,10 @@ from pathlib import Path
 
 import yaml
 
+from utils.errors import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO_ROOT / "config" / "UNet.yaml"
-
-
-class ConfigError(ValueError):
-    """A configuration problem the user must fix; the message says what and how."""
 
 
 def _flag(**argparse_kwargs):
@@ -173,7 +171,6 @@ def _one_or_three(value):
     if isinstance(value, bool) or value not in (1, 3):
         raise TypeError("1 or 3")
     return value
-
 
 
 LYMAN_ALPHA_SCHEMA = {

@@ -23,14 +23,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils import symmetry
 from utils.config import resolve_path
+from utils.errors import DataError
 
 # Velocity channels of both the N-body (4 channels) and hydro (5 channels) volumes.
 VECTOR_CHANNELS = (1, 2, 3)
 SPLITS = {"train": 0, "val": 1}
-
-
-class DataError(ValueError):
-    """A problem with the data files or their fit to the config; the message says what to do."""
 
 
 @lru_cache(maxsize=8)

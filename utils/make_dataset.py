@@ -94,6 +94,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from utils.errors import GenerationError
+
 GENERATOR_VERSION = "utils.make_dataset/2"
 
 # --- normalisation constants (stored as HDF5 attributes too) ---------------------------------
@@ -244,8 +246,6 @@ def power_spectrum(k, sigma8=DEFAULT_PHYSICS["sigma8"], spectral_index=DEFAULT_P
 
 
 # --- errors, device, memory and disk --------------------------------------------------------------
-class GenerationError(RuntimeError):
-    """A failure the CLI reports in one line (exit status 2): what is wrong and what to do."""
 
 
 def resolve_device(device=None):

@@ -15,17 +15,9 @@ import signal
 import torch
 import torch.distributed as dist
 
-PREEMPTED_EXIT_CODE = 3
-NONFINITE_EXIT_CODE = 4
+from utils.errors import Preempted
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class Preempted(Exception):
-    """Training stopped on a signal after writing a checkpoint; exit with PREEMPTED_EXIT_CODE."""
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or Inf; no checkpoint was written after it."""
 
 
 class StartupSignals:

@@ -32,7 +32,7 @@ from utils import lyman_alpha as lya
 from utils.cli import run as run_cli
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
-from utils.data_loader import DataError
+from utils.errors import DataError
 from utils.science import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, _display_hydro,
                            fit_temperature_density, log_density_edges, log_temperature_edges)
 

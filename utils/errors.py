@@ -1,0 +1,42 @@
+"""The errors a command reports in one line, and its exit code (the bottom layer: imports nothing of ours).
+
+A user error (bad config, bad or missing data, an unusable checkpoint, data that cannot be generated)
+ends with ``error: ...`` on stderr and exit code 2; a preemption with ``stopped: ...`` and 3 (submit_pm.sh
+requeues on 3); a non-finite loss with 4. utils/cli.py turns them into that line and code; anything else
+is a bug and keeps its traceback.
+"""
+PREEMPTED_EXIT_CODE = 3
+NONFINITE_EXIT_CODE = 4
+
+
+class ReportedError(Exception):
+    """An error whose message is the whole report: what is wrong and what to do."""
+    exit_code = 2
+    prefix = "error"
+
+
+class ConfigError(ReportedError, ValueError):
+    """A configuration problem the user must fix; the message says what and how."""
+
+
+class DataError(ReportedError, ValueError):
+    """A problem with the data files or their fit to the config; the message says what to do."""
+
+
+class CheckpointError(ReportedError, ValueError):
+    """A checkpoint that cannot be written, read or continued from; the message says what to do."""
+
+
+class GenerationError(ReportedError, RuntimeError):
+    """Data that cannot be generated here (memory, disk, device); nothing partial is left behind."""
+
+
+class Preempted(ReportedError):
+    """Training stopped on a signal after writing a checkpoint; Slurm requeues on this exit code."""
+    exit_code = PREEMPTED_EXIT_CODE
+    prefix = "stopped"
+
+
+class NonFiniteLoss(ReportedError, RuntimeError):
+    """The loss became NaN or Inf; no checkpoint was written after it."""
+    exit_code = NONFINITE_EXIT_CODE
