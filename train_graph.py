@@ -30,14 +30,17 @@ import torch
 
 import train
 from utils.checkpoint import restore_training_state, snapshot_training_state
-from utils.config import ConfigError, load_config
-from utils.distributed import env_world_size
+from utils.errors import ConfigError
+from utils.training import forward_loss
 
 NUM_WARMUP_STEPS = 3  # eager steps before capture: cuDNN autotuning, lazy optimizer state, compilation
 
 
 def check_graph_support(params, world_size):
     """Refuse, before any work, what a whole-step CUDA graph cannot run (see the module docstring)."""
+    if not torch.cuda.is_available():
+        raise ConfigError("train_graph.py captures the training step in a CUDA graph and needs a CUDA GPU, "
+                          "but none is visible (torch.cuda.is_available() is False); use train.py here")
     if world_size > 1:
         raise ConfigError(f"train_graph.py runs on one GPU (WORLD_SIZE={world_size}); "
                           f"use train.py for multi-GPU (DDP) runs")
@@ -51,9 +54,7 @@ def check_graph_support(params, world_size):
 
 def train_step_body(state, inp, tar):
     """eager_step without zero_grad and GradScaler (disabled for none/bf16): what the graph records."""
-    with state.autocast:
-        prediction = state.train_model(inp)
-    loss = state.loss_fn(prediction.float(), tar, state.params.lambda_rho)
+    _, loss = forward_loss(state, state.train_model, inp, tar)
     loss.backward()
     state.optimizer.step()
     return loss.detach()
@@ -63,12 +64,12 @@ def check_capturable(optimizer, device):
     for group in optimizer.param_groups:
         if not group.get("capturable"):
             raise RuntimeError("the optimizer was not built with capturable=True; "
-                               "build it with train.build_training(params, info, capturable=True)")
+                               "build it with utils.training.build_training(params, info, capturable=True)")
         lr = group["lr"]
         if not (torch.is_tensor(lr) and lr.device == device):
             # A Python float would be baked into the graph: the LR schedule would silently stop.
             raise RuntimeError(f"the optimizer's lr must be a tensor on {device} for a CUDA graph, got {lr!r}; "
-                               f"build it with train.build_training(params, info, capturable=True) and keep it a "
+                               f"build it with utils.training.build_training(params, info, capturable=True) and keep it a "
                                f"tensor when loading optimizer state")
 
 
@@ -138,15 +139,8 @@ def make_graph_step(state):
 
 
 def main(argv=None):
-    args = train.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise ConfigError("train_graph.py captures the training step in a CUDA graph and needs a CUDA GPU, "
-                          "but none is visible (torch.cuda.is_available() is False); use train.py here")
-    world_size = env_world_size()
-    # The same config train.main will load; checked here so a refusal comes before data loading.
-    params = load_config(args.config, args.yaml_config, train.config_overrides(args, world_size))
-    check_graph_support(params, world_size)
-    return train.main(argv, make_step=make_graph_step, capturable=True)
+    """train.main with the captured step; its checks run on train.main's config, before any work."""
+    return train.main(argv, make_step=make_graph_step, capturable=True, check=check_graph_support)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from utils.config import load_config, resolve_path  # noqa: E402
-from utils.data_loader import RandomCropDataset, ShardedSampler, get_data_loader  # noqa: E402
-from utils.fast_loader import crop_reader, get_fast_loader, transform_into  # noqa: E402
-from utils.gpu_loader import get_gpu_loader  # noqa: E402
+from utils.data import RandomCropDataset, ShardedSampler, get_data_loader  # noqa: E402
+from utils.data.fast import crop_reader, get_fast_loader, transform_into  # noqa: E402
+from utils.data.gpu import get_gpu_loader  # noqa: E402
 from utils.make_dataset import ensure_dataset  # noqa: E402
 
 
@@ -113,9 +113,9 @@ def dali_factory(args, path):
     """A loader factory for DALI, or the reason there is none on this machine."""
     if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
         return "not installed"
-    if importlib.util.find_spec("utils.dali_loader") is None:
-        return "utils/dali_loader.py not present"
-    from utils.dali_loader import get_dali_loader
+    if importlib.util.find_spec("utils.data.dali") is None:
+        return "utils/data/dali.py not present"
+    from utils.data.dali import get_dali_loader
 
     def factory(device):
         ensure_dataset(path, args.box, seed=1, npy=True)  # DALI reads the (D, H, W, C) .npy twins
@@ -248,10 +248,10 @@ def main(argv=None):
     for name, reason in skipped.items():
         lines.append(f"| {name} | {reason} | | | |")
     lines += ["", "straightforward: RandomCropDataset through a torch DataLoader (worker processes, default collate). "
-              "fast: utils/fast_loader.py (worker threads). processes: the fast loader's per-sample work in "
+              "fast: utils/data/fast.py (worker threads). processes: the fast loader's per-sample work in "
               "DataLoader worker processes, each writing whole batches into fresh shared memory (the alternative "
-              f"to threads). gpu: utils/gpu_loader.py with that storage dtype, its volumes on {device.type}. "
-              "dali: utils/dali_loader.py."]
+              f"to threads). gpu: utils/data/gpu.py with that storage dtype, its volumes on {device.type}. "
+              "dali: utils/data/dali.py."]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.output:

@@ -283,7 +283,7 @@ class Suite:
     def thread_sweep(self):
         """IO samples/s of the fast loader (pinned batches copied to the device) per thread count."""
         from utils.config import load_config
-        from utils.fast_loader import get_fast_loader
+        from utils.data.fast import get_fast_loader
         params = load_config("suite", self.yaml, {"data_loader_config": "inmem", "fast_loader": True})
         device = torch.device("cuda" if self.cuda else "cpu")
         batches, rates = self.size["sweep_batches"], {}

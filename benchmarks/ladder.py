@@ -15,7 +15,7 @@ refuses up front; so the channels-last rung replaces compile rather than adding 
 already chooses channels-last layouts for the convolutions inside a compiled graph), and the two
 CUDA-graph rungs measure both branches.
 
-Every rung builds the model as train.py does (``train.build_training``: same seed, same initial
+Every rung builds the model as train.py does (``utils.training.build_training``: same seed, same initial
 weights) and trains on one batch of generated N-body -> hydro crops cached on the device, so the
 numbers measure compute alone (the tutorial's SYNTHETIC trial), not data loading. Per rung:
 
@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-import train  # noqa: E402
+from utils import training  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from train_graph import capture_train_step  # noqa: E402
 from utils import metrics  # noqa: E402
@@ -155,11 +155,11 @@ def synchronize(device):
 def run_rung(rung, params, device, batch, args):
     """Loss check, then timed windows, for one rung; returns its numbers."""
     info = DistInfo(device=device)
-    state = train.build_training(params, info, capturable=True) if rung.graph else train.build_training(params, info)
+    state = training.build_training(params, info, capturable=True) if rung.graph else training.build_training(params, info)
     # One batch, cached on the device in the rung's memory format: the steps measure compute alone.
     inp, tar = (tensor.to(device, memory_format=state.memory_format) for tensor in batch)
     state.set_lr(initial_lr(params.lr_schedule, params.global_batch_size, params.base_batch_size))
-    step = capture_train_step(state, inp, tar) if rung.graph else train.eager_step
+    step = capture_train_step(state, inp, tar) if rung.graph else training.eager_step
 
     # clone: a graph step returns its static loss tensor, which the next replay overwrites
     losses = [step(state, inp, tar).clone() for _ in range(args.loss_steps)]

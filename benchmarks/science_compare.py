@@ -142,7 +142,7 @@ def table(results, options, key_prefix, title, long=False):
 
 def comparison_figure(boxes, options, path):
     """Slices (gas density and vx) of target and each option, power ratio, P1D ratio and flux PDF overlaid."""
-    from utils.science import _display_hydro
+    from utils.science_plots import display_hydro
     truth = boxes[options[0]][1]
     middle = truth.shape[1] // 2
     fig = Figure(figsize=(4 * (len(options) + 1), 11.5), layout="constrained")
@@ -150,7 +150,7 @@ def comparison_figure(boxes, options, path):
     axes = top.subplots(2, len(options) + 1, sharex=True, sharey=True)
     for row, (field, title) in enumerate(((0, "gas log10 rho/mean"), (1, "gas vx [km/s]"))):
         images = [truth] + [boxes[o][0] for o in options]
-        shown = [_display_hydro(image[field, middle].astype(np.float64), field) for image in images]
+        shown = [display_hydro(image[field, middle].astype(np.float64), field) for image in images]
         low, high = min(a.min() for a in shown), max(a.max() for a in shown)
         cmap = "viridis" if field == 0 else "RdBu_r"
         if field == 1:

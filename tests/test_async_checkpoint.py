@@ -11,6 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
+from utils import training
 from networks.UNet import UNet, loss_func
 from utils import checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, load_checkpoint, plain_state_dict, rng_state,
@@ -217,7 +218,7 @@ def test_wall_clock_checkpoints_in_a_training_run(tiny_argv, tmp_path, monkeypat
 
     def slow_step(state, inp, tar):
         now[0] += 25.0
-        return train.eager_step(state, inp, tar)
+        return training.eager_step(state, inp, tar)
 
     argv = tiny_argv + ["--run_num", "clock", "--checkpoint_every_minutes", minutes, "--checkpoint_every_n_steps", "0",
                         "--keep_checkpoints", "20"]

@@ -20,7 +20,7 @@ def overrides(argv, world_size=1):
 # --- flags ------------------------------------------------------------------------------------------
 def test_every_schema_key_has_a_flag_and_an_absent_flag_is_none():
     args = train.parse_args([])
-    for key, (check, _) in SCHEMA.items():
+    for key, (check, *_) in SCHEMA.items():
         section = check.cli.get("section")
         for name in ([f"{key}.{sub}" for sub in section] if section else [key]):
             assert hasattr(args, name), f"no flag for config key {name}"
@@ -146,9 +146,9 @@ def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_a
         train.main(tiny_argv + ["--num_epochs", "1", "--run_num", "0"])
     real = train.prepare_data
 
-    def slow_start(params, info):  # a signal while data is being staged
+    def slow_start(*args):  # a signal while data is being staged (prepare_data(params, info[, log]))
         os.kill(os.getpid(), signal.SIGUSR1)
-        real(params, info)
+        real(*args)
         pytest.fail("the signal should have stopped the start-up")
 
     monkeypatch.setattr(train, "prepare_data", slow_start)

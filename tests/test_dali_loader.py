@@ -9,8 +9,8 @@ pytest.importorskip("nvidia.dali", reason="DALI is an optional extra: pip instal
 
 from utils import symmetry  # noqa: E402
 from utils.config import load_config  # noqa: E402
-from utils.dali_loader import get_dali_loader  # noqa: E402
-from utils.data_loader import DataError, RandomCropDataset, sample_plan  # noqa: E402
+from utils.data.dali import get_dali_loader  # noqa: E402
+from utils.data import DataError, RandomCropDataset, sample_plan  # noqa: E402
 from utils.make_dataset import ensure_dataset, npy_paths  # noqa: E402
 
 TRAIN_BOX, VAL_BOX, CROP = 20, 12, 8

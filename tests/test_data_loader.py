@@ -5,7 +5,7 @@ import torch
 
 from utils import symmetry
 from utils.config import ConfigError
-from utils.data_loader import DataError, RandomCropDataset, ShardedSampler, get_data_loader, sample_plan
+from utils.data import DataError, RandomCropDataset, ShardedSampler, get_data_loader, sample_plan
 
 
 def collect(params, rank=0, world_size=1, epoch=0, split="train"):

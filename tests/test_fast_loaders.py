@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from utils import fast_loader, gpu_loader, symmetry
-from utils.data_loader import DataError, get_data_loader, sample_plan
-from utils.fast_loader import DevicePrefetcher, get_fast_loader, transform_into
-from utils.gpu_loader import get_gpu_loader, load_volume
+from utils import symmetry
+from utils.data import fast as fast_loader, gpu as gpu_loader
+from utils.data import DataError, get_data_loader, sample_plan
+from utils.data.fast import DevicePrefetcher, get_fast_loader, transform_into
+from utils.data.gpu import get_gpu_loader, load_volume
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -20,16 +20,17 @@ import torch.nn as nn
 import yaml
 
 import train
+from utils import training
 import train_graph
 from benchmarks import kernel_probe
 from conftest import TINY_OVERRIDES
 from utils import metrics
 from utils.checkpoint import restore_training_state, snapshot_training_state
 from utils.config import DEFAULT_YAML, load_config
-from utils.data_loader import get_data_loader, sample_plan
+from utils.data import get_data_loader, sample_plan
 from utils.distributed import init_distributed
-from utils.fast_loader import FastLoader, get_fast_loader
-from utils.gpu_loader import get_gpu_loader
+from utils.data.fast import FastLoader, get_fast_loader
+from utils.data.gpu import get_gpu_loader
 from utils.errors import Preempted
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -71,8 +72,8 @@ def test_graph_replay_trains_like_eager_steps(tiny_params):
     params = tiny_params(**TINY_CUDA, Nsamples=4 * NUM_STEPS)
     info = init_distributed("cuda")
     assert info.device == CUDA
-    eager = train.build_training(params, info)
-    graphed = train.build_training(params, info, capturable=True)
+    eager = training.build_training(params, info)
+    graphed = training.build_training(params, info, capturable=True)
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     initial = flat_weights(eager.model)
     assert torch.equal(initial, flat_weights(graphed.model))  # same seed, same initial weights
@@ -82,7 +83,7 @@ def test_graph_replay_trains_like_eager_steps(tiny_params):
     eager_losses = []
     for lr, (inp, tar) in zip(lrs, batches):
         eager.set_lr(lr)
-        eager_losses.append(train.eager_step(eager, inp, tar).item())
+        eager_losses.append(training.eager_step(eager, inp, tar).item())
 
     forward_calls = []
     hook = graphed.model.register_forward_hook(lambda *args: forward_calls.append(1))
@@ -107,7 +108,7 @@ def test_graph_replay_trains_like_eager_steps(tiny_params):
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_set_lr_after_capture_drives_the_replayed_adam_step(tiny_params, fused):
     params = tiny_params(**TINY_CUDA, enable_fused=fused)
-    state = train.build_training(params, init_distributed("cuda"), capturable=True)
+    state = training.build_training(params, init_distributed("cuda"), capturable=True)
     lr = state.optimizer.param_groups[0]["lr"]
     assert torch.is_tensor(lr) and lr.device == CUDA and all(g["lr"] is lr for g in state.optimizer.param_groups)
     address = lr.data_ptr()
@@ -278,7 +279,7 @@ def test_peak_memory_of_a_known_allocation():
 def test_reference_model_mfu_and_peak_memory_are_plausible():
     batch, crop, steps = 2, 64, 5
     params = load_config("base", overrides={"device": "cuda", "amp_mode": "bf16", "global_batch_size": batch})
-    state = train.build_training(params, init_distributed("cuda"))
+    state = training.build_training(params, init_distributed("cuda"))
     num_params = sum(p.numel() for p in state.model.parameters())
     assert num_params == 116_977_029
     generator = torch.Generator(device=CUDA).manual_seed(0)
@@ -286,13 +287,13 @@ def test_reference_model_mfu_and_peak_memory_are_plausible():
     tar = torch.rand((batch, 5, crop, crop, crop), device=CUDA, generator=generator) * 2 - 1
     state.set_lr(1e-5)
     for _ in range(3):  # cuDNN autotuning, Adam's state
-        train.eager_step(state, inp, tar)
+        training.eager_step(state, inp, tar)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(CUDA)
     meter = metrics.StepMeter(CUDA)
     start = time.perf_counter()
     for _ in range(steps):
-        loss = train.eager_step(state, inp, tar)
+        loss = training.eager_step(state, inp, tar)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     peak = metrics.peak_flops(CUDA, params.amp_mode, params.enable_tf32)

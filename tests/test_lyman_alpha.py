@@ -13,7 +13,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 import utils.make_dataset as md
 from utils import lyman_alpha as lya
-from utils import science
+from utils import science, science_plots, units
 from utils.config import load_config
 from utils.distributed import DistInfo, cleanup, init_distributed
 
@@ -23,9 +23,9 @@ SETTINGS = lya.LymanAlphaSettings(skewer_stride=2, skewer_axes=3)
 def normalised_hydro(density, temperature, velocity=0.0, shape=(1, 16, 16, 16)):
     """(B, 5, ...) normalised hydro fields from physical rho/mean, T [K], and one velocity [km/s] for all axes."""
     fields = torch.empty((shape[0], 5) + tuple(shape[1:]))
-    fields[:, 0] = torch.as_tensor(md.normalize_density(np.asarray(density, dtype=np.float64) * np.ones(shape)))
-    fields[:, 1:4] = torch.as_tensor(md.normalize_velocity(np.asarray(velocity) * np.ones(shape)))[:, None]
-    fields[:, 4] = torch.as_tensor(md.normalize_temperature(np.asarray(temperature, dtype=np.float64) * np.ones(shape)))
+    fields[:, 0] = torch.as_tensor(units.normalize_density(np.asarray(density, dtype=np.float64) * np.ones(shape)))
+    fields[:, 1:4] = torch.as_tensor(units.normalize_velocity(np.asarray(velocity) * np.ones(shape)))[:, None]
+    fields[:, 4] = torch.as_tensor(units.normalize_temperature(np.asarray(temperature, dtype=np.float64) * np.ones(shape)))
     return fields
 
 
@@ -130,7 +130,7 @@ def test_the_normalisation_reproduces_the_chosen_mean_flux(generated, mean_flux)
 def test_the_prediction_gets_the_truths_amplitude(generated):
     _, crops = generated
     denser = crops.clone()
-    denser[:, 0] += math.log(1.1) / md.DENSITY_LOG_SCALE                           # rho x 1.1: tau x 1.21
+    denser[:, 0] += math.log(1.1) / units.DENSITY_LOG_SCALE                        # rho x 1.1: tau x 1.21
     stats = lya.FluxStatistics(16, SETTINGS)
     stats.update(denser, crops)
     stats.finalize()
@@ -184,7 +184,7 @@ def test_settings_from_config_and_files(tmp_path):
         f.attrs["cell_size_mpc_h"] = 0.5
     settings = science.lyman_alpha_settings(params, data_path=path)
     assert settings.cell_size == 0.5 and settings.mean_flux == 0.7 and settings.redshift == 3.0
-    assert science.lyman_alpha_settings(params, data_path=tmp_path / "missing.h5").cell_size == md.DEFAULT_CELL_SIZE
+    assert science.lyman_alpha_settings(params, data_path=tmp_path / "missing.h5").cell_size == units.DEFAULT_CELL_SIZE
     fixed = load_config("quickstart", overrides={"lyman_alpha.cell_size_mpc_h": 0.25, "lyman_alpha.redshift": 2.0,
                                                  "lyman_alpha.hubble_km_s_mpc_h": 200.0})
     settings = science.lyman_alpha_settings(fixed, data_path=path)
@@ -238,10 +238,10 @@ def test_tensorboard_gets_the_flux_scalars_and_figure(generated, tmp_path):
     scalars = metrics.compute()            # finalizes the flux statistics in this process
     assert {"lyman_alpha/mean_flux_pred", "lyman_alpha/flux_pdf_ks", "lyman_alpha/flux_pdf_w1",
             "lyman_alpha/p1d_ratio/wavelength_4-8_cells"} <= set(scalars)
-    fig = lya.flux_figure(metrics.flux_statistics())
+    fig = science_plots.flux_figure(metrics.flux_statistics())
     assert len(fig.axes) == 6                         # PDF, P1D, its ratio, three skewers
     writer = SummaryWriter(log_dir=str(tmp_path / "logs"))
-    science.write_tensorboard(writer, 3, metrics, example=(torch.zeros(4, 16, 16, 16), crops[0], crops[0]))
+    science_plots.write_tensorboard(writer, 3, metrics, example=(torch.zeros(4, 16, 16, 16), crops[0], crops[0]))
     writer.close()
     events = EventAccumulator(str(tmp_path / "logs"))
     events.Reload()

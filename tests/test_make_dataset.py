@@ -1,6 +1,8 @@
 """Tests of the synthetic N-body -> hydro dataset generator (utils/make_dataset.py). CPU, small boxes."""
 import os
 import shutil
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -8,8 +10,11 @@ import pytest
 import torch
 from tqdm import tqdm
 
+from conftest import REPO_ROOT
 from utils import make_dataset as md
-from utils import symmetry
+from utils import symmetry, units
+from utils.cli import run
+from utils.errors import GenerationError
 
 N = 32
 
@@ -29,7 +34,7 @@ def _reference_fields(white, box_length=None, smoothing=md.DEFAULT_SMOOTHING, **
     (utils.make_dataset/1's pipeline). The streamed, slab-wise generator must agree with it."""
     p = {**md.DEFAULT_PHYSICS, **physics}
     n = white.shape[0]
-    cell = box_length / n if box_length is not None else md.DEFAULT_CELL_SIZE
+    cell = box_length / n if box_length is not None else units.DEFAULT_CELL_SIZE
     k = (2 * np.pi * np.fft.fftfreq(n))[:, None, None], (2 * np.pi * np.fft.fftfreq(n))[None, :, None], \
         (2 * np.pi * np.fft.rfftfreq(n))[None, None, :]
     deriv = [np.where(np.abs(np.abs(ka) - np.pi) < 1e-12, 0.0, ka) for ka in k]    # Nyquist zeroed
@@ -57,16 +62,16 @@ def _reference_fields(white, box_length=None, smoothing=md.DEFAULT_SMOOTHING, **
     def smooth(field):
         return np.fft.irfftn(np.fft.rfftn(field) * kernel, s=white.shape, axes=(0, 1, 2))
 
-    gas = np.maximum(smooth(mass), md.DENSITY_FLOOR)
+    gas = np.maximum(smooth(mass), units.DENSITY_FLOOR)
     gas_v = np.stack([smooth(m) for m in momentum]) / gas
-    dm_v = (momentum + md.DENSITY_FLOOR * gas_v) / (mass + md.DENSITY_FLOOR)
+    dm_v = (momentum + units.DENSITY_FLOOR * gas_v) / (mass + units.DENSITY_FLOOR)
     div = np.fft.irfftn(sum(1j * d * np.fft.rfftn(gas_v[a]) for a, d in enumerate(deriv)), s=white.shape,
                         axes=(0, 1, 2)) / cell
     jump = np.maximum(0.0, -div) * (p["shock_length"] * cell)
     temperature = p["temperature_mean_density"] * gas ** (p["eos_gamma"] - 1) + md._SHOCK_T_PER_KMS2 * jump ** 2
-    nbody = np.concatenate([md.normalize_density(mass)[None], md.normalize_velocity(dm_v)])
-    hydro = np.concatenate([md.normalize_density(gas)[None], md.normalize_velocity(gas_v),
-                            md.normalize_temperature(temperature)[None]])
+    nbody = np.concatenate([units.normalize_density(mass)[None], units.normalize_velocity(dm_v)])
+    hydro = np.concatenate([units.normalize_density(gas)[None], units.normalize_velocity(gas_v),
+                            units.normalize_temperature(temperature)[None]])
     return nbody, hydro
 
 
@@ -83,14 +88,14 @@ def test_cli_writes_h5_and_npy_layout(tmp_path):
     for data in (nbody, hydro):
         assert np.isfinite(data).all()
         assert np.abs(data).max() < 1.0
-    assert attrs["density_log_scale"] == md.DENSITY_LOG_SCALE == 14
-    assert attrs["velocity_scale"] == md.VELOCITY_SCALE
-    assert attrs["temperature_log10_offset"] == md.TEMPERATURE_LOG10_OFFSET
-    assert attrs["temperature_log10_scale"] == md.TEMPERATURE_LOG10_SCALE
+    assert attrs["density_log_scale"] == units.DENSITY_LOG_SCALE == 14
+    assert attrs["velocity_scale"] == units.VELOCITY_SCALE
+    assert attrs["temperature_log10_offset"] == units.TEMPERATURE_LOG10_OFFSET
+    assert attrs["temperature_log10_scale"] == units.TEMPERATURE_LOG10_SCALE
     assert attrs["seed"] == 3 and attrs["box"] == N
-    assert attrs["box_size_mpc_h"] == pytest.approx(N * md.DEFAULT_CELL_SIZE)
+    assert attrs["box_size_mpc_h"] == pytest.approx(N * units.DEFAULT_CELL_SIZE)
     assert attrs["generator"] == md.GENERATOR_VERSION
-    assert list(attrs["hydro_channels"]) == list(md.HYDRO_CHANNELS)
+    assert list(attrs["hydro_channels"]) == list(units.HYDRO_CHANNELS)
 
     data_path, label_path = tmp_path / "sub" / "train_data.npy", tmp_path / "sub" / "train_label.npy"
     assert (data_path, label_path) == md.npy_paths(out)
@@ -106,23 +111,36 @@ def test_cli_writes_h5_and_npy_layout(tmp_path):
     assert sorted(os.listdir(out.parent)) == ["train.h5", "train_data.npy", "train_label.npy"]
 
 
-def _one_line_error(capsys):
+def _one_line_error(argv, capsys, exit_code=2):
+    """The command line (main under utils/cli.py's run, as ``python -m utils.make_dataset`` runs it) on
+    ``argv``: it must end with ``exit_code`` and one stderr line ``error: ...``; returns that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run(md.main, argv)
+    assert exit_info.value.code == exit_code
     err = capsys.readouterr().err.rsplit("\r", 1)[-1]          # after the (cleared) progress bar
-    assert err.count("\n") == 1 and err.startswith("python -m utils.make_dataset: error: "), err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
     assert "Traceback" not in err
     return err
 
 
-def test_cli_refuses_to_overwrite(tmp_path, capsys):
+def test_cli_refuses_to_overwrite(tmp_path):
+    """End to end: ``python -m utils.make_dataset`` in a process of its own."""
     out = tmp_path / "d.h5"
-    md.main(["--box", "16", "--seed", "1", "--out", str(out)])
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-m", "utils.make_dataset", "--box", "16", "--out", str(out), *argv],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+
+    assert cli("--seed", "1").returncode == 0
     before = out.stat().st_mtime_ns
-    capsys.readouterr()
-    assert md.main(["--box", "16", "--seed", "2", "--out", str(out)]) == 2
-    message = _one_line_error(capsys)
-    assert str(out) in message and "--force" in message
+    refused = cli("--seed", "2")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr == f"error: {out} already exists; pass --force to overwrite\n"
     assert out.stat().st_mtime_ns == before
-    md.main(["--box", "16", "--seed", "2", "--out", str(out), "--force"])
+    with pytest.raises(GenerationError, match="already exists; pass --force to overwrite"):
+        md.main(["--box", "16", "--seed", "2", "--out", str(out)])          # what run() turned into that line
+    assert cli("--seed", "2", "--force").returncode == 0
     with h5py.File(out, "r") as f:
         assert f.attrs["seed"] == 2
 
@@ -166,32 +184,32 @@ def test_same_seed_same_bytes_different_seed_differs():
 # --- normalisation ------------------------------------------------------------------------------
 def test_normalisation_round_trip_numpy_and_torch():
     rho = np.array([1e-2, 0.5, 1.0, 30.0, 1e4])
-    np.testing.assert_allclose(md.denormalize_density(md.normalize_density(rho)), rho, rtol=1e-5)
+    np.testing.assert_allclose(units.denormalize_density(units.normalize_density(rho)), rho, rtol=1e-5)
     v = np.array([-300.0, -1.0, 0.0, 42.0, 450.0])
-    np.testing.assert_allclose(md.denormalize_velocity(md.normalize_velocity(v)), v, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(units.denormalize_velocity(units.normalize_velocity(v)), v, rtol=1e-5, atol=1e-3)
     t = np.array([1e3, 1e4, 3e5, 5e6])
-    np.testing.assert_allclose(md.denormalize_temperature(md.normalize_temperature(t)), t, rtol=1e-5)
-    assert md.normalize_density(0.0) == pytest.approx(np.log(md.DENSITY_FLOOR) / 14)
-    assert md.normalize_velocity(1e9) == pytest.approx(md.CLIP)
+    np.testing.assert_allclose(units.denormalize_temperature(units.normalize_temperature(t)), t, rtol=1e-5)
+    assert units.normalize_density(0.0) == pytest.approx(np.log(units.DENSITY_FLOOR) / 14)
+    assert units.normalize_velocity(1e9) == pytest.approx(units.CLIP)
 
     torch = pytest.importorskip("torch")
     nbody, hydro = md.make_dataset(8, 0, progress=False)
     batch = torch.from_numpy(np.stack([hydro, hydro]))  # (B, 5, X, Y, Z)
-    physical = md.to_physical(batch, "hydro", channel_axis=1)
+    physical = units.to_physical(batch, "hydro", channel_axis=1)
     assert isinstance(physical, torch.Tensor)
-    np.testing.assert_allclose(physical[0].numpy(), md.to_physical(hydro, "hydro"), rtol=1e-5)
-    np.testing.assert_allclose(md.to_physical(hydro, "hydro")[4], md.denormalize_temperature(hydro[4]), rtol=1e-6)
-    np.testing.assert_allclose(md.to_physical(nbody.transpose(1, 2, 3, 0), "nbody", channel_axis=-1)[..., 1],
-                               nbody[1] * md.VELOCITY_SCALE)
+    np.testing.assert_allclose(physical[0].numpy(), units.to_physical(hydro, "hydro"), rtol=1e-5)
+    np.testing.assert_allclose(units.to_physical(hydro, "hydro")[4], units.denormalize_temperature(hydro[4]), rtol=1e-6)
+    np.testing.assert_allclose(units.to_physical(nbody.transpose(1, 2, 3, 0), "nbody", channel_axis=-1)[..., 1],
+                               nbody[1] * units.VELOCITY_SCALE)
     with pytest.raises(ValueError):
-        md.to_physical(nbody, "hydro")
+        units.to_physical(nbody, "hydro")
 
 
 # --- statistics ---------------------------------------------------------------------------------
 def test_mass_conservation(fields48):
     nbody, hydro = fields48
-    rho_dm = md.denormalize_density(nbody[0].astype(np.float64))
-    rho_gas = md.denormalize_density(hydro[0].astype(np.float64))
+    rho_dm = units.denormalize_density(nbody[0].astype(np.float64))
+    rho_gas = units.denormalize_density(hydro[0].astype(np.float64))
     assert rho_dm.mean() == pytest.approx(1.0, abs=0.02)
     assert rho_gas.mean() == pytest.approx(1.0, abs=0.02)
     # Structure is non-linear at the cell scale, and some cells are empty (at the floor).
@@ -213,7 +231,7 @@ def test_power_spectrum_follows_input_on_large_scales():
     for seed in range(4):
         white = _white(n, seed)
         nbody, _ = md.generate_fields(white, box_length=box_length, progress=False)
-        delta = md.denormalize_density(nbody[0].astype(np.float64)) - 1
+        delta = units.denormalize_density(nbody[0].astype(np.float64)) - 1
         measured = np.fft.rfftn(delta)
         # The linear field built here from the same noise: <|delta_k|^2> = P(k) N^3 / cell^3.
         linear = np.fft.rfftn(white) * np.sqrt(md.power_spectrum(k) / cell ** 3)
@@ -230,7 +248,7 @@ def test_power_spectrum_follows_input_on_large_scales():
 def test_temperature_density_relation(fields48):
     _, hydro = fields48
     log_rho = hydro[0].ravel() * 14 / np.log(10)                 # log10 rho_gas / mean
-    log_t = np.log10(md.denormalize_temperature(hydro[4].ravel().astype(np.float64)))
+    log_t = np.log10(units.denormalize_temperature(hydro[4].ravel().astype(np.float64)))
     assert np.corrcoef(log_rho, log_t)[0, 1] > 0.5
     # Expanding (in linear theory: underdense) gas is not shock heated, so there log T follows the
     # T0 rho^(gamma - 1) relation: fit the binned median over the underdense cells.
@@ -388,16 +406,14 @@ def test_cli_checks_free_disk_space_first(tmp_path, capsys, monkeypatch):
         return real(path)._replace(free=10 ** 6)
 
     monkeypatch.setattr(md.shutil, "disk_usage", nearly_full)
-    assert md.main(["--box", "64", "--out", str(tmp_path / "big.h5"), "--npy"]) == 2
-    message = _one_line_error(capsys)
+    message = _one_line_error(["--box", "64", "--out", str(tmp_path / "big.h5"), "--npy"], capsys)
     assert "not enough disk space" in message and "GiB free" in message and "--out" in message
     assert os.listdir(tmp_path) == []
 
 
 def test_cli_checks_available_memory_first(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(md, "memory_available", lambda: 2 ** 20)
-    assert md.main(["--box", "64", "--out", str(tmp_path / "big.h5")]) == 2
-    message = _one_line_error(capsys)
+    message = _one_line_error(["--box", "64", "--out", str(tmp_path / "big.h5")], capsys)
     assert "not enough memory for a 64^3 box" in message and "MemAvailable" in message
     assert os.listdir(tmp_path) == []
 
@@ -407,8 +423,7 @@ def test_cli_failure_midway_is_one_line_and_leaves_nothing(tmp_path, capsys, mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(md, "_hydro", disk_full)
-    assert md.main(["--box", "16", "--out", str(tmp_path / "x.h5"), "--npy"]) == 2
-    message = _one_line_error(capsys)
+    message = _one_line_error(["--box", "16", "--out", str(tmp_path / "x.h5"), "--npy"], capsys)
     assert "No space left on device" in message and "nothing was written" in message
     assert os.listdir(tmp_path) == []
 
@@ -418,8 +433,21 @@ def test_cli_running_out_of_memory_midway_is_one_line(tmp_path, capsys, monkeypa
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
 
     monkeypatch.setattr(md, "_deposit", no_memory)
-    assert md.main(["--box", "16", "--out", str(tmp_path / "x.h5")]) == 2
-    assert "ran out of memory generating a 16^3 box" in _one_line_error(capsys)
+    argv = ["--box", "16", "--out", str(tmp_path / "x.h5")]
+    assert "ran out of memory generating a 16^3 box" in _one_line_error(argv, capsys)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(GenerationError, match="ran out of memory") as caught:   # main raises; run() reports it
+        md.main(argv)
+    assert caught.value.exit_code == 2
+
+
+def test_cli_interrupted_is_one_line_exit_130_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(md, "_hydro", ctrl_c)
+    message = _one_line_error(["--box", "16", "--out", str(tmp_path / "x.h5"), "--npy"], capsys, exit_code=130)
+    assert message == "error: interrupted; nothing was written\n"
     assert os.listdir(tmp_path) == []
 
 
@@ -440,8 +468,8 @@ def test_a_failure_writing_the_npy_twins_leaves_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cli_asking_for_cuda_without_it_fails_in_one_line(tmp_path, capsys):
-    assert md.main(["--box", "8", "--out", str(tmp_path / "x.h5"), "--device", "cuda"]) == 2
-    assert "CUDA is not available" in _one_line_error(capsys)
+    assert "CUDA is not available" in _one_line_error(["--box", "8", "--out", str(tmp_path / "x.h5"), "--device",
+                                                       "cuda"], capsys)
     assert os.listdir(tmp_path) == []
 
 

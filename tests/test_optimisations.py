@@ -3,20 +3,20 @@ import pytest
 import torch
 import torch._dynamo
 
-import train
-from utils.data_loader import get_data_loader
+from utils import training
+from utils.data import get_data_loader
 from utils.distributed import init_distributed
 
 
 def short_run(params, num_steps=6):
     torch.manual_seed(0)
-    state = train.build_training(params, init_distributed("cpu"))
+    state = training.build_training(params, init_distributed("cpu"))
     inp, tar = next(iter(get_data_loader(params, "train")[0]))
     inp, tar = state.to_device(inp), state.to_device(tar)
     losses = []
     for _ in range(num_steps):
         state.set_lr(2e-3)
-        losses.append(train.eager_step(state, inp, tar).item())
+        losses.append(training.eager_step(state, inp, tar).item())
     return state, losses
 
 
@@ -42,7 +42,7 @@ def test_flag_tracks_the_plain_run(tiny_params, flags, tolerance):
 
 
 def test_bf16_autocast_really_runs_in_bf16(tiny_params):
-    state = train.build_training(tiny_params(amp_mode="bf16"), init_distributed("cpu"))
+    state = training.build_training(tiny_params(amp_mode="bf16"), init_distributed("cpu"))
     seen = []
     handle = state.model.down[0][0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     with state.autocast:
@@ -53,7 +53,7 @@ def test_bf16_autocast_really_runs_in_bf16(tiny_params):
 
 
 def test_fp16_uses_grad_scaler(tiny_params):
-    state = train.build_training(tiny_params(amp_mode="fp16"), init_distributed("cpu"))
+    state = training.build_training(tiny_params(amp_mode="fp16"), init_distributed("cpu"))
     assert state.scaler.is_enabled()  # GradScaler works on the CPU too (torch >= 2.3)
 
 

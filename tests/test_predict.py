@@ -14,11 +14,13 @@ import pytest
 import torch
 
 import predict
+from utils import inference
 from conftest import REPO_ROOT
 from networks.UNet import UNet, build_model
 from utils.checkpoint import plain_state_dict, save_checkpoint
 from utils.config import load_config
-from utils.make_dataset import make_dataset, physical_attrs
+from utils.make_dataset import make_dataset
+from utils.units import physical_attrs
 
 TINY = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": None,
         "weight_init.conv_scale": 0.05}
@@ -72,7 +74,7 @@ def run_dir(tmp_path_factory, model):
 
 def test_one_tile_box_is_the_direct_forward_pass(model):
     box = nbody(8)
-    hydro = predict.predict_array(model, box, tile=8, overlap=0)
+    hydro = inference.predict_array(model, box, tile=8, overlap=0)
     assert hydro.shape == (5, 8, 8, 8) and hydro.dtype == np.float32
     assert np.array_equal(hydro, forward(model, box[None])[0])
 
@@ -81,7 +83,7 @@ def test_each_core_is_the_forward_pass_of_its_wrapped_window(model):
     box, tile, overlap = 14, 8, 4   # stride 4: cores start at 0, 4, 8, 12; the last one is 2 cells thick
     margin, stride = overlap // 2, tile - overlap
     volume = nbody(box)
-    hydro = predict.predict_array(model, volume, tile, overlap, batch_size=5)  # batches straddle rows of tiles
+    hydro = inference.predict_array(model, volume, tile, overlap, batch_size=5)  # batches straddle rows of tiles
     assert hydro.shape == (5, box, box, box) and hydro.dtype == np.float32
     assert np.isfinite(hydro).all() and np.abs(hydro).max() < 1 and hydro.std() > 0.05
 
@@ -113,8 +115,8 @@ def test_overlap_makes_tiles_invisible(model):
     untiled = untiled[:, pad:pad + box, pad:pad + box, pad:pad + box]
     errors = {}
     for tile, overlap in ((8, 0), (16, 8), (24, 16)):
-        tiled = predict.predict_array(model, volume, tile, overlap)
-        shifted = predict.predict_array(model, np.roll(volume, shift, axis=(1, 2, 3)), tile, overlap)
+        tiled = inference.predict_array(model, volume, tile, overlap)
+        shifted = inference.predict_array(model, np.roll(volume, shift, axis=(1, 2, 3)), tile, overlap)
         shifted = np.roll(shifted, -shift, axis=(1, 2, 3))
         errors[tile, overlap] = np.abs(tiled - untiled).max(), np.abs(tiled - shifted).max()
     # measured: no overlap 0.41 / 0.34 (seams), margin 4: 0.038 / 0.040, margin 8: 0 / 0
@@ -126,15 +128,15 @@ def test_overlap_makes_tiles_invisible(model):
 def test_rolled_box_gives_rolled_prediction(model):
     volume = nbody(16)
     shift = (4, 8, 12)  # multiples of the stride 4: the same windows, in another order
-    hydro = predict.predict_array(model, volume, tile=8, overlap=4)
-    rolled = predict.predict_array(model, np.roll(volume, shift, axis=(1, 2, 3)), tile=8, overlap=4)
+    hydro = inference.predict_array(model, volume, tile=8, overlap=4)
+    rolled = inference.predict_array(model, np.roll(volume, shift, axis=(1, 2, 3)), tile=8, overlap=4)
     assert np.array_equal(rolled, np.roll(hydro, shift, axis=(1, 2, 3)))
 
 
 def test_bf16_autocast_stays_close_to_fp32(model):
     volume = nbody(16)
-    fp32 = predict.predict_array(model, volume, tile=8, overlap=4)
-    bf16 = predict.predict_array(model, volume, tile=8, overlap=4, amp_mode="bf16")
+    fp32 = inference.predict_array(model, volume, tile=8, overlap=4)
+    bf16 = inference.predict_array(model, volume, tile=8, overlap=4, amp_mode="bf16")
     assert bf16.dtype == np.float32
     assert 0 < np.abs(bf16 - fp32).max() < 0.02  # measured 0.002
 
@@ -156,7 +158,7 @@ def test_cli_end_to_end(run_dir, model, tmp_path):
     # defaults: the training crop (8) as tile, a quarter of it as overlap; the newest checkpoint. Not bit for
     # bit: another process may pick other oneDNN kernels (a 16-core host's differed in the last bit; a wrong
     # tile or overlap differs by > 0.03, test_overlap_makes_tiles_invisible)
-    np.testing.assert_allclose(hydro, predict.predict_array(model, volume, tile=8, overlap=2, batch_size=3),
+    np.testing.assert_allclose(hydro, inference.predict_array(model, volume, tile=8, overlap=2, batch_size=3),
                                rtol=0, atol=1e-6)
     newest = run_dir / "checkpoints" / "ckpt_step00000007.pt"
     assert attrs["step"] == 7 and attrs["checkpoint"] == str(newest.resolve())
@@ -214,12 +216,12 @@ def test_a_checkpoint_from_before_the_slope_and_upsample_keys_is_the_old_model(t
     payload = {"step": 1, "config": config, "model": plain_state_dict(old),
                "optimizer": torch.optim.Adam(old.parameters()).state_dict()}
     save_checkpoint(tmp_path / "old" / "checkpoints", payload, 1, keep_last=1)
-    model, params, _, _ = predict.load_trained_model(tmp_path / "old", "cpu")
+    model, params, _, _ = inference.load_trained_model(tmp_path / "old", "cpu")
     assert all(block[1].negative_slope == 0.2 for block in model.down) and model.upsample == "transposed"
     volume = torch.from_numpy(nbody(8))[None]
     with torch.no_grad():
         assert torch.equal(model(volume), old.eval()(volume))
-    assert predict.lyman_alpha_settings(params, tmp_path / "none.h5").mean_flux == 0.7   # defaults for old configs
+    assert inference.lyman_alpha_settings(params, tmp_path / "none.h5").mean_flux == 0.7   # defaults for old configs
 
 
 def test_force_overwrites_and_a_checkpoint_file_is_accepted(run_dir, tmp_path):
@@ -280,7 +282,7 @@ ERROR_CASES = {
     "output exists": ({"--output": "exists"}, "output {exists} exists; pass --force to overwrite it"),
     "output is input": ({"--output": "good", "--force": None}, "--output {good} is the input file; write the"),
     "output is a directory": ({"--output": "empty_run", "--force": None}, "--output {empty_run} is a directory;"),
-    "output not writable": ({"--output": "under_a_file"}, "cannot write {under_a_file} (File exists); choose another"),
+    "output not writable": ({"--output": "under_a_file"}, "cannot write {under_a_file} (EEXIST: File exists); choose another"),
     "no batch": ({"--batch_size": "0"}, "--batch_size must be positive, got 0"),
 }
 

@@ -1,4 +1,5 @@
-"""Science metrics (utils/science.py): known answers on constructed and generated fields, DDP reduction, figures."""
+"""Science metrics (utils/science.py): known answers on constructed and generated fields, DDP reduction, figures
+(utils/science_plots.py)."""
 import math
 import os
 import socket
@@ -12,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.tensorboard import SummaryWriter
 
 import utils.make_dataset as md
-from utils import science
+from utils import science, science_plots, units
 from utils.distributed import DistInfo, cleanup, init_distributed
 
 CROP = 16
@@ -60,7 +61,7 @@ def test_density_scaled_prediction(generated):
     _, hydro = generated
     scale = 1.3
     prediction = hydro.clone()
-    prediction[:, 0] += math.log(scale) / md.DENSITY_LOG_SCALE       # rho_pred = 1.3 rho_true
+    prediction[:, 0] += math.log(scale) / units.DENSITY_LOG_SCALE    # rho_pred = 1.3 rho_true
     metrics = metrics_of(prediction, hydro)
     scalars = metrics.compute()
     for tag, value in scalars.items():
@@ -70,8 +71,8 @@ def test_density_scaled_prediction(generated):
     # the same structures, only brighter: perfectly correlated at every scale
     assert all(v == pytest.approx(1.0, abs=1e-6) for tag, v in scalars.items() if tag.startswith("cross_correlation/"))
     assert science.format_summary(scalars).endswith("[cells] 2-4: 1.69, 4-8: 1.69, 8-16: 1.69, 16-32: 1.69")
-    assert scalars["L1/gas_density"] == pytest.approx(math.log(scale) / md.DENSITY_LOG_SCALE, rel=1e-4)
-    rho = md.denormalize_density(hydro[:, 0].double())
+    assert scalars["L1/gas_density"] == pytest.approx(math.log(scale) / units.DENSITY_LOG_SCALE, rel=1e-4)
+    rho = units.denormalize_density(hydro[:, 0].double())
     assert scalars["L1_physical/gas_density_over_mean"] == pytest.approx((scale - 1) * rho.mean().item(), rel=1e-4)
     assert all(scalars[tag] == 0.0 for tag in science.L1_TAGS[1:])
     # The T-rho relation moves right by log10(1.3) at fixed T: T0 drops by 1.3^(gamma - 1), gamma stays.
@@ -86,7 +87,7 @@ def test_window_keeps_a_non_periodic_wave_in_its_shells():
     x = torch.arange(CROP, dtype=torch.float64)
     rho = 1 + 0.5 * torch.cos(2 * math.pi * 4.5 * x / CROP)
     fields = torch.zeros(1, 5, CROP, CROP, CROP)
-    fields[:, 0] = (rho.log() / md.DENSITY_LOG_SCALE).float()[:, None, None]
+    fields[:, 0] = (rho.log() / units.DENSITY_LOG_SCALE).float()[:, None, None]
     metrics = metrics_of(fields, fields)
     power = metrics.power_spectra()["power_true"] * metrics.modes_per_shell     # total power per shell
     share = power / power.sum()
@@ -102,7 +103,7 @@ def test_physical_l1_of_velocity_and_temperature(generated):
     scalars = metrics_of(prediction, hydro).compute()
     assert scalars["L1/gas_vx"] == pytest.approx(0.01, rel=1e-4)
     assert scalars["L1_physical/gas_vx_km_s"] == pytest.approx(5.0, rel=1e-4)
-    temperature = md.denormalize_temperature(hydro[:, 4].double())
+    temperature = units.denormalize_temperature(hydro[:, 4].double())
     expected = (temperature * (1 - 10 ** -0.1)).mean().item()
     assert scalars["L1_physical/temperature_K"] == pytest.approx(expected, rel=1e-4)
     assert scalars["L1_physical/gas_vy_km_s"] == 0.0
@@ -112,9 +113,9 @@ def test_fit_recovers_a_constructed_relation(generated):
     _, hydro = generated
     prediction = hydro.clone()
     gamma, t0 = 1.6, 2.0e4                        # an exact T-rho relation, no shock-heated tail
-    log_rho = prediction[:, 0].double() * md.DENSITY_LOG_SCALE / math.log(10)
+    log_rho = prediction[:, 0].double() * units.DENSITY_LOG_SCALE / math.log(10)
     log_t = math.log10(t0) + (gamma - 1) * log_rho
-    prediction[:, 4] = ((log_t - md.TEMPERATURE_LOG10_OFFSET) / md.TEMPERATURE_LOG10_SCALE).float()
+    prediction[:, 4] = ((log_t - units.TEMPERATURE_LOG10_OFFSET) / units.TEMPERATURE_LOG10_SCALE).float()
     scalars = metrics_of(prediction, hydro).compute()
     assert scalars["T_rho/gamma_pred"] == pytest.approx(gamma, abs=0.01)  # 0.05-dex bins: measured 1.596
     assert scalars["T_rho/T0_pred_K"] == pytest.approx(t0, rel=0.01)
@@ -187,9 +188,9 @@ def test_figures_and_tensorboard_logging(generated, tmp_path):
     nbody, hydro = generated
     prediction = hydro * 0.9 + 0.01
     metrics = metrics_of(prediction, hydro)
-    figures = {"slices": (science.slice_figure(nbody[0], prediction[0], hydro[0]), 5 * 3 + 5 + 1),
-               "power": (science.power_spectrum_figure(metrics), 2),
-               "t_rho": (science.temperature_density_figure(metrics), 3)}
+    figures = {"slices": (science_plots.slice_figure(nbody[0], prediction[0], hydro[0]), 5 * 3 + 5 + 1),
+               "power": (science_plots.power_spectrum_figure(metrics), 2),
+               "t_rho": (science_plots.temperature_density_figure(metrics), 3)}
     for name, (fig, num_axes) in figures.items():
         assert len(fig.axes) == num_axes, name
         fig.savefig(tmp_path / f"{name}.png", dpi=50)
@@ -200,7 +201,7 @@ def test_figures_and_tensorboard_logging(generated, tmp_path):
     assert slices[0].images[0].get_clim() == slices[1].images[0].get_clim() == slices[2].images[0].get_clim()
 
     writer = SummaryWriter(log_dir=str(tmp_path / "logs"))
-    science.write_tensorboard(writer, 7, metrics, example=(nbody[0], prediction[0], hydro[0]))
+    science_plots.write_tensorboard(writer, 7, metrics, example=(nbody[0], prediction[0], hydro[0]))
     writer.close()
     events = EventAccumulator(str(tmp_path / "logs"))
     events.Reload()
@@ -217,7 +218,7 @@ def test_validation_metrics_follow_the_config(tmp_path):
     metrics = science.ScienceMetrics.for_validation(params, "cpu")
     assert metrics.crop_size == 32 and not metrics.periodic
     assert metrics.flux.settings.skewer_stride == 8 and metrics.flux.settings.skewer_axes == 3
-    assert metrics.flux.settings.cell_size == md.DEFAULT_CELL_SIZE       # no file: the generator's 20/256 Mpc/h
+    assert metrics.flux.settings.cell_size == units.DEFAULT_CELL_SIZE    # no file: the generator's 20/256 Mpc/h
     off = load_config("quickstart", overrides={"lyman_alpha.enabled": False})
     assert science.ScienceMetrics.for_validation(off, "cpu").flux is None
 
@@ -227,12 +228,12 @@ def test_a_periodic_box_is_measured_without_a_window(generated):
     x = torch.arange(CROP, dtype=torch.float64)
     rho = 1 + 0.5 * torch.cos(2 * math.pi * 3 * x / CROP)
     fields = torch.zeros(1, 5, CROP, CROP, CROP)
-    fields[:, 0] = (rho.log() / md.DENSITY_LOG_SCALE).float()[:, None, None]
+    fields[:, 0] = (rho.log() / units.DENSITY_LOG_SCALE).float()[:, None, None]
     metrics = science.ScienceMetrics(CROP, "cpu", periodic=True)
     metrics.update(fields, fields)
     power = metrics.power_spectra()["power_true"] * metrics.modes_per_shell
     assert power[2] / power.sum() > 0.99                                   # shell |k| = 3 only
-    assert "periodic box" in science.power_spectrum_figure(metrics).axes[0].get_title()
+    assert "periodic box" in science_plots.power_spectrum_figure(metrics).axes[0].get_title()
 
 
 def test_cross_correlation_of_an_independent_field_is_near_zero(generated):

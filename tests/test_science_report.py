@@ -9,7 +9,8 @@ from networks.UNet import build_model
 from utils import science_report
 from utils.checkpoint import plain_state_dict, save_checkpoint
 from utils.config import load_config
-from utils.make_dataset import make_dataset, physical_attrs
+from utils.make_dataset import make_dataset
+from utils.units import physical_attrs
 
 TINY = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": None,
         "weight_init.conv_scale": 0.05}

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from utils.checkpoint import restore_training_state, snapshot_training_state
+from utils.errors import StorageError, storage_cause
 
 MODES = ("IO", "SYNTHETIC", "FULL")
 
@@ -87,7 +88,11 @@ def run_benchmark(params, state, step, train_loader, train_sampler, run_dir, log
     if state.info.is_main:
         # BENCHY_OUTPUT (set by submit_pm.sh) names the file; a relative name lands in the run directory
         path = run_dir / os.environ.get("BENCHY_OUTPUT", "benchy.json")
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+        try:
+            with open(path, "w") as f:
+                json.dump(results, f, indent=2)
+        except OSError as err:
+            raise StorageError(f"cannot write the benchmark results {path} ({storage_cause(err)}); the BENCHY lines "
+                               f"above hold them; free space or choose another --expdir") from None
         log(f"BENCHY::JSON written to {path}")
     return results

@@ -13,7 +13,7 @@ A run directory holds one timeline of checkpoints ``ckpt_step{step:08d}.pt`` wri
 - Model weights are stored without the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile)
   prefixes, so a checkpoint loads into the model however either run wrapped it.
 - ``check_compatible`` refuses to continue a run under a config that would make it a different
-  run (``RUN_DEFINING_KEYS``); everything else may change between the pieces of a run.
+  run (``RUN_DEFINING_KEYS``: the keys the schema marks RUN); everything else may change between the pieces of a run.
 
 Checkpoints are read with ``torch.load(weights_only=True)``: a payload holds tensors and plain
 Python data only (dicts, lists, tuples, numbers, strings), so loading one never runs code. Store
@@ -36,8 +36,8 @@ import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from utils.config import resolve_path
-from utils.errors import CheckpointError
+from utils.config import SCHEMA, resolve_path
+from utils.errors import CheckpointError, os_error_in
 
 CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")
 # Keys every payload must have for a run to continue from it.
@@ -47,30 +47,9 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 # Optimizer param-group entries that choose the implementation, not the maths: the current run's win.
 OPTIMIZER_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
-# Config keys whose change would make a resumed run a different run: the model, the loss, the
-# optimisation trajectory (batch size, LR schedule and its length: num_epochs and Nsamples set the
-# cosine's total_steps; noddp stops gradient averaging), and the data (which crops, in which order,
-# validated on which crops).
-RUN_DEFINING_KEYS = (
-    "model_channels", "full_scale", "N_in_channels", "N_out_channels", "leaky_relu_slope", "upsample",
-    "lambda_rho",
-    "global_batch_size", "base_batch_size", "lr_schedule", "num_epochs", "Nsamples", "noddp",
-    "train_path", "val_path", "box_size", "data_size", "seed", "enable_augmentation", "Nsamples_val",
-    "data_loader_config",
-)
-# Config keys that may change on resume: speed and precision knobs, DDP tuning and gradient
-# compression included (the problem optimised stays the same; only rounding and speed change, as
-# with a different world size), logging and profiling, where data is generated from (the files
-# exist by then), and the initialisation (weights come from the checkpoint).
-# The world size may change too: the loader gives every world size the same global batches.
-RESUME_MAY_CHANGE_KEYS = (
-    "weight_init", "device", "amp_mode", "enable_fused", "enable_apex", "enable_jit", "channels_last", "enable_tf32",
-    "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view", "static_graph", "ddp_comm_hook",
-    "num_data_workers", "generate_data", "enable_benchy", "benchy", "enable_manual_profiling", "profile_dir",
-    "profile_window", "expdir", "log_every_n_steps", "peak_tflops",
-    "checkpoint_every_n_steps", "checkpoint_every_minutes", "keep_checkpoints", "deterministic", "fast_loader",
-    "gpu_storage_dtype", "lyman_alpha",
-)
+# Which keys must match for a checkpoint to continue a run: the schema says (utils/config.py, Key).
+RUN_DEFINING_KEYS = tuple(key for key, entry in SCHEMA.items() if entry.defines_run)
+RESUME_MAY_CHANGE_KEYS = tuple(key for key, entry in SCHEMA.items() if not entry.defines_run)
 ABSENT = "<absent>"  # how a key missing from one config shows in differences
 # How values are compared where equal meaning has several spellings: paths resolve against the
 # repository root; inmem and lowmem read the same files (only synthetic data is another run).
@@ -121,17 +100,6 @@ def _check_payload(payload, step, keep_last):
                               f"missing {', '.join(missing) or 'nothing'}, step {payload.get('step')}")
 
 
-def _os_error_in(err):
-    """``err`` if it is an OSError, else the OSError it wraps (torch's writer raises RuntimeError around one)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, OSError):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
-
-
 def save_checkpoint(directory, payload, step, keep_last):
     """Write ``payload`` as ``directory/ckpt_step{step:08d}.pt`` atomically; keep the newest ``keep_last``.
 
@@ -162,7 +130,7 @@ def save_checkpoint(directory, payload, step, keep_last):
             os.close(dir_fd)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        os_error = _os_error_in(err) if isinstance(err, Exception) else None
+        os_error = os_error_in(err) if isinstance(err, Exception) else None
         if os_error is not None:
             raise _write_error(os_error, path, previous) from err
         raise

@@ -11,6 +11,7 @@ import argparse
 import errno
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
@@ -126,7 +127,8 @@ def _optional(check):
 NULL = type("Null", (), {"__repr__": lambda self: "null"})()  # a flag's explicit null (None means "not given")
 
 
-# key: (validator, one-line meaning). Every key of every named config must be here.
+# key: (validator, one-line meaning) in the sections; Key(validator, meaning[, RUN]) at the top level (below).
+# Every key of every named config must be here.
 LR_SCHEDULE_SCHEMA = {
     "scaling": (_choice("none", "linear", "sqrt"), "scale start_lr with global/base batch size"),
     "start_lr": (_float, "learning rate at base_batch_size, before scaling"),
@@ -185,61 +187,83 @@ LYMAN_ALPHA_SCHEMA = {
     "skewer_stride": (_positive_int, "validation skewers: every n-th cell along both transverse axes of a crop"),
     "skewer_axes": (_one_or_three, "skewers along the first spatial axis (1) or along all three (3)"),
 }
+class Key(NamedTuple):
+    """One config key: its validator (whose ``cli`` attribute is its flag's form), its one-line doc (the flag's
+    help), and whether it defines the run.
+
+    Run-defining keys (``RUN``) are those whose change would make a resumed run a different run: the model,
+    the loss, the optimisation trajectory (batch size, LR schedule and its length: num_epochs and Nsamples
+    set the cosine's total_steps; noddp stops gradient averaging), and the data (which crops, in which
+    order, validated on which crops); a checkpoint continues only under the same values. Every other key may
+    change on resume: speed and precision knobs, DDP tuning and gradient compression (the problem optimised
+    stays the same; only rounding and speed change, as with a different world size), logging and profiling,
+    where data is generated from (the files exist by then), and the initialisation (weights come from the
+    checkpoint). The world size may change too: the loader gives every world size the same global batches.
+    """
+    check: object
+    doc: str
+    defines_run: bool = False
+
+
+RUN = True  # Key(..., RUN): the key defines the run
+
 SCHEMA = {
-    "weight_init": (_section(WEIGHT_INIT_SCHEMA), "weight initialisation"),
-    "model_channels": (_int_list(), "U-Net widths, one per level, finest first"),
-    "leaky_relu_slope": (_non_negative_float, "negative slope of the down path's LeakyReLU (reference: 0.01)"),
-    "upsample": (_choice("transposed", "resize_conv", "linear_conv", "transposed_blur"),
-                 "up-path operator: transposed convolution (the reference) or a checkerboard-free one (networks/UNet.py)"),
-    "full_scale": (_bool, "use every level of model_channels (False drops the coarsest)"),
-    "N_in_channels": (_positive_int, "input channels (N-body: density, vx, vy, vz)"),
-    "N_out_channels": (_positive_int, "output channels (hydro: density, vx, vy, vz, temperature)"),
-    "lambda_rho": (_float, "weight of the L1 term on exp(14 x) of the gas density"),
-    "global_batch_size": (_positive_int, "samples per optimiser step over all ranks"),
-    "base_batch_size": (_positive_int, "batch size that lr_schedule.start_lr is tuned for"),
-    "lr_schedule": (_section(LR_SCHEDULE_SCHEMA), "learning-rate schedule"),
-    "num_epochs": (_positive_int, "training epochs"),
-    "Nsamples": (_positive_int, "random crops per training epoch"),
-    "Nsamples_val": (_positive_int, "crops per validation pass"),
-    "seed": (_int, "seed of weight init and of the crop/augmentation stream"),
-    "amp_mode": (_choice("none", "fp16", "bf16"), "mixed precision"),
-    "enable_fused": (_bool, "fused Adam"),
-    "enable_apex": (_bool, "apex FusedAdam when importable"),
-    "enable_jit": (_bool, "torch.compile the model and loss"),
-    "channels_last": (_bool, "channels-last-3d memory format"),
-    "enable_tf32": (_bool, "TF32 matmuls and convolutions on GPU"),
-    "device": (_choice("auto", "cuda", "cpu"), "auto: the rank's GPU when CUDA is visible, else the CPU"),
-    "enable_benchy": (_bool, "benchmark mode"),
-    "benchy": (_section(BENCHY_SCHEMA), "benchmark-mode trials"),
-    "enable_manual_profiling": (_bool, "NVTX ranges and a CUDA profiler window"),
-    "profile_dir": (_optional(_str), "write a torch.profiler trace of the profiler window here"),
-    "profile_window": (_int_list(2), "global steps [start, stop) of the profiler window"),
-    "data_loader_config": (_choice("synthetic", "inmem", "lowmem", "gpu", "dali-lowmem"), "data loader"),
-    "fast_loader": (_bool, "threads fill crops straight into reusable (pinned) batches; synthetic/inmem/lowmem"),
-    "gpu_storage_dtype": (_choice("fp32", "fp16", "bf16"), "dtype of the volumes kept on the device by the gpu loader"),
-    "train_path": (_str, "training HDF5 file"),
-    "val_path": (_str, "validation HDF5 file"),
-    "box_size": (_int_list(2), "edge of the training and validation boxes, cells"),
-    "data_size": (_positive_int, "crop edge, cells"),
-    "num_data_workers": (_non_negative_int, "loader workers per rank: processes (straightforward), threads "
+    "weight_init": Key(_section(WEIGHT_INIT_SCHEMA), "weight initialisation"),
+    "model_channels": Key(_int_list(), "U-Net widths, one per level, finest first", RUN),
+    "leaky_relu_slope": Key(_non_negative_float, "negative slope of the down path's LeakyReLU (reference: 0.01)", RUN),
+    "upsample": Key(_choice("transposed", "resize_conv", "linear_conv", "transposed_blur"),
+                    "up-path operator: transposed convolution (the reference) or a checkerboard-free one "
+                    "(networks/UNet.py)", RUN),
+    "full_scale": Key(_bool, "use every level of model_channels (False drops the coarsest)", RUN),
+    "N_in_channels": Key(_positive_int, "input channels (N-body: density, vx, vy, vz)", RUN),
+    "N_out_channels": Key(_positive_int, "output channels (hydro: density, vx, vy, vz, temperature)", RUN),
+    "lambda_rho": Key(_float, "weight of the L1 term on exp(14 x) of the gas density", RUN),
+    "global_batch_size": Key(_positive_int, "samples per optimiser step over all ranks", RUN),
+    "base_batch_size": Key(_positive_int, "batch size that lr_schedule.start_lr is tuned for", RUN),
+    "lr_schedule": Key(_section(LR_SCHEDULE_SCHEMA), "learning-rate schedule", RUN),
+    "num_epochs": Key(_positive_int, "training epochs", RUN),
+    "Nsamples": Key(_positive_int, "random crops per training epoch", RUN),
+    "Nsamples_val": Key(_positive_int, "crops per validation pass", RUN),
+    "seed": Key(_int, "seed of weight init and of the crop/augmentation stream", RUN),
+    "amp_mode": Key(_choice("none", "fp16", "bf16"), "mixed precision"),
+    "enable_fused": Key(_bool, "fused Adam"),
+    "enable_apex": Key(_bool, "apex FusedAdam when importable"),
+    "enable_jit": Key(_bool, "torch.compile the model and loss"),
+    "channels_last": Key(_bool, "channels-last-3d memory format"),
+    "enable_tf32": Key(_bool, "TF32 matmuls and convolutions on GPU"),
+    "device": Key(_choice("auto", "cuda", "cpu"), "auto: the rank's GPU when CUDA is visible, else the CPU"),
+    "enable_benchy": Key(_bool, "benchmark mode"),
+    "benchy": Key(_section(BENCHY_SCHEMA), "benchmark-mode trials"),
+    "enable_manual_profiling": Key(_bool, "NVTX ranges and a CUDA profiler window"),
+    "profile_dir": Key(_optional(_str), "write a torch.profiler trace of the profiler window here"),
+    "profile_window": Key(_int_list(2), "global steps [start, stop) of the profiler window"),
+    "data_loader_config": Key(_choice("synthetic", "inmem", "lowmem", "gpu", "dali-lowmem"), "data loader", RUN),
+    "fast_loader": Key(_bool, "threads fill crops straight into reusable (pinned) batches; synthetic/inmem/lowmem"),
+    "gpu_storage_dtype": Key(_choice("fp32", "fp16", "bf16"),
+                             "dtype of the volumes kept on the device by the gpu loader"),
+    "train_path": Key(_str, "training HDF5 file", RUN),
+    "val_path": Key(_str, "validation HDF5 file", RUN),
+    "box_size": Key(_int_list(2), "edge of the training and validation boxes, cells", RUN),
+    "data_size": Key(_positive_int, "crop edge, cells", RUN),
+    "num_data_workers": Key(_non_negative_int, "loader workers per rank: processes (straightforward), threads "
                                             "(fast_loader), DALI threads; unused by gpu"),
-    "enable_augmentation": (_bool, "random cube-symmetry augmentation"),
-    "generate_data": (_optional(_section(GENERATE_DATA_SCHEMA)), "generate missing data files"),
-    "bucket_cap_mb": (_positive_int, "DDP gradient bucket size, MB"),
-    "broadcast_buffers": (_bool, "DDP broadcasts module buffers every forward"),
-    "gradient_as_bucket_view": (_bool, "gradients are views into DDP buckets (saves a copy and memory)"),
-    "static_graph": (_bool, "DDP static_graph optimisations (same graph every step)"),
-    "ddp_comm_hook": (_choice("none", "bf16"), "gradient compression for the all-reduce"),
-    "noddp": (_bool, "no gradient synchronisation: measures compute alone (not real training)"),
-    "checkpoint_every_n_steps": (_non_negative_int, "steps between checkpoints; 0: off"),
-    "checkpoint_every_minutes": (_non_negative_float, "wall-clock minutes between checkpoints; 0: off "
+    "enable_augmentation": Key(_bool, "random cube-symmetry augmentation", RUN),
+    "generate_data": Key(_optional(_section(GENERATE_DATA_SCHEMA)), "generate missing data files"),
+    "bucket_cap_mb": Key(_positive_int, "DDP gradient bucket size, MB"),
+    "broadcast_buffers": Key(_bool, "DDP broadcasts module buffers every forward"),
+    "gradient_as_bucket_view": Key(_bool, "gradients are views into DDP buckets (saves a copy and memory)"),
+    "static_graph": Key(_bool, "DDP static_graph optimisations (same graph every step)"),
+    "ddp_comm_hook": Key(_choice("none", "bf16"), "gradient compression for the all-reduce"),
+    "noddp": Key(_bool, "no gradient synchronisation: measures compute alone (not real training)", RUN),
+    "checkpoint_every_n_steps": Key(_non_negative_int, "steps between checkpoints; 0: off"),
+    "checkpoint_every_minutes": Key(_non_negative_float, "wall-clock minutes between checkpoints; 0: off "
                                                       "(epoch ends and preemption always checkpoint)"),
-    "keep_checkpoints": (_positive_int, "newest checkpoints kept in the run directory"),
-    "deterministic": (_bool, "deterministic algorithms, so resumed runs are bit-identical"),
-    "expdir": (_str, "root folder of runs"),
-    "log_every_n_steps": (_positive_int, "steps between progress lines"),
-    "peak_tflops": (_optional(_float), "device peak TFLOP/s for MFU; null looks it up for known GPUs"),
-    "lyman_alpha": (_section(LYMAN_ALPHA_SCHEMA), "Lyman-alpha forest statistics at validation (units, sampling)"),
+    "keep_checkpoints": Key(_positive_int, "newest checkpoints kept in the run directory"),
+    "deterministic": Key(_bool, "deterministic algorithms, so resumed runs are bit-identical"),
+    "expdir": Key(_str, "root folder of runs"),
+    "log_every_n_steps": Key(_positive_int, "steps between progress lines"),
+    "peak_tflops": Key(_optional(_float), "device peak TFLOP/s for MFU; null looks it up for known GPUs"),
+    "lyman_alpha": Key(_section(LYMAN_ALPHA_SCHEMA), "Lyman-alpha forest statistics at validation (units, sampling)"),
 }
 
 
@@ -315,7 +339,7 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
             values[section] = {**(values[section] or {}), sub: value}
         else:
             values[key] = value
-    params = Params({key: _validate(key, values[key], check) for key, (check, _) in SCHEMA.items()})
+    params = Params({key: _validate(key, values[key], check) for key, (check, *_) in SCHEMA.items()})
     params["config_name"] = name
     _check_consistency(params)
     return params
@@ -329,7 +353,7 @@ def add_config_arguments(parser, aliases=None):
     tutorial's ``--disable_tf32`` and friends) to ``(key, value_when_on, value_when_off)``.
     """
     group = parser.add_argument_group("config keys (override the named config; see config/UNet.yaml)")
-    for key, (check, meaning) in SCHEMA.items():
+    for key, (check, meaning, _) in SCHEMA.items():
         _add_flag(group, key, check, meaning)
     for alias, (key, on, off) in (aliases or {}).items():
         group.add_argument(f"--{alias}", dest=f"alias:{alias}", default=None,
@@ -358,7 +382,7 @@ def config_overrides_from_args(args, aliases=None):
     """{key: value} of the config flags that were given (see add_config_arguments); an alias that
     contradicts its key's own flag is a ConfigError."""
     overrides = {}
-    for key, (check, _) in SCHEMA.items():
+    for key, (check, *_) in SCHEMA.items():
         section = check.cli.get("section")
         for name in ([f"{key}.{sub}" for sub in section] if section else [key]):
             value = getattr(args, name, None)

@@ -5,6 +5,10 @@ ends with ``error: ...`` on stderr and exit code 2; a preemption with ``stopped:
 requeues on 3); a non-finite loss with 4. utils/cli.py turns them into that line and code; anything else
 is a bug and keeps its traceback.
 """
+import errno
+import os
+import re
+
 PREEMPTED_EXIT_CODE = 3
 NONFINITE_EXIT_CODE = 4
 
@@ -31,6 +35,11 @@ class GenerationError(ReportedError, RuntimeError):
     """Data that cannot be generated here (memory, disk, device); nothing partial is left behind."""
 
 
+class StorageError(ReportedError):
+    """A write to disk failed (full, over quota, read-only, an I/O error): the message names the path and the
+    cause; what was written before (checkpoints, the run's files) is intact."""
+
+
 class Preempted(ReportedError):
     """Training stopped on a signal after writing a checkpoint; Slurm requeues on this exit code."""
     exit_code = PREEMPTED_EXIT_CODE
@@ -40,3 +49,28 @@ class Preempted(ReportedError):
 class NonFiniteLoss(ReportedError, RuntimeError):
     """The loss became NaN or Inf; no checkpoint was written after it."""
     exit_code = NONFINITE_EXIT_CODE
+
+
+def os_error_in(err):
+    """``err`` if it is an OSError, else the OSError it wraps (torch's writers raise RuntimeError around one)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def storage_cause(err):
+    """The cause of a failed write in a few words: "ENOSPC: No space left on device" for an OSError (also one
+    wrapped in another exception, or one whose errno only HDF5's text carries), else the first line."""
+    found = os_error_in(err)
+    number = found.errno if found is not None else None
+    if number is None:
+        match = re.search(r"errno = (\d+)", str(err))  # h5py: "... (file write failed: ..., errno = 28, ...)"
+        number = int(match.group(1)) if match else None
+    if number:
+        return f"{errno.errorcode.get(number, f'errno {number}')}: {os.strerror(number)}"
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else 'no details'}"

@@ -16,7 +16,7 @@ field has the chosen mean flux <exp(-A tau_true)> = mean_flux (0.7 at z = 3, rou
 observed); the prediction gets the same A, so an error in its density or temperature shows up as a
 wrong mean flux, as it would in an analysis.
 
-Units come from the generator (utils/make_dataset.py): cells of ``cell_size`` comoving Mpc/h (20/256
+Units are the stored fields' (utils/units.py): cells of ``cell_size`` comoving Mpc/h (20/256
 by default), velocities in km/s, temperature in K. H(z) = 100 sqrt(omega_m (1+z)^3 + 1 - omega_m) km/s
 per Mpc/h (flat LCDM) unless given, a = 1/(1+z); at z = 3 a default cell is dv = 8.71 km/s.
 
@@ -52,10 +52,8 @@ import h5py
 import numpy as np
 import torch
 import torch.distributed as dist
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from utils.make_dataset import DEFAULT_CELL_SIZE, denormalize_density, denormalize_temperature, denormalize_velocity
+from utils.units import DEFAULT_CELL_SIZE, denormalize_density, denormalize_temperature, denormalize_velocity
 
 BOLTZMANN = 1.380649e-23          # J / K
 PROTON_MASS = 1.67262192e-27      # kg
@@ -268,7 +266,7 @@ class FluxStatistics:
     8, 3 axes) and 200 MB for base's (8192 crops of 64^3, stride 16), divided among the ranks;
     ``finalize`` solves the amplitude A on the true optical depths of all ranks, turns both into flux,
     accumulates the statistics into one float64 tensor and sums it over ranks (a fixed number of
-    collectives: DDP-safe). ``compute`` and the figure read the summed state.
+    collectives: DDP-safe). ``compute`` and the figures (utils/science_plots.py) read the summed state.
 
     ``periodic``: the skewers span a whole periodic box (no window). Otherwise (crops) each skewer's flux
     contrast, less its own mean, is multiplied by a Hann window normalised to mean(w^2) = 1 before the
@@ -422,81 +420,3 @@ def format_summary(scalars):
     return (f"mean flux {scalars['lyman_alpha/mean_flux_pred']:.4f} (target {scalars['lyman_alpha/mean_flux_true']:.4f})"
             f" | flux PDF distance KS {scalars['lyman_alpha/flux_pdf_ks']:.4f}, W1 {scalars['lyman_alpha/flux_pdf_w1']:.4f}"
             f" | P1D_pred/P1D_true at wavelengths [cells] " + ", ".join(f"{band}: {value:.3g}" for band, value in bands))
-
-
-# --- figures ---------------------------------------------------------------------------------------------
-
-def plot_flux_pdf(ax, stats):
-    pdf = stats.flux_pdf()
-    centres = 0.5 * (pdf["edges"][1:] + pdf["edges"][:-1])
-    ax.step(centres, pdf["true"], "k-", where="mid", label="target")
-    ax.step(centres, pdf["pred"], "C1--", where="mid", label="prediction")
-    ax.set_yscale("log")
-    ax.set_xlim(0, 1)
-    ks, w1 = stats.flux_pdf_distances()
-    ax.set_title(f"flux PDF (KS {ks:.3f}, W1 {w1:.4f})", fontsize="medium")
-    ax.set_xlabel("transmitted flux F")
-    ax.set_ylabel("p(F)")
-    ax.legend(fontsize="small")
-
-
-def plot_p1d(top, bottom, stats):
-    spectra = stats.p1d()
-    k = spectra["k"]
-    top.loglog(k, k * spectra["true"] / np.pi, "k-", label="target")
-    top.loglog(k, k * spectra["pred"] / np.pi, "C1--", label="prediction")
-    top.set_ylabel("k P1D(k) / pi")
-    top.set_title(f"1D flux power ({stats.length}-cell skewers{'' if stats.periodic else ', Hann window'})",
-                  fontsize="medium")
-    top.legend(fontsize="small")
-    bottom.semilogx(k, spectra["ratio"], "C1o-", markersize=3)
-    finite = spectra["ratio"][np.isfinite(spectra["ratio"])]
-    if finite.size and finite.max() > 2:   # keep the +-10% band readable; the top panel shows the rest
-        bottom.set_ylim(min(0.5, 0.9 * finite.min()), 2.0)
-        bottom.text(0.99, 0.95, "clipped at 2", transform=bottom.transAxes, ha="right", va="top", fontsize="small")
-    bottom.axhline(1.0, color="k", linewidth=0.8)
-    bottom.axhspan(0.9, 1.1, color="C2", alpha=0.12, label="+-10%")
-    bottom.set_xlabel("k [s/km]")
-    bottom.set_ylabel("P1D pred / true")
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    bottom.yaxis.set_major_formatter(plain)
-    bottom.yaxis.set_minor_formatter(NullFormatter())
-    bottom.legend(fontsize="small", loc="upper left")
-    # wavelength in cells on top: k = 2 pi / (lambda dv)
-    dv = stats.settings.velocity_per_cell
-    secondary = top.secondary_xaxis("top", functions=(lambda k_: 2 * np.pi / (np.maximum(k_, 1e-12) * dv),
-                                                      lambda w: 2 * np.pi / (np.maximum(w, 1e-12) * dv)))
-    secondary.set_xlabel("wavelength [cells]")
-    secondary.xaxis.set_major_formatter(plain)
-    secondary.xaxis.set_minor_formatter(NullFormatter())
-
-
-def plot_example_skewers(axes, stats):
-    dv = stats.settings.velocity_per_cell
-    for index, ax in enumerate(axes):
-        if index >= len(stats.examples["true"]):
-            ax.set_visible(False)
-            continue
-        velocity = np.arange(stats.length) * dv
-        ax.plot(velocity, stats.examples["true"][index], "k-", linewidth=1, label="target")
-        ax.plot(velocity, stats.examples["pred"][index], "C1--", linewidth=1, label="prediction")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlim(velocity[0], velocity[-1])
-        ax.set_ylabel("F")
-        ax.set_xlabel("velocity along the skewer [km/s]")
-        if index == 0:
-            ax.legend(fontsize="small", loc="lower right", ncol=2)
-
-
-def flux_figure(stats):
-    """Flux PDF, P1D with its pred/true ratio, and three example skewers: six axes (and a secondary x axis)."""
-    fig = Figure(figsize=(12, 6.5), layout="constrained")
-    grid = fig.add_gridspec(3, 3, height_ratios=(2, 1, 1.5))
-    plot_flux_pdf(fig.add_subplot(grid[0:2, 0]), stats)
-    top = fig.add_subplot(grid[0, 1:])
-    plot_p1d(top, fig.add_subplot(grid[1, 1:], sharex=top), stats)
-    skewer_axes = [fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1]), fig.add_subplot(grid[2, 2])]
-    plot_example_skewers(skewer_axes, stats)
-    fig.suptitle(f"Lyman-alpha forest (FGPA): {stats.settings.describe()}, A = {stats.amplitude:.4g}",
-                 fontsize="medium")
-    return fig

@@ -7,7 +7,8 @@ writes an HDF5 file with two float32 datasets, channels first, periodic box of N
     Nbody (4, N, N, N): dark-matter density, vx, vy, vz
     Hydro (5, N, N, N): gas density, vx, vy, vz, temperature
 
-Velocity component k points along spatial array axis k (axis 1 + k of the stored array).
+normalised with the fixed constants of utils/units.py (the stored units, and the way back to rho/mean,
+km/s and K, are explained there); the constants are stored on the file as attributes too.
 
 Physics (standard cheap approximations; every step is an FFT, a pointwise map or a scatter-add):
 
@@ -41,16 +42,6 @@ with CIC nodes at integers, so the flip i -> N-1-i maps grid points to grid poin
 position x to N-1-x. Transforming the white noise by g gives g applied to the outputs, up to
 float32 rounding.
 
-Normalisation uses fixed constants (never per-box statistics), so train and validation files
-share one scale; every stored value lies in (-1, 1), matching the model's tanh output:
-
-    density      x = ln(max(rho/mean, DENSITY_FLOOR)) / DENSITY_LOG_SCALE     (exp(14 x) = rho/mean)
-    velocity     x = v[km/s] / VELOCITY_SCALE
-    temperature  x = (log10 T[K] - TEMPERATURE_LOG10_OFFSET) / TEMPERATURE_LOG10_SCALE
-
-each clipped to [-CLIP, CLIP]. :func:`to_physical` (and the per-field ``denormalize_*``) map back
-to rho/mean, km/s and K, for numpy arrays or torch tensors.
-
 How it runs (bounded memory, one code path for CPU and GPU). Every FFT and scatter-add is a torch
 operation on ``device`` (CUDA when present, else the CPU), done slab by slab, and the nine output
 channels double as scratch space: the pipeline streams slabs of planes between the device and a
@@ -77,7 +68,8 @@ under the cube group to 3e-7).
 Measured on 2 CPU cores (libraries included): 512^3 in 43 s with 1.86 GiB peak RSS (14.9 bytes
 per cell), 1024^3 in 12 min with 13.2 GiB (13.2 bytes per cell); benchmarks/bench_make_dataset.py,
 benchmarks/results/make_dataset_cpu.md. The CLI checks free memory (/proc/meminfo MemAvailable, or
-the GPU's) and disk space first and fails in one line (exit status 2).
+the GPU's) and disk space first; a failure raises GenerationError, which the command line
+(utils/cli.py) ends with one line, ``error: ...``, and exit status 2 (130 after Ctrl-C).
 """
 import argparse
 import contextlib
@@ -94,24 +86,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from utils.cli import run
 from utils.errors import GenerationError
+from utils.units import (CLIP, DEFAULT_CELL_SIZE, DENSITY_FLOOR, DENSITY_LOG_SCALE, TEMPERATURE_LOG10_OFFSET,
+                         TEMPERATURE_LOG10_SCALE, VELOCITY_SCALE, physical_attrs)
 
 GENERATOR_VERSION = "utils.make_dataset/2"
 
-# --- normalisation constants (stored as HDF5 attributes too) ---------------------------------
-DENSITY_LOG_SCALE = 14.0          # x = ln(rho/mean) / 14
-DENSITY_FLOOR = 1e-3              # rho/mean floor before the log (CIC leaves cells empty): x >= -0.49
-VELOCITY_SCALE = 500.0            # km/s; 256^3 boxes reach |v| ~ 200 km/s, larger boxes more
-TEMPERATURE_LOG10_OFFSET = 4.5    # log10 T of 10^4.5 K maps to 0
-TEMPERATURE_LOG10_SCALE = 2.5     # log10 T in (2, 7) maps to (-1, 1)
-CLIP = 0.999                      # every stored value is clipped to [-CLIP, CLIP] (sign-symmetric)
-
-NBODY_CHANNELS = ("dm_density", "dm_vx", "dm_vy", "dm_vz")
-HYDRO_CHANNELS = ("gas_density", "gas_vx", "gas_vy", "gas_vz", "temperature")
-VECTOR_CHANNELS = (1, 2, 3)       # velocity components in both Nbody and Hydro
-
 # --- physics defaults --------------------------------------------------------------------------
-DEFAULT_CELL_SIZE = 20.0 / 256    # Mpc/h per cell (a 256^3 box is 20 Mpc/h) when box_length is None
 DEFAULT_SMOOTHING = 1.5           # Gaussian filtering (Jeans) scale of the gas, in cells
 DEFAULT_PHYSICS = dict(
     sigma8=0.15,                  # effective linear amplitude (an early epoch), see module docstring
@@ -128,93 +110,6 @@ _SHOCK_T_PER_KMS2 = 3.0 / 16.0 * 0.6 * 1.6726e-24 * 1e10 / 1.3807e-16  # K per (
 _STAGES = ("displacement", "cic", "gas", "velocity", "temperature", "write")
 _SLAB_STEPS = 27                  # progress steps per slab of the whole pipeline (see _generate)
 _FIELD_BYTES_PER_CELL = 12        # peak: one padded float64 field + one float32 field
-
-
-# --- normalisation ------------------------------------------------------------------------------
-def _exp(x):
-    # torch tensors have .exp(); numpy arrays (and scalars) go through np.exp. Keeps torch optional.
-    return x.exp() if hasattr(x, "exp") and not isinstance(x, np.ndarray) else np.exp(x)
-
-
-def _clip(x, out=None):
-    # Cast first (float64 -> the float32 output slot), then clip in place: np.clip on the float64
-    # intermediate was the slowest step of the whole pipeline.
-    out = np.array(x, dtype=np.float32) if out is None else out
-    if out is not x:
-        out[...] = x
-    np.minimum(out, CLIP, out=out)
-    np.maximum(out, -CLIP, out=out)
-    return out
-
-
-def normalize_density(rho_over_mean, out=None):
-    """Stored value of rho/mean: ln(max(rho/mean, DENSITY_FLOOR)) / 14, float32, clipped."""
-    x = np.log(np.maximum(rho_over_mean, DENSITY_FLOOR))
-    x /= DENSITY_LOG_SCALE
-    return _clip(x, out)
-
-
-def denormalize_density(x):
-    """rho / mean from the stored value (values at the floor come back as DENSITY_FLOOR)."""
-    return _exp(x * DENSITY_LOG_SCALE)
-
-
-def normalize_velocity(v_kms, out=None):
-    """Stored value of a velocity in km/s: v / VELOCITY_SCALE, float32, clipped."""
-    return _clip(np.asarray(v_kms) / VELOCITY_SCALE, out)
-
-
-def denormalize_velocity(x):
-    """km/s from the stored value."""
-    return x * VELOCITY_SCALE
-
-
-def normalize_temperature(t_kelvin, out=None):
-    """Stored value of a temperature in K: (log10 T - OFFSET) / SCALE, float32, clipped."""
-    x = np.log10(t_kelvin)
-    x -= TEMPERATURE_LOG10_OFFSET
-    x /= TEMPERATURE_LOG10_SCALE
-    return _clip(x, out)
-
-
-def denormalize_temperature(x):
-    """Kelvin from the stored value."""
-    return _exp((x * TEMPERATURE_LOG10_SCALE + TEMPERATURE_LOG10_OFFSET) * np.log(10.0))
-
-
-_DENORMALIZERS = {
-    "nbody": (denormalize_density,) + (denormalize_velocity,) * 3,
-    "hydro": (denormalize_density,) + (denormalize_velocity,) * 3 + (denormalize_temperature,),
-}
-
-
-def to_physical(x, kind, channel_axis=0):
-    """Map a stored/predicted array to physical units, channel by channel.
-
-    ``kind`` is "nbody" (4 channels) or "hydro" (5 channels) along ``channel_axis`` (use 1 for a
-    (B, C, X, Y, Z) batch, -1 for the (D, H, W, C) npy layout). Densities -> rho/mean,
-    velocities -> km/s, temperature -> K. Works on numpy arrays and torch tensors (any device).
-    """
-    funcs = _DENORMALIZERS[kind]
-    axis = channel_axis % x.ndim
-    if x.shape[axis] != len(funcs):
-        raise ValueError(f"{kind} data has {len(funcs)} channels on axis {channel_axis}, got shape {tuple(x.shape)}")
-    out = x.copy() if isinstance(x, np.ndarray) else x.clone()
-    for c, func in enumerate(funcs):
-        index = (slice(None),) * axis + (c,)
-        out[index] = func(x[index])
-    return out
-
-
-def physical_attrs():
-    """The normalisation constants, as stored on every file."""
-    return dict(
-        density_log_scale=DENSITY_LOG_SCALE, density_floor=DENSITY_FLOOR, velocity_scale=VELOCITY_SCALE,
-        velocity_units="km/s", temperature_log10_offset=TEMPERATURE_LOG10_OFFSET,
-        temperature_log10_scale=TEMPERATURE_LOG10_SCALE, temperature_units="K", clip=CLIP,
-        nbody_channels=list(NBODY_CHANNELS), hydro_channels=list(HYDRO_CHANNELS),
-        vector_channels=list(VECTOR_CHANNELS), generator=GENERATOR_VERSION,
-    )
 
 
 # --- power spectrum -----------------------------------------------------------------------------
@@ -888,6 +783,12 @@ def _tmp_path(path):
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
+def _file_attrs():
+    """The attributes every generated file carries: the normalisation constants (utils/units.py) and the
+    generator's version."""
+    return {**physical_attrs(), "generator": GENERATOR_VERSION}
+
+
 def write_h5(path, nbody, hydro, attrs=None):
     """Write datasets Nbody/Hydro (contiguous float32, memory-mappable) and attrs, atomically."""
     path = Path(path)
@@ -897,7 +798,7 @@ def write_h5(path, nbody, hydro, attrs=None):
         with h5py.File(tmp, "w") as f:
             f.create_dataset("Nbody", data=np.asarray(nbody, dtype=np.float32))
             f.create_dataset("Hydro", data=np.asarray(hydro, dtype=np.float32))
-            for key, value in {**physical_attrs(), **(attrs or {})}.items():
+            for key, value in {**_file_attrs(), **(attrs or {})}.items():
                 f.attrs[key] = value
         os.replace(tmp, path)
     finally:
@@ -987,7 +888,7 @@ def write_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT
             store = _H5Store(f, box)
             _generate(store, _SeedNoise(seed), box, cell, smoothing, p, device, slab, bar)
             bar.stage("write")
-            for key, value in {**physical_attrs(), **_attrs(box, seed, box_length, smoothing, physics)}.items():
+            for key, value in {**_file_attrs(), **_attrs(box, seed, box_length, smoothing, physics)}.items():
                 f.attrs[key] = value
         if npy:            # the .npy twins first, the .h5 last: its existence is what means done
             with h5py.File(tmp, "r") as f:
@@ -1022,7 +923,13 @@ def ensure_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAUL
     return path
 
 
+class Interrupted(GenerationError):
+    """Generation stopped by Ctrl-C (KeyboardInterrupt): ``error: interrupted; ...`` and exit status 130."""
+    exit_code = 130
+
+
 def main(argv=None):
+    """The command line; a failure raises GenerationError (``run(main)`` makes it one line and exit status 2)."""
     parser = argparse.ArgumentParser(prog="python -m utils.make_dataset", description=__doc__.split("\n")[0])
     parser.add_argument("--box", type=int, default=256, help="cells per side (default 256)")
     parser.add_argument("--seed", type=int, default=1, help="white-noise seed (default 1)")
@@ -1043,37 +950,35 @@ def main(argv=None):
     if args.slab is not None and args.slab < 1:
         parser.error(f"--slab must be >= 1, got {args.slab}")
 
-    def fail(message, status=2):
-        # One line on stderr, exit status 2; no traceback, nothing partial left behind.
-        print(f"{parser.prog}: error: {message}", file=sys.stderr)
-        return status
-
     targets = [Path(args.out)] + (list(npy_paths(args.out)) if args.npy else [])
     existing = [str(t) for t in targets if t.exists()]
     if existing and not args.force:
-        return fail(f"{', '.join(existing)} already {'exists' if len(existing) == 1 else 'exist'}; "
-                    f"pass --force to overwrite")
+        raise GenerationError(f"{', '.join(existing)} already {'exists' if len(existing) == 1 else 'exist'}; "
+                              f"pass --force to overwrite")
     start = time.perf_counter()
+    # A failure is one line (utils/cli.py: ``error: ...``, exit status 2), no traceback; write_dataset has
+    # left nothing partial behind.
     try:
         write_dataset(args.out, args.box, args.seed, args.npy, args.box_length, args.smoothing, None,
                       args.device, args.slab)
-    except GenerationError as err:
-        return fail(str(err))
+    except GenerationError:
+        raise
     except (MemoryError, torch.OutOfMemoryError, RuntimeError) as err:
         # torch reports a failed CPU allocation as a RuntimeError ("DefaultCPUAllocator: can't allocate").
         if isinstance(err, RuntimeError) and not isinstance(err, torch.OutOfMemoryError) \
                 and "allocate" not in str(err):
             raise
-        return fail(f"ran out of memory generating a {args.box}^3 box ({type(err).__name__}); nothing was "
-                    f"written. Free memory or choose a smaller --box")
+        raise GenerationError(f"ran out of memory generating a {args.box}^3 box ({type(err).__name__}); nothing "
+                              f"was written. Free memory or choose a smaller --box") from err
     except OSError as err:
-        return fail(f"writing {args.out} failed: {' '.join(str(err).split())}; nothing was written")
+        raise GenerationError(f"writing {args.out} failed: {' '.join(str(err).split())}; nothing was written") \
+            from err
     except KeyboardInterrupt:
-        return fail("interrupted; nothing was written", 130)
+        raise Interrupted("interrupted; nothing was written") from None
     print(f"wrote {args.out} ({args.box}^3, seed {args.seed}) in {time.perf_counter() - start:.1f} s",
           file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -15,12 +15,13 @@ Two independent tools, both limited to the global steps ``[start, stop)`` of ``p
 Use one at a time on a GPU: Nsight Systems and torch.profiler both attach to CUPTI.
 """
 import logging
+import shutil
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-from utils.config import ConfigError
+from utils.errors import ConfigError, StorageError
 
 logger = logging.getLogger("train.profiling")
 
@@ -98,6 +99,7 @@ class Profiler:
             self._stop_cuda_profiler()
 
     def _start_trace(self):
+        self.traces_before = set(self.trace_dir.glob("*.pt.trace.json")) if self.trace_dir.is_dir() else set()
         # Step start - 1 is the profiler's warm-up (tracing set up, events discarded), so the first
         # recorded step does not carry the profiler's start-up cost; steps start .. stop - 1 are recorded.
         self.torch_profiler = torch.profiler.profile(
@@ -114,8 +116,26 @@ class Profiler:
         if end <= self.start:
             logger.info(f"Run ended before profile_window {[self.start, self.stop]}; no torch.profiler trace written")
             return
+        self._check_trace_written()
         logger.info(f"torch.profiler trace of steps [{self.start}, {end}) written to {self.trace_dir} "
                     f"(open the .pt.trace.json in https://ui.perfetto.dev)")
+
+    def _check_trace_written(self):
+        """torch writes the trace file in C++ and, on a full disk, leaves it missing, empty or cut short without
+        raising: check that a complete JSON file (ending in "}") arrived."""
+        new = set(self.trace_dir.glob("*.pt.trace.json")) - self.traces_before if self.trace_dir.is_dir() else set()
+        incomplete = []
+        for path in new:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                f.seek(max(0, size - 64))
+                if not f.read().rstrip().endswith(b"}"):
+                    incomplete.append(f"{path} is incomplete ({size} bytes)")
+        if incomplete or not new:
+            free = shutil.disk_usage(self.trace_dir).free / 2 ** 20 if self.trace_dir.is_dir() else 0.0
+            what = "; ".join(incomplete) or f"no trace file arrived in {self.trace_dir}"
+            raise StorageError(f"torch.profiler trace: {what}, though torch reported no error; {free:.1f} MiB free "
+                               f"there: free space or choose another --profile_dir")
 
     def _stop_cuda_profiler(self):
         torch.cuda.synchronize()  # the window's kernels must finish before the capture range closes

@@ -22,6 +22,8 @@ on the (prediction, target) batches of normalised hydro fields (B, 5, S, S, S), 
 Every statistic is a sum over cells or crops held in one float64 device tensor (``sums``), so
 ``update`` never waits for the device, ranks combine with one all-reduce, and the result does not
 depend on how the crops were split into batches or ranks.
+The figures of these metrics and their TensorBoard logging (``write_tensorboard``) are in
+utils/science_plots.py: this module imports no matplotlib.
 
 Power spectrum. A crop is not periodic, but the FFT treats it as if it were: the jump between
 opposite faces leaks power to high k along the axes. The gas is smoothed on ~1.5 cells, so its true
@@ -58,13 +60,10 @@ import math
 import numpy as np
 import torch
 import torch.distributed as dist
-from matplotlib.colors import LogNorm
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from utils.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_of, flux_figure
-from utils.make_dataset import (DENSITY_LOG_SCALE, HYDRO_CHANNELS, TEMPERATURE_LOG10_OFFSET, TEMPERATURE_LOG10_SCALE,
-                                denormalize_density, denormalize_temperature, denormalize_velocity, to_physical)
+from utils.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_of
+from utils.units import (DENSITY_LOG_SCALE, HYDRO_CHANNELS, TEMPERATURE_LOG10_OFFSET, TEMPERATURE_LOG10_SCALE,
+                         to_physical)
 
 DENSITY, TEMPERATURE = 0, 4                  # hydro channel indices
 PHYSICAL_NAMES = ("gas_density_over_mean", "gas_vx_km_s", "gas_vy_km_s", "gas_vz_km_s", "temperature_K")
@@ -290,126 +289,6 @@ class ScienceMetrics:
         return self._state()[f"hist_{which}"].reshape(NUM_DENSITY_BINS, NUM_TEMPERATURE_BINS)
 
 
-# --- figures: matplotlib Figure objects (no pyplot state), for writer.add_figure or fig.savefig(path.png) ---
-
-_INPUT_FOR_FIELD = (0, 1, 2, 3, 0)  # N-body channel shown beside each hydro field (temperature: DM density)
-_INPUT_NAMES = ("DM log10 rho/mean", "DM vx [km/s]", "DM vy [km/s]", "DM vz [km/s]")
-_FIELD_NAMES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
-
-
-def _display_hydro(x, channel):
-    """Normalised hydro channel -> what the slice figure shows (log10 rho/mean, km/s, log10 T)."""
-    if channel == DENSITY:
-        return np.log10(denormalize_density(x))
-    if channel == TEMPERATURE:
-        return np.log10(denormalize_temperature(x))
-    return denormalize_velocity(x)
-
-
-def _display_nbody(x, channel):
-    return np.log10(denormalize_density(x)) if channel == 0 else denormalize_velocity(x)
-
-
-def _middle_slice(sample):
-    """(C, S, S, S) tensor or array -> (C, S, S) float64 numpy: the middle plane along the first spatial axis."""
-    sample = sample.detach().float().cpu().numpy() if torch.is_tensor(sample) else np.asarray(sample)
-    return sample[:, sample.shape[1] // 2].astype(np.float64)
-
-
-def slice_figure(inp, prediction, target):
-    """Middle slices of one sample: rows = the 5 hydro fields, columns = input / prediction / target.
-
-    inp (4, S, S, S), prediction and target (5, S, S, S), normalised. Each row shares one colour
-    range, the input included where it is the same quantity (dark-matter density or velocity
-    beside the gas one); the temperature row shows the input density on its own colour scale.
-    """
-    inp, prediction, target = _middle_slice(inp), _middle_slice(prediction), _middle_slice(target)
-    fig = Figure(figsize=(9.5, 14), layout="constrained")
-    axes = fig.subplots(5, 3, sharex=True, sharey=True)
-    for field in range(5):
-        shown_input = _display_nbody(inp[_INPUT_FOR_FIELD[field]], _INPUT_FOR_FIELD[field])
-        shown_pred, shown_true = _display_hydro(prediction[field], field), _display_hydro(target[field], field)
-        same_quantity = field != TEMPERATURE
-        row = [shown_pred, shown_true] + ([shown_input] if same_quantity else [])
-        low, high = min(a.min() for a in row), max(a.max() for a in row)
-        if field in (1, 2, 3):  # velocities: a diverging map centred on zero
-            high = max(abs(low), abs(high))
-            low, cmap = -high, "RdBu_r"
-        else:
-            cmap = "inferno" if field == TEMPERATURE else "viridis"
-        for col, image in enumerate((shown_input, shown_pred, shown_true)):
-            own_scale = col == 0 and not same_quantity
-            im = axes[field, col].imshow(image.T, origin="lower", cmap="viridis" if own_scale else cmap,
-                                         vmin=None if own_scale else low, vmax=None if own_scale else high)
-            if own_scale:
-                fig.colorbar(im, ax=axes[field, col], shrink=0.8, label=_INPUT_NAMES[0])
-        fig.colorbar(im, ax=axes[field, 1:], shrink=0.8, label=_FIELD_NAMES[field])  # im: the target, row scale
-        axes[field, 0].set_ylabel(_INPUT_NAMES[_INPUT_FOR_FIELD[field]] if same_quantity else "input: DM density")
-    for col, title in enumerate(("input (N-body)", "prediction", "target")):
-        axes[0, col].set_title(title)
-    fig.suptitle(f"middle slice of one validation crop ({inp.shape[1]}^2 cells)")
-    return fig
-
-
-def power_spectrum_figure(metrics):
-    """Top: P(k) of predicted and true gas density; bottom: their ratio; against wavelength. Two axes."""
-    spectra = metrics.power_spectra()
-    wavelength = 1 / spectra["k"]                                # cells; small scales on the right
-    fig = Figure(figsize=(6, 6.5), layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
-    top.loglog(wavelength, spectra["power_true"], "k-", label="target")
-    top.loglog(wavelength, spectra["power_pred"], "C1--", label="prediction")
-    top.set_ylabel("P(k) of delta [cells^3]")
-    top.legend()
-    top.set_title(f"gas density power spectrum ({metrics.crop_size}^3 "
-                  f"{'periodic box' if metrics.periodic else 'crops, Hann window'})")
-    bottom.loglog(wavelength, spectra["ratio"], "C1o-", markersize=3)
-    bottom.axhline(1.0, color="k", linewidth=0.8)
-    bottom.set_xlim(wavelength[0] * 1.1, wavelength[-1] / 1.1)
-    octaves = 2.0 ** np.arange(1, int(np.log2(metrics.crop_size)) + 1)  # the octaves of the power_ratio scalars
-    bottom.set_xticks(octaves, [f"{w:g}" for w in octaves])
-    bottom.xaxis.set_minor_formatter(NullFormatter())
-    plain = FuncFormatter(lambda value, _: f"{value:g}")         # 0.5, not 5x10^-1
-    bottom.yaxis.set_major_formatter(plain)
-    low, high = bottom.get_ylim()
-    bottom.yaxis.set_minor_formatter(plain if high / low < 10 else NullFormatter())  # within a decade: few ticks
-    bottom.set_xlabel("wavelength 1/k [cells]")
-    bottom.set_ylabel("P_pred / P_true")
-    return fig
-
-
-def temperature_density_figure(metrics):
-    """2D histograms of log T vs log rho, target and prediction, with the fitted T-rho lines. Three axes."""
-    density_edges, temperature_edges = log_density_edges(), log_temperature_edges()
-    histograms = {which: metrics.histogram(which) for which in ("true", "pred")}
-    fits = {which: fit_temperature_density(h) for which, h in histograms.items()}
-    occupied = np.nonzero((histograms["true"] + histograms["pred"]).sum(axis=1))[0]
-    density_range = (density_edges[occupied[0]], density_edges[occupied[-1] + 1])
-    occupied = np.nonzero((histograms["true"] + histograms["pred"]).sum(axis=0))[0]
-    temperature_range = (temperature_edges[occupied[0]], temperature_edges[occupied[-1] + 1])
-    norm = LogNorm(vmin=1, vmax=max(h.max() for h in histograms.values()))
-    fig = Figure(figsize=(11, 4.8), layout="constrained")
-    axes = fig.subplots(1, 2, sharex=True, sharey=True)
-    line_x = np.linspace(*density_range, 2)
-    for ax, (which, title) in zip(axes, (("true", "target"), ("pred", "prediction"))):
-        mesh = ax.pcolormesh(density_edges, temperature_edges, histograms[which].T, norm=norm, cmap="Greys")
-        for fit_of, style in (("true", "C0--"), ("pred", "C1-")):
-            gamma, t0 = fits[fit_of]
-            if fit_of == "pred" and which == "true" or not math.isfinite(gamma):
-                continue  # the target panel shows its own fit only; the prediction panel shows both
-            ax.plot(line_x, np.log10(t0) + (gamma - 1) * line_x, style,
-                    label=f"{'target' if fit_of == 'true' else 'prediction'} fit: gamma {gamma:.3f}, T0 {t0:.0f} K")
-        ax.axvspan(*FIT_LOG_DENSITY_RANGE, color="C2", alpha=0.08, label="fit range (median log T per column)")
-        ax.set_xlim(density_range)
-        ax.set_ylim(temperature_range)
-        ax.set_title(title)
-        ax.set_xlabel("log10 rho_gas / mean")
-        ax.legend(loc="upper left", fontsize="small")
-    axes[0].set_ylabel("log10 T [K]")
-    fig.colorbar(mesh, ax=axes, label="cells")
-    return fig
-
-
 def format_summary(scalars):
     """One log line from ``compute()``'s scalars: density and temperature L1, gamma, power ratios."""
     ratios = [(tag.removeprefix("power_ratio/wavelength_").removesuffix("_cells"), value)
@@ -417,21 +296,6 @@ def format_summary(scalars):
     return (f"L1 gas density {scalars['L1/gas_density']:.5f}, temperature {scalars['L1/temperature']:.5f} | "
             f"T-rho gamma {scalars['T_rho/gamma_pred']:.3f} (target {scalars['T_rho/gamma_true']:.3f}) | "
             f"P_pred/P_true at wavelengths [cells] " + ", ".join(f"{band}: {value:.3g}" for band, value in ratios))
-
-
-def write_tensorboard(writer, step, metrics, example=None):
-    """Log every scalar of ``metrics.compute()`` and the figures (slices only when ``example`` is given).
-
-    ``example``: (inp (4, S, S, S), prediction (5, S, S, S), target (5, S, S, S)) of one crop.
-    """
-    for tag, value in metrics.compute().items():
-        writer.add_scalar(tag, value, step)
-    writer.add_figure("Science/power_spectrum", power_spectrum_figure(metrics), step)
-    if metrics.flux is not None:
-        writer.add_figure("Science/lyman_alpha", flux_figure(metrics.flux_statistics()), step)
-    writer.add_figure("Science/temperature_density", temperature_density_figure(metrics), step)
-    if example is not None:
-        writer.add_figure("Science/slices", slice_figure(*example), step)
 
 
 def lyman_alpha_settings(params, data_path=None):

@@ -28,13 +28,15 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
+from utils import inference
 from utils import lyman_alpha as lya
 from utils.cli import run as run_cli
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
 from utils.errors import DataError
-from utils.science import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, _display_hydro,
-                           fit_temperature_density, log_density_edges, log_temperature_edges)
+from utils.science import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
+                           log_density_edges, log_temperature_edges)
+from utils.science_plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
 
 FIELD_TITLES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
 NUM_SKEWER_EXAMPLES = 3
@@ -66,8 +68,7 @@ def _read_hydro(path, what):
 
 def load_from_run(source, input_path, device):
     """(prediction, truth, description, settings section, cell size) by predicting the box with the newest checkpoint."""
-    import predict  # the repository root is on sys.path when run with -m from it
-    model, params, checkpoint, step = predict.load_trained_model(source, device)
+    model, params, checkpoint, step = inference.load_trained_model(source, device)
     path = Path(input_path) if input_path else resolve_path(params.val_path)
     truth, attrs = _read_hydro(path, "input")
     with h5py.File(path, "r") as f:
@@ -75,9 +76,9 @@ def load_from_run(source, input_path, device):
             raise DataError(f"input {path} has no dataset 'Nbody'")
         nbody = f["Nbody"][...].astype(np.float32)
     box, tile = nbody.shape[1], params.data_size
-    predict.check_tiling(tile, 2 * (tile // 8), box, model.num_levels)
-    prediction = predict.predict_array(model, nbody, tile, 2 * (tile // 8), device=device)
-    section = {**predict.LYMAN_ALPHA_DEFAULTS, **(params.get("lyman_alpha") or {})}
+    inference.check_tiling(tile, 2 * (tile // 8), box, model.num_levels)
+    prediction = inference.predict_array(model, nbody, tile, 2 * (tile // 8), device=device)
+    section = {**inference.LYMAN_ALPHA_DEFAULTS, **(params.get("lyman_alpha") or {})}
     run = checkpoint.parent.parent.name if checkpoint.parent.name == "checkpoints" else checkpoint.parent.name
     description = (f"run {run}, {checkpoint.name} (step {step}), U-Net {params.model_channels} upsample="
                    f"{params.get('upsample', 'transposed')}, on {path.name} ({box}^3)")
@@ -93,8 +94,7 @@ def load_from_prediction(source, truth_path):
     if truth.shape != prediction.shape:
         raise DataError(f"truth {truth_path} has shape {truth.shape}, the prediction {prediction.shape}")
     description = f"{Path(source).name} (step {attrs.get('step', '?')}) against {Path(truth_path).name}"
-    import predict  # the repository root is on sys.path when run with -m from it
-    section = dict(predict.LYMAN_ALPHA_DEFAULTS)
+    section = dict(inference.LYMAN_ALPHA_DEFAULTS)
     checkpoint = attrs.get("checkpoint")
     if checkpoint is not None and Path(checkpoint).is_file():   # the units the model was validated with
         config = load_checkpoint(checkpoint)["config"]
@@ -119,7 +119,7 @@ def _plot_slices(fig, grid, prediction, truth):
     middle = prediction.shape[1] // 2
     axes = grid.subplots(sharex=True, sharey=True)                          # (2, 5)
     for field in range(5):
-        shown = [_display_hydro(fields[field, middle].astype(np.float64), field) for fields in (truth, prediction)]
+        shown = [display_hydro(fields[field, middle].astype(np.float64), field) for fields in (truth, prediction)]
         low, high = min(a.min() for a in shown), max(a.max() for a in shown)
         cmap = "inferno" if field == TEMPERATURE else "viridis"
         if field in (1, 2, 3):
@@ -212,18 +212,18 @@ def report_figure(prediction, truth, metrics, description):
     gs = flux_axes[0, 0].get_gridspec()
     for ax in flux_axes[:, 0]:
         ax.remove()
-    lya.plot_flux_pdf(rows[2].add_subplot(gs[:, 0]), stats)
+    plot_flux_pdf(rows[2].add_subplot(gs[:, 0]), stats)
     for ax in flux_axes[:, 2]:
         ax.remove()
     p1d_top = rows[2].add_subplot(gs[0, 1:])
     p1d_bottom = rows[2].add_subplot(gs[1, 1:], sharex=p1d_top)
     flux_axes[0, 1].remove()
     flux_axes[1, 1].remove()
-    lya.plot_p1d(p1d_top, p1d_bottom, stats)
+    plot_p1d(p1d_top, p1d_bottom, stats)
     rows[2].suptitle(f"Lyman-alpha forest, FGPA: {stats.settings.describe()}; A = {stats.amplitude:.4g}",
                      fontsize="medium")
     skewer_axes = rows[3].subplots(NUM_SKEWER_EXAMPLES, 1, sharex=True)
-    lya.plot_example_skewers(list(skewer_axes), stats)
+    plot_example_skewers(list(skewer_axes), stats)
     for ax in skewer_axes:
         ax.label_outer()
     rows[3].suptitle("example skewers: transmitted flux", fontsize="medium")

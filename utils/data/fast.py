@@ -1,7 +1,8 @@
 """The fast CPU data path: threads write each crop, transformed, straight into a reusable batch buffer.
 
 Same samples in the same order as the straightforward loader (``RandomCropDataset`` through a
-torch ``DataLoader``); only the copies differ. Per sample, the straightforward path does
+torch ``DataLoader``, utils/data/torch_loader.py): both follow the sampler's batch plans; only the
+copies differ. Per sample, the straightforward path does
 
     read the crop (h5py) -> transform copy -> collate copy into the batch -> hand-over from the
     worker process through shared memory -> pin-memory copy (CUDA only)
@@ -20,7 +21,6 @@ read-only memory map of the file, which threads copy from in parallel and which 
 resident but the page cache. Chunked or compressed datasets are read with one ``read_direct``
 call per crop into a per-thread buffer; ``FastLoader.description`` says which path is in use.
 """
-import math
 import threading
 import weakref
 from collections import deque
@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from utils import symmetry
-from utils.data_loader import VECTOR_CHANNELS, RandomCropDataset, ShardedSampler, build_sampler
+from utils.data.spec import VECTOR_CHANNELS, PlannedLoader, ShardedSampler, SplitSpec, build_sampler
+from utils.data.torch_loader import RandomCropDataset
 
 # Batches being filled ahead of the one the consumer is using.
 PREFETCH_BATCHES = 2
@@ -167,7 +168,7 @@ class BatchBuffers:
         return np.empty(shape, np.float32)
 
 
-class FastLoader:
+class FastLoader(PlannedLoader):
     """This rank's batches of the sampler's current epoch: (inp (B, C_in, S, S, S), tar (B, C_out, S, S, S)).
 
     ``num_workers`` threads fill the samples of the next PREFETCH_BATCHES batches while the
@@ -179,7 +180,8 @@ class FastLoader:
     """
 
     def __init__(self, dataset: RandomCropDataset, sampler: ShardedSampler, num_workers: int, pin_memory=False):
-        self.dataset, self.sampler, self.num_workers = dataset, sampler, num_workers
+        super().__init__(sampler)
+        self.dataset, self.num_workers = dataset, num_workers
         self.read_crops = crop_reader(dataset)
         self.local = threading.local()  # each thread's scratch crop for transform_into
         size, crop = sampler.local_batch_size, dataset.crop
@@ -188,25 +190,20 @@ class FastLoader:
         self.description = (f"fast {dataset.mode}: {self.read_crops.description}, "
                             f"{num_workers} thread{'s' * (num_workers != 1)}{', pinned' * pin_memory}")
 
-    def __len__(self):
-        return math.ceil(len(self.sampler) / self.sampler.local_batch_size)
-
     def __iter__(self):
-        plan = self.dataset.plan(self.sampler.epoch)
-        indices = list(self.sampler.indices())
-        size = self.sampler.local_batch_size
-        batches = [indices[start:start + size] for start in range(0, len(indices), size)]
+        batches = self.sampler.batch_plans()
         if self.num_workers == 0:
             for batch in batches:
-                yield self._fill_here(batch, plan)
+                yield self._fill_here(batch)
             return
         pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="fast_loader")
         try:
             pending = deque()  # (views, futures) of the batches being filled, oldest first
             for batch in batches:
                 views = self.buffers.take(len(batch))
-                pending.append((views, [pool.submit(self._fill_sample, views, slot, plan, index)
-                                        for slot, index in enumerate(batch)]))
+                samples = enumerate(zip(batch.corners, batch.elements))
+                pending.append((views, [pool.submit(self._fill_sample, views, slot, corner, element)
+                                        for slot, (corner, element) in samples]))
                 if len(pending) > PREFETCH_BATCHES:
                     yield self._collect(*pending.popleft())
             while pending:
@@ -214,16 +211,16 @@ class FastLoader:
         finally:  # also when the consumer stops early: drop queued samples, let running ones finish
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _fill_here(self, batch, plan):
+    def _fill_here(self, batch):
         views = self.buffers.take(len(batch))
-        for slot, index in enumerate(batch):
-            self._fill_sample(views, slot, plan, index)
+        for slot, (corner, element) in enumerate(zip(batch.corners, batch.elements)):
+            self._fill_sample(views, slot, corner, element)
         return tuple(map(torch.from_numpy, views))
 
-    def _fill_sample(self, views, slot, plan, index):
-        corners, elements = plan
-        inp, tar = self.read_crops(*corners[index])
-        element, scratch = int(elements[index]), self._scratch()
+    def _fill_sample(self, views, slot, corner, element):
+        """Sample ``slot`` of a batch: the crop at ``corner`` (3,) under symmetry ``element``."""
+        inp, tar = self.read_crops(*corner)
+        element, scratch = int(element), self._scratch()
         transform_into(inp, element, views[0][slot], scratch)
         transform_into(tar, element, views[1][slot], scratch)
 
@@ -292,12 +289,13 @@ class DevicePrefetcher:
 
 def get_fast_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"),
                     memory_format=torch.contiguous_format):
-    """``(loader, sampler)`` like ``utils.data_loader.get_data_loader``, with the fast path.
+    """``(loader, sampler)`` like ``utils.data.get_data_loader``, with the fast path.
 
     On CUDA the loader yields device tensors (already copied, ahead of time, on a side stream).
     """
     device = torch.device(device)
-    dataset = RandomCropDataset(params, split)
-    sampler = build_sampler(params, split, rank, world_size)
-    loader = FastLoader(dataset, sampler, params.num_data_workers, pin_memory=device.type == "cuda")
+    spec = SplitSpec.from_params(params, split, rank, world_size)
+    dataset = RandomCropDataset(spec)
+    sampler = build_sampler(spec)
+    loader = FastLoader(dataset, sampler, spec.num_workers, pin_memory=device.type == "cuda")
     return DevicePrefetcher(loader, device, memory_format), sampler

@@ -6,8 +6,9 @@ that memory with fp16 or bf16: the real 1024^3 training box (9 channels) takes 3
 19.3 GB in 16 bits. fp16 is the better 16-bit choice for this data: every stored value lies in
 (-1, 1), far inside fp16's range, where it keeps 3 more mantissa bits than bf16.
 
-Each batch is then made on the device by a handful of batched kernels, with no host traffic (the
-epoch's crop plan is copied to the device once per epoch). A symmetry element moves new spatial
+Each batch is then made on the device by a handful of batched kernels, with no host traffic (this
+rank's crop plan of the epoch, ``sampler.epoch_plan()``, is copied to the device once per epoch and
+cut into the sampler's batches there). A symmetry element moves new spatial
 axis k to old axis perm[k], reversed if flip[k], so output position j along new axis k reads
 
     old coordinate along axis perm[k] = corner[perm[k]] + (S - 1 - j if flip[k] else j),
@@ -28,7 +29,9 @@ import torch
 from tqdm import tqdm
 
 from utils import symmetry
-from utils.data_loader import VECTOR_CHANNELS, DataError, RandomCropDataset, ShardedSampler, build_sampler
+from utils.data.files import check_data_file
+from utils.data.spec import VECTOR_CHANNELS, PlannedLoader, ShardedSampler, SplitSpec, build_sampler
+from utils.errors import DataError
 
 STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SLAB_BYTES = 256 * 2**20       # host staging buffer per read while loading a volume
@@ -82,21 +85,22 @@ def channel_tables(num_channels, vector_channels=VECTOR_CHANNELS):
     return source, sign
 
 
-class GPUResidentLoader:
+class GPUResidentLoader(PlannedLoader):
     """This rank's batches of the sampler's epoch: (inp (B, C_in, S, S, S), tar (B, C_out, S, S, S)).
 
-    float32 tensors on ``device``, made from volumes kept there in ``storage_dtype``.
+    float32 tensors on ``device``, made from volumes kept there in ``storage_dtype``. ``spec``'s
+    file must have passed ``check_data_file``.
     """
 
-    def __init__(self, dataset: RandomCropDataset, sampler: ShardedSampler, device, storage_dtype="fp32",
-                 progress=True):
+    def __init__(self, spec: SplitSpec, sampler: ShardedSampler, device, storage_dtype="fp32", progress=True):
         if storage_dtype not in STORAGE_DTYPES:
             raise DataError(f"gpu_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage_dtype!r}")
-        self.dataset, self.sampler, self.device = dataset, sampler, torch.device(device)
+        super().__init__(sampler)
+        self.spec, self.device = spec, torch.device(device)
         dtype = STORAGE_DTYPES[storage_dtype]
-        check_device_memory(dataset.path, dtype, self.device, dataset.split)
-        self.inp = load_volume(dataset.path, "Nbody", dtype, self.device, progress)  # (C_in, N, N, N)
-        self.tar = load_volume(dataset.path, "Hydro", dtype, self.device, progress)  # (C_out, N, N, N)
+        check_device_memory(spec.path, dtype, self.device, spec.split)
+        self.inp = load_volume(spec.path, "Nbody", dtype, self.device, progress)  # (C_in, N, N, N)
+        self.tar = load_volume(spec.path, "Hydro", dtype, self.device, progress)  # (C_out, N, N, N)
         self.tables = {volume.shape[0]: tuple(t.to(self.device) for t in channel_tables(volume.shape[0]))
                        for volume in (self.inp, self.tar)}
         elements = [symmetry.element(g) for g in range(symmetry.NUM_ELEMENTS)]
@@ -106,21 +110,16 @@ class GPUResidentLoader:
         self.index_dtype = torch.int32 if self.inp[0].numel() < 2**31 else torch.int64
         self.description = f"gpu-resident {storage_dtype} volumes on {self.device}"
 
-    def __len__(self):
-        return math.ceil(len(self.sampler) / self.sampler.local_batch_size)
-
     def __iter__(self):
-        corners, elements = (torch.tensor(a, device=self.device) for a in self.dataset.plan(self.sampler.epoch))
-        indices = torch.tensor(list(self.sampler.indices()), dtype=torch.int64, device=self.device)
-        size = self.sampler.local_batch_size
-        for start in range(0, len(indices), size):
-            batch = indices[start:start + size]
+        plan = self.sampler.epoch_plan()
+        corners, elements = (torch.tensor(a, device=self.device) for a in (plan.corners, plan.elements))
+        for batch in self.sampler.batch_slices(len(plan)):
             index = self.flat_index(corners[batch], elements[batch])  # shared: both volumes have the same N
             yield self.gather(self.inp, index, elements[batch]), self.gather(self.tar, index, elements[batch])
 
     def flat_index(self, corners, elements):
         """(B, S, S, S) flat positions in an N^3 volume of the crops at ``corners`` (B, 3), moved by ``elements``."""
-        n, s = self.inp.shape[1], self.dataset.crop
+        n, s = self.inp.shape[1], self.spec.crop
         perm, flip = self.perms[elements], self.flips[elements]                      # (B, 3): new axis k <- old perm[k]
         j = torch.arange(s, device=self.device)
         along = torch.where(flip[..., None], s - 1 - j, j)                           # (B, 3, S)
@@ -144,11 +143,13 @@ class GPUResidentLoader:
 
 
 def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"), storage_dtype=None):
-    """``(loader, sampler)`` like ``utils.data_loader.get_data_loader``, with the volumes on ``device``.
+    """``(loader, sampler)`` like ``utils.data.get_data_loader``, with the volumes on ``device``.
 
     ``storage_dtype``: 'fp32' | 'fp16' | 'bf16'; None takes ``params.gpu_storage_dtype``.
     """
-    dataset = RandomCropDataset(params, split, mode="lowmem")  # checks the file and serves the plan; loads nothing
-    sampler = build_sampler(params, split, rank, world_size)
+    spec = SplitSpec.from_params(params, split, rank, world_size, mode="gpu")
+    check_data_file(spec.path, spec.box, spec.in_channels, spec.out_channels)
+    spec.check_crop_fits()
+    sampler = build_sampler(spec)
     storage_dtype = storage_dtype or params.gpu_storage_dtype
-    return GPUResidentLoader(dataset, sampler, device, storage_dtype, progress=rank == 0), sampler
+    return GPUResidentLoader(spec, sampler, device, storage_dtype, progress=rank == 0), sampler

@@ -7,23 +7,26 @@ file of the split: ``data/train.h5`` -> ``data/train_data.npy`` (N, N, N, 4) and
 ``data/train_label.npy`` (N, N, N, 5), float32 in (D, H, W, C) layout, as written by
 ``python -m utils.make_dataset ... --npy``.
 
-Same stream as the PyTorch loaders: crop corners and symmetry elements come from
-``utils.data_loader.sample_plan`` through ``fn.external_source``, so sample ``index`` of ``epoch``
-is the same crop with the same element whatever the loader, and ranks take the same disjoint
-shares (``ShardedSampler``). DALI is an optional extra: ``pip install -r requirements-dali.txt``.
+Same stream as the PyTorch loaders: crop corners and symmetry elements come from the sampler's
+batch plans (``ShardedSampler.batch_plans``, drawn by ``sample_plan``; utils/data/spec.py) through
+``fn.external_source``, so sample ``index`` of ``epoch`` is the same crop with the same element
+whatever the loader, and ranks take the same disjoint shares. DALI is an optional extra:
+``pip install -r requirements-dali.txt``.
 """
+import importlib
+
 import numpy as np
 import torch
 
 from utils import symmetry
-from utils.config import resolve_path
-from utils.data_loader import SPLITS, VECTOR_CHANNELS, DataError, build_sampler, sample_plan
+from utils.data.spec import VECTOR_CHANNELS, PlannedLoader, SplitSpec, build_sampler
+from utils.errors import DataError
 from utils.make_dataset import npy_paths
 
 
 def _import_dali():
     try:
-        import nvidia.dali  # noqa: F401
+        importlib.import_module("nvidia.dali")
     except ImportError:
         raise DataError("data_loader_config 'dali-lowmem' needs NVIDIA DALI, which is not installed; "
                         "install it with `pip install -r requirements-dali.txt` or choose lowmem/inmem") from None
@@ -70,37 +73,30 @@ def _mixing_matrices(num_channels):
 class PlanFeed:
     """The ``external_source`` of the pipeline: one epoch's crop corners and elements, batch by batch.
 
-    ``start`` loads an epoch; each call returns the next batch's arguments and raises StopIteration
-    after the last, which ends DALI's epoch. DALI's readers need full batches, so a short last
-    batch (validation) is padded by repeating its last sample; ``sizes`` says how many are real.
+    ``start`` loads an epoch's batch plans (``sampler.batch_plans()``); each call returns the next
+    batch's arguments and raises StopIteration after the last, which ends DALI's epoch. DALI's
+    readers need full batches, so a short last batch (validation) is padded by repeating its last
+    sample; ``sizes`` says how many are real.
     """
 
-    def __init__(self, params, split, batch_size):
-        self.split, self.batch_size = split, batch_size
-        self.seed, self.crop = params.seed, params.data_size
-        self.box = params.box_size[SPLITS[split]]
-        self.num_samples = params.Nsamples if split == "train" else params.Nsamples_val
-        self.augment = params.enable_augmentation and split == "train"
-        self.mix_in, self.mix_out = _mixing_matrices(params.N_in_channels), _mixing_matrices(params.N_out_channels)
+    def __init__(self, spec: SplitSpec, batch_size):
+        self.batch_size = batch_size
+        self.mix_in, self.mix_out = _mixing_matrices(spec.in_channels), _mixing_matrices(spec.out_channels)
         self.sizes = []
         self._batches = iter(())
 
-    def start(self, epoch, indices):
-        corners, elements = sample_plan(self.seed, self.split, epoch, self.num_samples, self.box, self.crop,
-                                        self.augment)
-        batch = self.batch_size
-        chunks = [np.asarray(indices[i:i + batch]) for i in range(0, len(indices), batch)]
-        self.sizes = [len(chunk) for chunk in chunks]
-        self._batches = (self._arguments(corners, elements, np.pad(chunk, (0, batch - len(chunk)), mode="edge"))
-                         for chunk in chunks)
+    def start(self, batches):
+        self.sizes = [len(batch) for batch in batches]
+        self._batches = (self._arguments(batch) for batch in batches)
 
     def stop(self):
         self._batches = iter(())
 
-    def _arguments(self, corners, elements, chunk):
-        g = elements[chunk]                                                       # (B,)
+    def _arguments(self, batch):
+        padded = np.pad(np.arange(len(batch)), (0, self.batch_size - len(batch)), mode="edge")  # (B,)
+        g = batch.elements[padded]                                               # (B,)
         flips = np.ascontiguousarray(_FLIPS[g].T)                                # (3, B): DALI wants dense rows
-        return (corners[chunk].astype(np.int32), _PERM_INDEX[g], flips[0], flips[1], flips[2],
+        return (batch.corners[padded].astype(np.int32), _PERM_INDEX[g], flips[0], flips[1], flips[2],
                 self.mix_in[g], self.mix_out[g])
 
     def __call__(self):
@@ -163,7 +159,7 @@ def build_pipeline(feed, data_file, label_file, crop, batch_size, num_threads, d
                  exec_dynamic=True)  # outputs outlive the next iteration: DaliLoader hands them out uncopied
 
 
-class DaliLoader:
+class DaliLoader(PlannedLoader):
     """Iterates this rank's batches of the sampler's epoch: (inp (B, 4, S, S, S), tar (B, 5, S, S, S)).
 
     Tensors are float32, on the pipeline's GPU (on the CPU in CPU mode). Call ``sampler.set_epoch``
@@ -172,14 +168,12 @@ class DaliLoader:
     """
 
     def __init__(self, pipe, feed, sampler):
-        self.pipe, self.feed, self.sampler = pipe, feed, sampler
+        super().__init__(sampler)
+        self.pipe, self.feed = pipe, feed
         self._epoch_open = False
         where = "CPU-only mode" if pipe.device_id is None else f"GPU {pipe.device_id}"
         self.description = (f"DALI pipeline ({where}, {pipe.num_threads} threads): region-of-interest reads of the "
                             f".npy volumes, crop and symmetry transform in the pipeline")
-
-    def __len__(self):
-        return -(-len(self.sampler) // self.sampler.local_batch_size)
 
     def _drain(self):
         # DALI restarts only a source that reached its end: end it, then collect what is in flight.
@@ -199,7 +193,7 @@ class DaliLoader:
         if self._epoch_open:
             self._drain()
         self.pipe.reset()
-        self.feed.start(self.sampler.epoch, self.sampler.indices())
+        self.feed.start(self.sampler.batch_plans())
         self._epoch_open = True
         self.pipe.schedule_run()  # starts prefetch_queue_depth batches
         for size in self.feed.sizes:
@@ -212,16 +206,15 @@ class DaliLoader:
 def get_dali_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
     """The DALI loader factory: ``(loader, sampler)`` with the contract of ``get_data_loader``."""
     _import_dali()
-    box = params.box_size[SPLITS[split]]
-    h5_path = resolve_path(params.train_path if split == "train" else params.val_path)
-    data_file, label_file = npy_paths(h5_path)  # no keys of their own: the .npy twins of train/val_path
-    check_npy_file(data_file, box, params.N_in_channels, h5_path)
-    check_npy_file(label_file, box, params.N_out_channels, h5_path)
-    sampler = build_sampler(params, split, rank, world_size)
+    spec = SplitSpec.from_params(params, split, rank, world_size, mode="dali-lowmem")
+    data_file, label_file = npy_paths(spec.path)  # no keys of their own: the .npy twins of train/val_path
+    check_npy_file(data_file, spec.box, spec.in_channels, spec.path)
+    check_npy_file(label_file, spec.box, spec.out_channels, spec.path)
+    sampler = build_sampler(spec)
     device_id = None
     if device.type == "cuda":
         device_id = device.index if device.index is not None else torch.cuda.current_device()
-    feed = PlanFeed(params, split, sampler.local_batch_size)
-    pipe = build_pipeline(feed, data_file, label_file, params.data_size, sampler.local_batch_size,
-                          num_threads=max(1, params.num_data_workers), device_id=device_id)
+    feed = PlanFeed(spec, sampler.local_batch_size)
+    pipe = build_pipeline(feed, data_file, label_file, spec.crop, sampler.local_batch_size,
+                          num_threads=max(1, spec.num_workers), device_id=device_id)
     return DaliLoader(pipe, feed, sampler), sampler

@@ -1,0 +1,219 @@
+"""The checkpoint manager: one object owns resume, the periodic, end-of-epoch and preemption saves, and the
+stops (a signal: checkpoint and exit 3; a non-finite loss: exit 4 with no checkpoint after it).
+
+train.py's loop talks to it at three points::
+
+    resumed_loss_sum = checkpoints.resume("auto")      # before the first step
+    with checkpoints.running(tensorboard_writer):      # signal handlers, non-finite tracker
+        checkpoints.after_step(loss, loss_sum, last_in_epoch)   # after every step
+        checkpoints.end_of_epoch()                     # before validation; then
+        checkpoints.save_epoch(epoch, last=...)        # after it (raises Preempted on a stop signal)
+
+Rank 0 writes in the background (utils/checkpoint.AsyncCheckpointer): the loop stalls only for the copy
+to host memory. Between epoch ends a checkpoint is written when the wall-clock interval (rank 0's
+clock) or the step interval is due, or at once when a stop signal arrived. Under DDP the clock and
+signals are acted on at log steps, where every rank agrees on them (one small all-reduce); a single
+process checks every step.
+"""
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, AsyncCheckpointer, check_compatible, config_differences,
+                              latest_valid_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
+                              load_optimizer_state, plain_state_dict, rng_state, set_rng_state)
+from utils.distributed import all_reduce_sum
+from utils.errors import CheckpointError, NonFiniteLoss, Preempted
+from utils.run_control import RunControl
+
+logger = logging.getLogger("train")
+
+
+class CheckpointManager:
+    def __init__(self, state, run_dir):
+        self.state, self.run_dir = state, Path(run_dir)
+        self.directory = self.run_dir / "checkpoints"
+        self.control = None    # RunControl: signal handlers and the non-finite tracker, while the loop runs
+        self.writer = None     # rank 0's AsyncCheckpointer, made on first use (that starts its clock)
+        self.tensorboard = None  # where the stall statistics go at the end
+        self.stop = False      # a stop signal seen at the end of an epoch
+
+    # --- resume -----------------------------------------------------------------------------------
+    def resume(self, resume_from="auto"):
+        """Load the newest valid checkpoint (or the path ``resume_from``; nothing for "never") into the
+        training state; returns the epoch's saved loss sum (rank 0; 0 elsewhere or when starting fresh)."""
+        state, info, params = self.state, self.state.info, self.state.params
+        if resume_from == "never":
+            return 0.0
+        if resume_from == "auto":
+            found = latest_valid_checkpoint(self.directory, log=logger.warning) if info.is_main else None
+            chosen = [str(found[0]) if found else None]
+            if info.enabled:
+                dist.broadcast_object_list(chosen, src=0)  # every rank loads the file rank 0 chose
+            if chosen[0] is None:
+                return 0.0
+            path = Path(chosen[0])
+        else:
+            path = Path(resume_from).expanduser().resolve()
+        payload = load_checkpoint(path)
+        check_compatible(payload["config"], params, source=f"checkpoint {path}")
+        changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
+        load_model_state(state.train_model, payload["model"], source=f"checkpoint {path}")
+        load_optimizer_state(state.optimizer, payload["optimizer"], source=f"checkpoint {path}")
+        if params.amp_mode == "fp16" and payload["config"].get("amp_mode") == "fp16":
+            state.scaler.load_state_dict(payload["scaler"])
+        set_rng_state(payload["rng"])
+        state.global_step = payload["step"]
+        logger.info(f"Resumed from {path} at global step {state.global_step}"
+                    + (f"; changed settings: {', '.join(f'{k} {a} -> {b}' for k, a, b in changed)}" if changed else ""))
+        return payload["epoch_loss_sum"] if info.is_main else 0.0
+
+    def newest(self):
+        """The newest checkpoint file of the run, or None (for messages)."""
+        return next(iter(list_checkpoints(self.directory)), None)
+
+    # --- the training loop ------------------------------------------------------------------------
+    def running(self, tensorboard=None):
+        """``with checkpoints.running(writer):`` around the training loop: installs the signal handlers and
+        the non-finite tracker; on the way out, however it ends, see __exit__."""
+        self.tensorboard = tensorboard
+        return self
+
+    def __enter__(self):
+        self.control = RunControl(self.state.info)
+        return self
+
+    def after_step(self, loss, loss_sum, last_in_epoch):
+        """After each step (global_step already counts it): track the loss; between epoch ends, write a
+        checkpoint when one is due or a stop signal arrived (then raise Preempted), and stop on a
+        non-finite loss."""
+        state, params, control = self.state, self.state.params, self.control
+        control.track(loss, state.global_step - 1)
+        background = self._background_writer()  # rank 0's; None elsewhere
+        if background is not None:
+            background.poll()  # logs a finished background write, raises a failed one
+        if last_in_epoch:
+            return
+        by_steps = params.checkpoint_every_n_steps > 0 and state.global_step % params.checkpoint_every_n_steps == 0
+        by_clock = background is not None and background.due()  # a clock read, no sync
+        distributed = state.info.enabled
+        act_now = not distributed and (by_clock or control.stop_requested_locally)
+        if by_steps or act_now or (distributed and state.global_step % params.log_every_n_steps == 0):
+            stop, bad_step, clock_due = control.agree(checkpoint_due=by_clock)
+            if bad_step is not None:
+                self._raise_nonfinite(bad_step)
+            if stop or by_steps or clock_due:
+                self.save(loss_sum, "preemption" if stop else "periodic", wait=stop)
+            if stop:
+                raise Preempted(f"stopped by {control.signal_name or 'a signal on another rank'} at global "
+                                f"step {state.global_step}; rerun the same command to continue")
+
+    def end_of_epoch(self):
+        """At the end of an epoch, before validation: stop on a non-finite loss; returns whether a stop
+        signal arrived (then save_epoch checkpoints and raises Preempted)."""
+        stop, bad_step, _ = self.control.agree()
+        if bad_step is not None:
+            self._raise_nonfinite(bad_step)
+        self.stop = stop
+        return stop
+
+    def save_epoch(self, epoch, last):
+        """The end-of-epoch checkpoint: in the background too, except before exiting (``last`` epoch, stop
+        signal): then the file is complete on disk, and under DDP every rank waits for that."""
+        self.save(0.0, f"end of epoch {epoch + 1}", wait=self.stop or last)
+        if self.stop:
+            raise Preempted(f"stopped by {self.control.signal_name or 'a signal on another rank'} after epoch "
+                            f"{epoch + 1}; rerun the same command to continue")
+
+    def __exit__(self, *exc):
+        """However the loop ends: hand the signal handlers back; a write still in flight lands (or fails)."""
+        self.control.close()
+        failed = self.close(self.tensorboard)
+        if failed is not None and exc[1] is None:
+            raise failed
+        return False
+
+    # --- saving -----------------------------------------------------------------------------------
+    def payload(self, epoch_loss_sum):
+        state = self.state
+        return {"step": state.global_step, "config": dict(state.params), "model": plain_state_dict(state.model),
+                "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(),
+                "rng": rng_state(state.info.device), "epoch_loss_sum": epoch_loss_sum}
+
+    def _background_writer(self):
+        """Rank 0's background checkpoint writer (made on first use, which starts its wall-clock interval)."""
+        if self.state.info.is_main and self.writer is None:
+            self.writer = AsyncCheckpointer(self.directory, self.state.params.checkpoint_every_minutes, log=logger.info)
+            if self.state.info.device.type == "cuda":  # pin the host buffers now, on the writer thread
+                self.writer.reserve(self.payload(0.0))
+        return self.writer
+
+    def save(self, epoch_loss_sum, reason, wait=False):
+        """Checkpoint at this step boundary: rank 0 copies the state to host memory and writes it in the
+        background. Callers first agree (RunControl.agree) that every loss so far was finite. ``wait``:
+        also wait until the file is complete (exit points)."""
+        state = self.state
+        started = time.perf_counter()  # the stall: everything the training loop waits for here
+        # The epoch's loss so far, summed over ranks: the resumed rank 0 carries it for everyone.
+        loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
+        if state.info.is_main:
+            stall = self._background_writer().save(self.payload(loss_sum), state.global_step,
+                                                   state.params.keep_checkpoints, reason, started)
+            logger.info(f"Checkpoint ({reason}) at step {state.global_step}: state copied to host in {stall:.3f} s, "
+                        f"writing in the background")
+        if wait:
+            self.wait()
+
+    def wait(self):
+        """Rank 0 waits for its write in flight and logs it; under DDP nobody goes on (exits, reads) before
+        that. A failed write is raised (its one-line CheckpointError) on rank 0 after the barrier, so the
+        other ranks are not left waiting in it."""
+        failed = None
+        if self.writer is not None:
+            try:
+                self.writer.wait()
+            except CheckpointError as err:
+                failed = err
+        if self.state.info.enabled:
+            dist.barrier()
+        if failed is not None:
+            raise failed
+
+    def close(self, tensorboard=None):
+        """Wait for a write still in flight, report it and the stall statistics (TensorBoard
+        Perf/checkpoint_stall_s: the longest), stop the writer thread. Returns the write's CheckpointError,
+        if any, for the caller to raise; logs it if another exception is under way."""
+        writer = self.writer
+        if writer is None:
+            return None
+        ending_with = sys.exc_info()[1]
+        failed = None
+        try:
+            writer.close()
+        except CheckpointError as err:
+            failed = err
+            if ending_with is not None:  # that exception goes on; this one must not get lost
+                logger.error(f"error: {err}")
+        if writer.stall_seconds:
+            logger.info(f"Checkpoints: {writer.saves}, training stalled {max(writer.stall_seconds):.2f} s at "
+                        f"most ({sum(writer.stall_seconds):.1f} s in all)")
+            if tensorboard:
+                step = self.state.global_step
+                tensorboard.add_scalar("Perf/checkpoint_stall_s", max(writer.stall_seconds), step)
+                if writer.write_seconds:
+                    tensorboard.add_scalar("Perf/checkpoint_write_s", max(writer.write_seconds), step)
+        return failed
+
+    def _raise_nonfinite(self, bad_step):
+        try:  # the last good checkpoint may still be on its way to disk: let it land first
+            self.wait()
+        except CheckpointError as err:  # the non-finite loss is what stops the run; report this one too
+            logger.error(f"error: {err}")
+        newest = self.newest()
+        last = f"the last good checkpoint is {newest}" if newest else "no checkpoint was written yet"
+        raise NonFiniteLoss(f"non-finite loss (NaN or Inf) at global step {bad_step + 1}; training stopped and no "
+                            f"checkpoint was written after it; {last}. Check the data for NaNs, lower the learning "
+                            f"rate or use amp_mode=bf16 instead of fp16, then rerun (it resumes from that checkpoint)")

@@ -1,0 +1,56 @@
+"""The HDF5 data files: their layout and the checks that fail early, in one line, on a bad file.
+
+A split's file holds two float32 datasets over the same periodic N^3 box: ``Nbody`` (4, N, N, N),
+the N-body (dark matter) input, and ``Hydro`` (5, N, N, N), the hydro (gas) target; channels 1-3
+of both are velocity components. Every failure is a ``DataError`` (utils/errors.py) whose message
+says what is wrong and what to do. Imports nothing of the data package.
+"""
+import h5py
+
+from utils.config import resolve_path
+from utils.errors import DataError
+
+
+def read_volume_shapes(path, channels, hint=""):
+    """Shapes of the (C, N, N, N) datasets ``channels`` names ({key: C}) in HDF5 file ``path``.
+
+    DataError, one line, for an unreadable file, a missing dataset, a wrong channel count or a
+    non-cubic box; ``hint`` ends the channel-count message.
+    """
+    try:
+        with h5py.File(path, "r") as f:
+            shapes = {}
+            for key, num_channels in channels.items():
+                if key not in f:
+                    raise DataError(f"{path} has no dataset '{key}' (found: {', '.join(f.keys()) or 'none'}); "
+                                    f"expected " + " and ".join(f"'{k}' ({c}, N, N, N)" for k, c in channels.items()))
+                shape = f[key].shape
+                if len(shape) != 4 or shape[0] != num_channels:
+                    raise DataError(f"{path}: dataset '{key}' has shape {shape}, expected ({num_channels}, N, N, N)"
+                                    f"{hint}")
+                if not shape[1] == shape[2] == shape[3]:
+                    raise DataError(f"{path}: dataset '{key}' is not a cubic box: shape {shape}")
+                shapes[key] = shape
+    except OSError as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"cannot read {path} as HDF5: {first_line}") from None
+    return shapes
+
+
+def check_data_file(path, box, in_channels, out_channels):
+    """Fail early, with a one-line message, on anything that would break training later."""
+    path = resolve_path(path)
+    if path.is_dir():
+        raise DataError(f"data path {path} is a directory; give the HDF5 file in it (train_path/val_path, e.g. "
+                        f"{path / 'train.h5'})")
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist; generate one with "
+                        f"`python -m utils.make_dataset --box {box} --out {path}` or point "
+                        f"train_path/val_path at the real files (see README, 'Data')")
+    shapes = read_volume_shapes(path, {"Nbody": in_channels, "Hydro": out_channels})
+    if shapes["Nbody"][1:] != shapes["Hydro"][1:]:
+        raise DataError(f"{path}: Nbody box {shapes['Nbody'][1:]} differs from Hydro box {shapes['Hydro'][1:]}")
+    if shapes["Nbody"][1] != box:
+        raise DataError(f"{path} holds a {shapes['Nbody'][1]}^3 box but the config's box_size says {box}; "
+                        f"set box_size to match the files")
+    return path

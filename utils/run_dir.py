@@ -1,0 +1,79 @@
+"""The run folder ``expdir/<config>/<N>GPU/<run_num>/``.
+
+One rule for every command: rerunning a command continues its run (the folder whose config.yaml matches);
+anything else -- a benchmark, a profile, another flag -- is a run of its own in the next free number and
+never collides with an earlier one. ``--resume never`` starts over, in a new folder unless ``--run_num``
+names one, where the earlier run's files move to ``previous-<time>/``.
+"""
+import time
+
+import torch.distributed as dist
+import yaml
+
+from utils.config import resolve_path
+from utils.errors import ConfigError
+
+
+def same_command(run_dir, params):
+    """Whether ``run_dir`` was started with this resolved config (its config.yaml), wherever expdir is."""
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    current = yaml.safe_load(yaml.safe_dump(dict(params)))  # the same round trip the saved file took
+    return isinstance(saved, dict) and {k: v for k, v in saved.items() if k != "expdir"} == \
+        {k: v for k, v in current.items() if k != "expdir"}
+
+
+def choose_run_num(parent, params, fresh):
+    """The run folder name: the newest numbered run this same config started (unless ``fresh``), else the
+    next free number."""
+    numbers = sorted(int(p.name) for p in parent.iterdir() if p.name.isdigit() and p.is_dir()) \
+        if parent.is_dir() else []
+    if not fresh:
+        for number in reversed(numbers):
+            if same_command(parent / str(number), params):
+                return str(number)
+    return str(numbers[-1] + 1 if numbers else 0)
+
+
+def make_run_dir(run_num, resume, params, info):
+    """expdir/<config>/<N>GPU/<run_num>/, writable; rank 0 chooses run_num (unless given) and tells the others.
+
+    Returns (run directory, a note for the log or None)."""
+    parent = resolve_path(params.expdir) / params.config_name / f"{info.world_size}GPU"
+    choice, note = [run_num], None
+    if info.is_main and run_num is None:
+        try:
+            choice = [choose_run_num(parent, params, fresh=resume == "never")]
+        except OSError as err:
+            raise ConfigError(f"cannot read the run folders in {parent} ({err.strerror}); "
+                              f"choose another --expdir") from None
+    if info.enabled:
+        dist.broadcast_object_list(choice, src=0)
+    run_dir = parent / choice[0]
+    if info.is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe = run_dir / ".write_test"
+            probe.write_text("")
+            probe.unlink()
+            if resume == "never":
+                note = archive_previous_run(run_dir)
+        except OSError as err:
+            raise ConfigError(f"run directory {run_dir} is not writable ({err.strerror}); "
+                              f"choose another with --expdir or $EXPDIR") from None
+    return run_dir, note
+
+
+def archive_previous_run(run_dir):
+    """--resume never in a run folder that holds a run: move its checkpoints, TensorBoard events and log
+    into previous-<time>/, so the new run starts a clean history and nothing is lost."""
+    old = [run_dir / name for name in ("checkpoints", "logs", "out.log") if (run_dir / name).exists()]
+    if not old:
+        return None
+    archive = run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    archive.mkdir()
+    for path in old:
+        path.rename(archive / path.name)
+    return f"--resume never: the earlier run's {', '.join(p.name for p in old)} moved to {archive}"
