@@ -96,7 +96,8 @@ def log_validation(writer, step, val_loss, science, example, params):
 
 def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     info = state.info
-    logger.info(f"Run directory: {run_dir}")
+    shown = run_dir.relative_to(Path.cwd()) if run_dir.is_relative_to(Path.cwd()) else run_dir
+    logger.info(f"Run directory: {shown}")
     logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
                 f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
                 f"global batch {params.global_batch_size} ({params.global_batch_size // info.world_size} per rank), "

@@ -1,0 +1,291 @@
+"""The README's CPU walk-through, pasted in order on a fresh clone, does what the README says.
+
+Which commands run is decided in README.md itself, so the README cannot drift from this test:
+
+* A ```bash block runs when the line just before its fence is the HTML comment
+  ``<!-- cpu-walkthrough -->`` (every command of the block) or
+  ``<!-- cpu-walkthrough: commands 1-3 -->`` / ``<!-- cpu-walkthrough: command 2 -->`` (only those
+  commands of the block, counted from 1). A command is a non-blank line that is not a ``#`` comment,
+  with ``\\``-continued lines joined. Unmarked blocks are not run: GPU-only commands, launches on
+  many GPUs, Slurm (``sbatch``/``salloc``), containers, placeholder paths, the test suite itself,
+  and data at the reference's sizes (38.7 GB).
+* A leading ``pip install -r FILE && `` is dropped from a command: CI has just installed exactly
+  those files (``.ci/run``), and a test must not change the environment it runs in.
+* Commands run as written, with bash, in README order, in a fresh ``git clone`` of this repository
+  over which the working tree's files (tracked, and untracked but not ignored: what ``git add -A``
+  would commit) are copied, so the code under test is checked, committed or not; ``data/`` is not
+  copied: the clone generates its own, as a new user's does. ``python`` and ``torchrun`` are this
+  interpreter's, the environment is a user's (no ``$EXPDIR``, no rank or Slurm variables) and no GPU
+  is visible: this is the laptop path.
+* Each command must exit with status 0, and a few of the README's claims about it are checked
+  (``CLAIMS``). After the walk-through the quickstart command runs once more and must continue its
+  own run (section 3: "the same command continues its run").
+
+``test_readme_marks_the_walkthrough`` (fast) checks the extraction; ``test_readme_walkthrough_on_a_fresh_clone``
+(slow, run with --full as CI does) runs it: 8 min 47 s on the project's 2-core machine shared with other
+work (the quickstart alone 410 s of it, against 86 s quiet), so about 3.5 minutes quiet.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+README = REPO_ROOT / "README.md"
+
+MARKER = re.compile(r"^<!--\s*cpu-walkthrough(?::\s*commands?\s+([0-9,\s-]+))?\s*-->\s*$")
+PIP_PREFIX = re.compile(r"^pip install (-q )?-r \S+ && ")
+
+# The walk-through must keep at least these commands (so a marked block cannot silently drop out);
+# the README may add more. Compared without the trailing comment and with spaces collapsed.
+EXPECTED = [
+    "python train.py --config=quickstart",
+    "python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5",
+    "python -m utils.make_dataset --box 128 --seed 2 --out data/val.h5",
+    "python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5 --npy --force",
+    "python train.py --config=quickstart --num_epochs 1 --profile_dir traces",
+    "python train.py --config=quickstart --enable_benchy",
+    "python benchmarks/ladder.py --tiny",
+    "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1",
+    "python benchmarks/gpu_suite.py OUT --small",
+    "python -m utils.plot_logs logs/quickstart/1GPU/0",
+    "python -m utils.science_report logs/quickstart/1GPU/0",
+    "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output hydro.h5 --force",
+    "python -m utils.science_report hydro.h5",
+]
+QUICKSTART = "python train.py --config=quickstart"
+TIMEOUT_S = 900  # per command; the slowest, the quickstart, takes 86 s on the quiet 2-core machine
+
+
+def select(spec, count):
+    """The 1-based command numbers a marker names ("1-3", "2", "1, 3"); all of them without a list."""
+    if spec is None:
+        return list(range(1, count + 1))
+    numbers = []
+    for part in spec.replace(" ", "").split(","):
+        first, _, last = part.partition("-")
+        numbers += range(int(first), int(last or first) + 1)
+    assert numbers and all(1 <= n <= count for n in numbers), f"marker names commands {spec} of a {count}-command block"
+    return numbers
+
+
+def block_commands(lines):
+    """The commands of a code block's lines: comments and blank lines dropped, continuations joined."""
+    commands, pending = [], ""
+    for line in lines:
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1]
+            continue
+        commands.append((pending + line).strip())
+        pending = ""
+    assert not pending, f"a code block ends inside a continued command: {pending}"
+    return commands
+
+
+def readme_commands(text):
+    """[(section, command)] of the marked blocks, in README order, pip prefix dropped."""
+    lines, section, found = text.split("\n"), None, []
+    for i, line in enumerate(lines):
+        if line.startswith("## "):
+            section = line[3:].strip()
+        match = MARKER.match(line.strip())
+        if not match:
+            assert not (line.lstrip().startswith("<!--") and "cpu-walkthrough" in line), \
+                f"README line {i + 1}: malformed marker {line!r}"
+            continue
+        assert i + 1 < len(lines) and lines[i + 1].strip() == "```bash", \
+            f"README line {i + 1}: the marker must be the line just before a ```bash fence"
+        end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
+        commands = block_commands(lines[i + 2:end])
+        for n in select(match.group(1) and match.group(1).strip(), len(commands)):
+            found.append((section, PIP_PREFIX.sub("", commands[n - 1])))
+    return found
+
+
+def bare(command):
+    """The command without its trailing comment, spaces collapsed (for comparisons)."""
+    return " ".join(re.sub(r"\s+#.*$", "", command).split())
+
+
+def test_readme_marks_the_walkthrough():
+    text = README.read_text()
+    commands = [bare(c) for _, c in readme_commands(text)]
+    missing = [c for c in EXPECTED if c not in commands]
+    assert not missing, f"README commands no longer in the marked walk-through: {missing}; found {commands}"
+    assert sum(bool(MARKER.match(line.strip())) for line in text.split("\n")) >= 8
+    # What must never run here: the suite itself (it would run this test), GPU, Slurm, containers.
+    for command in commands:
+        assert not re.search(r"\b(sbatch|salloc|srun|docker|nsys|pytest)\b", command), command
+    # The rules themselves.
+    assert block_commands(["# c", "", "a \\", "  --b", "c  # d"]) == ["a   --b", "c  # d"]
+    assert select(None, 3) == [1, 2, 3] and select("1-3", 5) == [1, 2, 3] and select("2", 2) == [2]
+    assert PIP_PREFIX.sub("", "pip install -r requirements.txt && python x.py") == "python x.py"
+
+
+# --- running it ----------------------------------------------------------------------------------
+
+def fresh_clone(target):
+    """git clone of the repository, with the working tree's files (tracked or not ignored) copied over it."""
+    subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(target)], check=True, capture_output=True, text=True)
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
+                            check=True, capture_output=True, text=True).stdout.split("\0")
+    wanted = {name for name in listed if name and (REPO_ROOT / name).is_file()}  # deleted files are not wanted
+    cloned = subprocess.run(["git", "ls-files", "-z"], cwd=target, check=True, capture_output=True,
+                            text=True).stdout.split("\0")
+    for name in set(filter(None, cloned)) - wanted:
+        (target / name).unlink()
+    for name in wanted:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / name, target / name, follow_symlinks=False)
+    assert not (target / "data").exists() or not any((target / "data").rglob("*.h5"))
+
+
+def user_env():
+    """A user's shell: this interpreter's python and torchrun first on PATH, no GPU, no leftovers of a launcher."""
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith(("SLURM_", "TORCHELASTIC_", "PYTEST_")) or k in {
+               "EXPDIR", "BENCHY_OUTPUT", "DATADIR", "LOGDIR", "PYTHONPATH", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+               "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"})}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the laptop path, also where CI has a GPU
+    return env
+
+
+def run(command, cwd, env):
+    """(exit status, stdout and stderr together, seconds) of one command under bash; the whole group killed on timeout."""
+    start = time.monotonic()
+    process = subprocess.Popen(["bash", "-o", "pipefail", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        output += f"\n[killed after {TIMEOUT_S} s]"
+    return process.returncode, output, time.monotonic() - start
+
+
+def run_dir_of(output, clone):
+    """The 'Run directory: ...' train.py logs at start-up, relative to the clone (it may log it absolute)."""
+    found = re.findall(r"Run directory: (\S+)", output)
+    assert found, "no 'Run directory:' line"
+    path = Path(found[-1])
+    return str(path.relative_to(clone) if path.is_absolute() else path)
+
+
+# The README's claims about a command's effect, checked after it ran: f(clone, output, seen) where seen
+# holds state shared along the walk (run directories seen so far).
+def check_quickstart(clone, output, seen):
+    # Section 1: trains `quickstart` on a dataset it generates on first use, into data/.
+    assert (clone / "data" / "quickstart_train.h5").is_file() and (clone / "data" / "quickstart_val.h5").is_file()
+    # Section 3: a run writes out.log, config.yaml, checkpoints/ and a TensorBoard logs/ folder to
+    # expdir/<config>/<N>GPU/<run_num>/, and ends comparing with the mean predictor.
+    run_dir = run_dir_of(output, clone)
+    assert run_dir == "logs/quickstart/1GPU/0", run_dir
+    for name in ("out.log", "config.yaml", "logs"):
+        assert (clone / run_dir / name).exists(), name
+    assert list((clone / run_dir / "checkpoints").glob("*.pt"))
+    assert re.search(r"Final validation L1 [0-9.]+ vs [0-9.]+ for the mean predictor", output)
+    seen["quickstart"] = run_dir
+
+
+def check_file(*names):
+    def check(clone, output, seen):
+        for name in names:
+            assert (clone / name).is_file(), f"{name} was not written"
+    return check
+
+
+def check_new_run(clone, output, seen):
+    """Section 3: a changed command gets the next free number and never touches an earlier run."""
+    run_dir = run_dir_of(output, clone)
+    assert run_dir not in seen.values(), f"{run_dir} was already used by {seen}"
+    return run_dir
+
+
+def check_profile(clone, output, seen):
+    # Section 4: --profile_dir traces writes a *.pt.trace.json into the run directory.
+    run_dir = seen["profile"] = check_new_run(clone, output, seen)
+    assert list((clone / run_dir).rglob("*.pt.trace.json")), f"no trace in {run_dir}"
+
+
+def check_benchy(clone, output, seen):
+    # Section 5: the three BENCHY summary lines; the JSON goes to the run directory.
+    for mode in ("IO", "SYNTHETIC", "FULL"):
+        assert re.search(rf"BENCHY::SUMMARY::{mode} average trial throughput: [0-9.]+ \+/- [0-9.]+", output), mode
+    run_dir = seen["benchy"] = check_new_run(clone, output, seen)
+    assert (clone / run_dir / "benchy.json").is_file()
+
+
+def check_torchrun(clone, output, seen):
+    # Section 10: two ranks on a CPU, with gloo, into <config>/2GPU/.
+    run_dir = seen["torchrun"] = check_new_run(clone, output, seen)
+    assert run_dir.startswith("logs/quickstart/2GPU/"), run_dir
+    assert "2 rank(s) on cpu" in output
+
+
+def check_gpu_suite(clone, output, seen):
+    # Section 16: a PASS/FAIL line per check, at most 8 files in OUT.
+    files = list((clone / "OUT").iterdir())
+    assert 1 <= len(files) <= 8, files
+    summary = json.loads((clone / "OUT" / "summary.json").read_text())
+    assert not [c for c in summary["checks"] if c["status"] == "FAIL"]
+    assert re.search(r"\bPASS ", output)
+
+
+CLAIMS = {
+    "python train.py --config=quickstart": check_quickstart,
+    "python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5": check_file("data/train.h5"),
+    "python -m utils.make_dataset --box 128 --seed 2 --out data/val.h5": check_file("data/val.h5"),
+    "python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5 --npy --force":
+        check_file("data/train.h5", "data/train_data.npy", "data/train_label.npy"),
+    "python train.py --config=quickstart --num_epochs 1 --profile_dir traces": check_profile,
+    "python train.py --config=quickstart --enable_benchy": check_benchy,
+    "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1": check_torchrun,
+    "python benchmarks/gpu_suite.py OUT --small": check_gpu_suite,
+    # Section 15: loss plots, the science report of the run and of a whole-box prediction.
+    "python -m utils.plot_logs logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/loss.png"),
+    "python -m utils.science_report logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/science_report.png"),
+    "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output hydro.h5 --force":
+        check_file("hydro.h5"),
+    "python -m utils.science_report hydro.h5": check_file("hydro_report.png"),
+}
+
+
+@pytest.mark.slow
+def test_readme_walkthrough_on_a_fresh_clone(tmp_path):
+    if not (REPO_ROOT / ".git").exists():
+        pytest.skip("tests/test_readme_commands.py clones the repository: not a git checkout")
+    clone = tmp_path / "clone"
+    fresh_clone(clone)
+    env, seen, timings = user_env(), {}, []
+    commands = [c for _, c in readme_commands(README.read_text())]
+    for step, command in enumerate(commands + [QUICKSTART]):
+        rerun = step == len(commands)
+        runs_before = sorted(p.name for p in (clone / "logs" / "quickstart" / "1GPU").iterdir()) if rerun else None
+        status, output, seconds = run(command, clone, env)
+        timings.append(f"{seconds:6.1f} s  {command}")
+        context = f"README command {step + 1} `{command}` exited with {status} after {seconds:.0f} s:\n{output[-4000:]}"
+        assert status == 0, context
+        if rerun:
+            # Section 3: "the same command continues its run" -- also after other runs took newer numbers.
+            assert run_dir_of(output, clone) == seen["quickstart"], context
+            assert sorted(p.name for p in (clone / "logs" / "quickstart" / "1GPU").iterdir()) == runs_before, context
+            continue
+        check = CLAIMS.get(bare(command))
+        if check:
+            try:
+                check(clone, output, seen)
+            except AssertionError as error:
+                raise AssertionError(f"{error}\n{context}") from None
+    print("\n".join(timings))
+    shutil.rmtree(clone)  # its data is 1.4 GB; a failing run's clone stays for a look
