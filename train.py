@@ -26,7 +26,7 @@ from utils.cli import run as run_cli
 from utils.config import DEFAULT_YAML, add_config_arguments, config_overrides_from_args, load_config, save_config
 from utils.data import get_data_loader
 from utils.data.prepare import prepare_data
-from utils.distributed import all_reduce_sum, cleanup, env_world_size, init_distributed
+from utils.distributed import all_reduce_sum, cleanup, env_world_size, init_distributed, peer_lost
 from utils.errors import ConfigError
 from utils.lr_schedule import learning_rate, total_steps
 from utils.run_control import StartupSignals
@@ -274,6 +274,11 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
             prepare_data(params, info, logger.info)
             state = build_training(params, info, capturable, run_dir)
             return train(params, state, run_dir, make_step, args.resume)
+        except RuntimeError as err:  # a peer rank went away: one line here too, its own log says why
+            lost = peer_lost(err, info)
+            if lost is None:
+                raise
+            raise lost from None
         finally:
             cleanup(info)
     finally:

@@ -5,6 +5,7 @@ MASTER_PORT; with WORLD_SIZE unset or 1 the script runs as a single process with
 """
 import inspect
 import os
+import traceback
 from datetime import timedelta
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from utils.config import ConfigError
+from utils.errors import ConfigError, PeerLost
 
 
 @dataclass
@@ -99,6 +100,21 @@ def all_reduce_sum(values, info):
     if info.enabled:
         dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def peer_lost(err, info):
+    """PeerLost for a collective that failed because another rank went away (gloo: "Connection closed by
+    peer"; NCCL: a DistBackendError), else None: any other error keeps its traceback."""
+    if not info.enabled:
+        return None
+    frames = traceback.extract_tb(err.__traceback__)
+    from_collective = isinstance(err, dist.DistError) or any(
+        "torch/distributed/" in frame.filename.replace("\\", "/") for frame in frames[-3:])
+    if not from_collective:
+        return None
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return PeerLost(f"rank {info.rank}: a collective failed because another rank stopped or crashed ({first_line[:160]}); "
+                    f"its log says why; rerun the same command to continue from the last checkpoint")
 
 
 def cleanup(info):

@@ -40,6 +40,12 @@ class StorageError(ReportedError):
     cause; what was written before (checkpoints, the run's files) is intact."""
 
 
+class PeerLost(ReportedError):
+    """Under DDP, another rank stopped or crashed and a collective on this rank failed: its own log (or exit
+    code) says why; this rank ends with one line and exit code 1 instead of a backend traceback."""
+    exit_code = 1
+
+
 class Preempted(ReportedError):
     """Training stopped on a signal after writing a checkpoint; Slurm requeues on this exit code."""
     exit_code = PREEMPTED_EXIT_CODE
