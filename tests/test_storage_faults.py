@@ -149,3 +149,19 @@ def test_storage_cause_names_the_errno_however_it_is_raised():
     h5py_style = OSError("Can't write data (file write failed: time = Mon, filename = 'x.h5', file descriptor = 5, "
                          "errno = 28, error message = 'No space left on device')")
     assert storage_cause(h5py_style) == "ENOSPC: No space left on device"
+
+
+def test_full_disk_for_the_benchmark_results(tiny_argv, tmp_path, capsys, monkeypatch):
+    from utils import benchy
+    with tmpfs(tmp_path / "runs"):
+        real = benchy.json.dump
+
+        def fill_then_dump(*args, **kwargs):
+            fill(tmp_path / "runs")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(benchy.json, "dump", fill_then_dump)
+        code, err = run_train_cli(tiny_argv + ["--enable_benchy", "--benchy.trials", "1", "--benchy.warmup_trials", "0",
+                                               "--benchy.batches_per_trial", "1"], capsys)
+    path = run_dir(tmp_path) / "benchy.json"
+    assert code == 2 and f"cannot write the benchmark results {path} (ENOSPC: No space left on device)" in err, err
