@@ -10,6 +10,7 @@ Runs write ``out.log``, ``config.yaml`` and TensorBoard ``logs/`` to
 ``expdir/<config>/<N>GPU/<run_num>/``.
 """
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -263,6 +264,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
         if check is not None:
             check(params, world_size)
         info = init_distributed(params.device)
+        state = None
         try:
             run_dir, note = make_run_dir(args.run_num, args.resume, params, info)
             signals.checkpoint = lambda: next(iter(list_checkpoints(run_dir / "checkpoints")), None)
@@ -280,6 +282,10 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                 raise
             raise lost from None
         finally:
+            # DDP's reducer holds the process group: free it now, not during interpreter shutdown, where
+            # gloo's worker threads can abort the process (SIGABRT) after a successful run.
+            state = None
+            gc.collect()
             cleanup(info)
     finally:
         signals.close()
