@@ -37,7 +37,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from utils.config import SCHEMA, resolve_path
-from utils.errors import CheckpointError, os_error_in
+from utils.errors import CheckpointError, os_error_in, storage_cause
 
 CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")
 # Keys every payload must have for a run to continue from it.
@@ -87,8 +87,7 @@ def _write_error(err, path, previous):
     advice = ("free space there or point --expdir at a file system with room" if reason
               else "check that the directory is writable or point --expdir elsewhere")
     intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    name = errno.errorcode.get(err.errno, "unknown errno")
-    return CheckpointError(f"{what} checkpoint {path} ({name}: {err.strerror}); {intact}; {advice}")
+    return CheckpointError(f"{what} checkpoint {path} ({storage_cause(err)}); {intact}; {advice}")
 
 
 def _check_payload(payload, step, keep_last):

@@ -8,14 +8,13 @@ A flag that was not given is ``None`` and changes nothing, so a config that turn
 on is never silently turned off by an absent flag (a defect of the reference tutorial).
 """
 import argparse
-import errno
 import os
 from pathlib import Path
 from typing import NamedTuple
 
 import yaml
 
-from utils.errors import ConfigError
+from utils.errors import ConfigError, storage_cause
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO_ROOT / "config" / "UNet.yaml"
@@ -429,5 +428,5 @@ def save_config(params, path):
         os.replace(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)
-        raise ConfigError(f"cannot write {path} ({errno.errorcode.get(err.errno, 'error')}: {err.strerror}); free "
-                          f"space there or choose another --expdir") from None
+        raise ConfigError(f"cannot write {path} ({storage_cause(err)}); free space there or choose another "
+                          f"--expdir") from None
