@@ -158,6 +158,21 @@ def test_npy_files_that_do_not_match_the_config_are_rejected(tmp_path, dali_para
         get_dali_loader(dali_params(val_path=str(tmp_path / "odd.h5"), box_size=[TRAIN_BOX, 16]), "val")
 
 
+def test_twins_of_another_box_are_rejected(tmp_path, dali_params):
+    """Twins with the right shape but another box's values (an .h5 replaced by hand, say) stop the run."""
+    import shutil
+    h5 = ensure_dataset(tmp_path / "val.h5", VAL_BOX, seed=7, progress=False)
+    other = ensure_dataset(tmp_path / "other.h5", VAL_BOX, seed=8, npy=True, progress=False)
+    for source, target in zip(npy_paths(other), npy_paths(h5)):
+        shutil.copy(source, target)
+    with pytest.raises(DataError, match=r"val_data\.npy differs from .*val\.h5 at cell .*--npy_only --force"):
+        get_dali_loader(dali_params(val_path=str(h5)), "val")
+    shutil.copy(npy_paths(other)[1], npy_paths(h5)[1])
+    from utils.make_dataset import write_npy_from_h5
+    write_npy_from_h5(h5)                                   # what --npy_only --force does
+    get_dali_loader(dali_params(val_path=str(h5)), "val")   # accepted now
+
+
 def test_train_py_runs_with_the_dali_loader(tiny_argv, tmp_path):
     import train
     from utils.make_dataset import ensure_dataset

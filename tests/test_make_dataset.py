@@ -159,6 +159,38 @@ def test_ensure_dataset_generates_only_when_missing(tmp_path):
     assert sorted(os.listdir(path.parent)) == ["quick.h5", "quick_data.npy", "quick_label.npy"]
 
 
+def test_regenerating_without_npy_removes_the_old_twins(tmp_path, caplog):
+    """A new .h5 never lands beside .npy twins of an older box of the same size (DALI would read them)."""
+    out = tmp_path / "train.h5"
+    assert md.main(["--box", "16", "--seed", "1", "--out", str(out), "--npy"]) == 0
+    assert md.main(["--box", "16", "--seed", "2", "--out", str(out), "--force"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["train.h5"]
+    # a warning: on the command line it reaches stderr, in train.py the run's log
+    assert f"removed {md.npy_paths(out)[0]} and {md.npy_paths(out)[1]}" in caplog.text and "(--npy)" in caplog.text
+
+
+def test_npy_only_writes_the_twins_of_an_existing_file(tmp_path, capsys):
+    out = tmp_path / "mine.h5"
+    md.ensure_dataset(out, 16, seed=5, progress=False)
+    stamp = out.stat().st_mtime_ns
+    assert md.main(["--out", str(out), "--npy_only"]) == 0
+    assert out.stat().st_mtime_ns == stamp                                 # the .h5 is only read
+    with h5py.File(out, "r") as f:
+        np.testing.assert_array_equal(np.load(md.npy_paths(out)[0]), f["Nbody"][...].transpose(1, 2, 3, 0))
+        np.testing.assert_array_equal(np.load(md.npy_paths(out)[1]), f["Hydro"][...].transpose(1, 2, 3, 0))
+    assert sorted(os.listdir(tmp_path)) == ["mine.h5", "mine_data.npy", "mine_label.npy"]
+    message = _one_line_error(["--out", str(out), "--npy_only"], capsys)
+    assert message == (f"error: {md.npy_paths(out)[0]}, {md.npy_paths(out)[1]} already exist; pass --force to "
+                       f"replace them\n")
+    assert md.main(["--out", str(out), "--npy_only", "--force"]) == 0
+    message = _one_line_error(["--out", str(tmp_path / "absent.h5"), "--npy_only"], capsys)
+    assert "absent.h5 does not exist; --npy_only writes the .npy twins of an existing .h5 file" in message
+    with pytest.raises(SystemExit) as exit_info:                          # argparse: usage line + error, status 2
+        md.main(["--out", str(out), "--npy_only", "--seed", "3"])
+    assert exit_info.value.code == 2
+    assert "--npy_only copies the existing file; it takes no generation flags (--seed)" in capsys.readouterr().err
+
+
 def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
     path = tmp_path / "x.h5"
 

@@ -50,7 +50,7 @@ EXPECTED = [
     "python train.py --config=quickstart",
     "python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5",
     "python -m utils.make_dataset --box 128 --seed 2 --out data/val.h5",
-    "python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5 --npy --force",
+    "python -m utils.make_dataset --out data/train.h5 --npy_only",
     "python train.py --config=quickstart --num_epochs 1 --profile_dir traces",
     "python train.py --config=quickstart --enable_benchy",
     "python benchmarks/ladder.py --tiny",
@@ -247,7 +247,7 @@ CLAIMS = {
     "python train.py --config=quickstart": check_quickstart,
     "python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5": check_file("data/train.h5"),
     "python -m utils.make_dataset --box 128 --seed 2 --out data/val.h5": check_file("data/val.h5"),
-    "python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5 --npy --force":
+    "python -m utils.make_dataset --out data/train.h5 --npy_only":
         check_file("data/train.h5", "data/train_data.npy", "data/train_label.npy"),
     "python train.py --config=quickstart --num_epochs 1 --profile_dir traces": check_profile,
     "python train.py --config=quickstart --enable_benchy": check_benchy,

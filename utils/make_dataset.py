@@ -1,6 +1,7 @@
 """Generate a synthetic N-body -> hydro training pair (a toy cosmology, cheap and exactly symmetric).
 
     python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5 [--npy] [--device auto|cpu|cuda]
+    python -m utils.make_dataset --out data/train.h5 --npy_only      # only the .npy twins of an existing file
 
 writes an HDF5 file with two float32 datasets, channels first, periodic box of N^3 cells:
 
@@ -81,6 +82,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import logging
+
 import h5py
 import numpy as np
 import torch
@@ -92,6 +95,8 @@ from utils.units import (CLIP, DEFAULT_CELL_SIZE, DENSITY_FLOOR, DENSITY_LOG_SCA
                          TEMPERATURE_LOG10_SCALE, VELOCITY_SCALE, physical_attrs)
 
 GENERATOR_VERSION = "utils.make_dataset/2"
+# In train.py its lines go to the run's log; on the command line, warnings reach stderr (logging's last resort).
+logger = logging.getLogger("train.make_dataset")
 
 # --- physics defaults --------------------------------------------------------------------------
 DEFAULT_SMOOTHING = 1.5           # Gaussian filtering (Jeans) scale of the gas, in cells
@@ -882,7 +887,7 @@ def write_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = _SLAB_STEPS * -(-box // slab) + (_npy_steps(box) if npy else 0)
     bar = _Progress(progress, steps, f"{path.name} {box}^3 seed {seed}")
-    tmp = _tmp_path(path)
+    tmp, stale = _tmp_path(path), []
     try:
         with h5py.File(tmp, "w") as f:
             store = _H5Store(f, box)
@@ -894,12 +899,16 @@ def write_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT
             with h5py.File(tmp, "r") as f:
                 write_npy(path, f["Nbody"], f["Hydro"], progress=bar, then=lambda: os.replace(tmp, path))
         else:
+            stale = remove_stale_twins(path)   # before the new .h5 lands: never beside an old box's twins
             os.replace(tmp, path)
     except BaseException:
         bar.close(failed=True)
         raise
     else:
         bar.close()
+        if stale:
+            logger.warning(f"removed {' and '.join(map(str, stale))}, the .npy twins of the file {path.name} replaced; "
+                           f"DALI needs new ones (--npy)")
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -917,10 +926,23 @@ def ensure_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAUL
     if not path.exists():
         write_dataset(path, box, seed, npy, box_length, smoothing, progress, device, slab, **physics)
     elif npy and not all(p.exists() for p in npy_paths(path)):
-        with h5py.File(path, "r") as f:
-            check_disk(path, output_bytes(f["Nbody"].shape[1]), f"the .npy twins of {path}")
-            write_npy(path, f["Nbody"], f["Hydro"])
+        write_npy_from_h5(path)
     return path
+
+
+def write_npy_from_h5(path):
+    """Write (or replace) the .npy twins of the existing HDF5 file ``path``; returns their paths."""
+    with h5py.File(path, "r") as f:
+        check_disk(path, output_bytes(f["Nbody"].shape[1]), f"the .npy twins of {path}")
+        return write_npy(path, f["Nbody"], f["Hydro"])
+
+
+def remove_stale_twins(path):
+    """Delete .npy twins left next to ``path`` by an earlier box: DALI would read them instead of the new .h5."""
+    stale = [twin for twin in npy_paths(path) if twin.exists()]
+    for twin in stale:
+        twin.unlink()
+    return stale
 
 
 class Interrupted(GenerationError):
@@ -931,13 +953,16 @@ class Interrupted(GenerationError):
 def main(argv=None):
     """The command line; a failure raises GenerationError (``run(main)`` makes it one line and exit status 2)."""
     parser = argparse.ArgumentParser(prog="python -m utils.make_dataset", description=__doc__.split("\n")[0])
-    parser.add_argument("--box", type=int, default=256, help="cells per side (default 256)")
-    parser.add_argument("--seed", type=int, default=1, help="white-noise seed (default 1)")
+    parser.add_argument("--box", type=int, default=None, help="cells per side (default 256)")
+    parser.add_argument("--seed", type=int, default=None, help="white-noise seed (default 1)")
     parser.add_argument("--out", required=True, help="output .h5 path")
     parser.add_argument("--npy", action="store_true", help="also write <stem>_data.npy / <stem>_label.npy")
+    parser.add_argument("--npy_only", action="store_true",
+                        help="write only the .npy twins (DALI's input) of the existing --out file, e.g. your own "
+                             "HDF5 data; takes no generation flags")
     parser.add_argument("--box_length", type=float, default=None,
                         help=f"box side in Mpc/h (default box * {DEFAULT_CELL_SIZE:g})")
-    parser.add_argument("--smoothing", type=float, default=DEFAULT_SMOOTHING,
+    parser.add_argument("--smoothing", type=float, default=None,
                         help=f"gas filtering scale, Gaussian sigma in cells (default {DEFAULT_SMOOTHING})")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where the FFTs and scatter-adds run (default auto: CUDA when available)")
@@ -945,6 +970,15 @@ def main(argv=None):
                         help="planes per slab (default: from the memory budget; the result does not depend on it)")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     args = parser.parse_args(argv)
+    if args.npy_only:
+        given = [f"--{key}" for key in ("box", "seed", "box_length", "smoothing", "slab") if getattr(args, key) is not None]
+        given += ["--npy"] * args.npy + [f"--device {args.device}"] * (args.device != "auto")
+        if given:
+            parser.error(f"--npy_only copies the existing file; it takes no generation flags ({', '.join(given)})")
+        return _write_twins_only(Path(args.out), args.force)
+    args.box = 256 if args.box is None else args.box
+    args.seed = 1 if args.seed is None else args.seed
+    args.smoothing = DEFAULT_SMOOTHING if args.smoothing is None else args.smoothing
     if args.box < 2:
         parser.error(f"--box must be >= 2, got {args.box}")
     if args.slab is not None and args.slab < 1:
@@ -977,6 +1011,26 @@ def main(argv=None):
         raise Interrupted("interrupted; nothing was written") from None
     print(f"wrote {args.out} ({args.box}^3, seed {args.seed}) in {time.perf_counter() - start:.1f} s",
           file=sys.stderr)
+    return 0
+
+
+def _write_twins_only(path, force):
+    """``--npy_only``: the .npy twins of the existing HDF5 file ``path``, atomically; exit status 0."""
+    if not path.is_file():
+        raise GenerationError(f"{path} does not exist; --npy_only writes the .npy twins of an existing .h5 file")
+    existing = [str(twin) for twin in npy_paths(path) if twin.exists()]
+    if existing and not force:
+        raise GenerationError(f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; pass --force "
+                              f"to replace {'it' if len(existing) == 1 else 'them'}")
+    start = time.perf_counter()
+    try:
+        twins = write_npy_from_h5(path)
+    except (OSError, KeyError) as err:  # unreadable file, no Nbody/Hydro datasets, a failed write
+        raise GenerationError(f"writing the .npy twins of {path} failed: {' '.join(str(err).split())}; nothing "
+                              f"was written") from err
+    except KeyboardInterrupt:
+        raise Interrupted("interrupted; nothing was written") from None
+    print(f"wrote {' and '.join(map(str, twins))} from {path} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 
 

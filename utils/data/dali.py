@@ -15,6 +15,7 @@ whatever the loader, and ranks take the same disjoint shares. DALI is an optiona
 """
 import importlib
 
+import h5py
 import numpy as np
 import torch
 
@@ -36,8 +37,7 @@ def check_npy_file(path, box, channels, h5_path):
     """Fail early, in one line, on a file DALI would reject or read wrongly; reads only the header."""
     if not path.exists():
         raise DataError(f"DALI input {path} does not exist; write the .npy copies of {h5_path.name} with "
-                        f"`python -m utils.make_dataset --box {box} --seed SEED --out {h5_path} --npy` "
-                        f"(SEED: the one that made the .h5; --force to rewrite an existing .h5)")
+                        f"`python -m utils.make_dataset --out {h5_path} --npy_only`")
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
@@ -51,6 +51,29 @@ def check_npy_file(path, box, channels, h5_path):
         raise DataError(f"{path} holds a {'Fortran-order ' if fortran_order else ''}{dtype} array of shape {shape}; "
                         f"expected C-order float32 {expected} (D, H, W, C) to match box_size and the channel count")
     return path
+
+
+def check_twins_match(h5_path, data_file, label_file, probes=16):
+    """Fail in one line when the .npy twins do not hold the .h5 file's values (written from an earlier box with
+    the same size, say): DALI would train on them silently. Compares every channel at the 8 corners and at
+    ``probes - 8`` fixed pseudo-random cells, exactly. Without the .h5 (twins only) there is nothing to compare."""
+    if not h5_path.exists():
+        return
+    with h5py.File(h5_path, "r") as f:
+        box = f["Nbody"].shape[1]
+        rng = np.random.default_rng(0)
+        cells = [(x, y, z) for x in (0, box - 1) for y in (0, box - 1) for z in (0, box - 1)]
+        cells += [tuple(int(c) for c in rng.integers(0, box, 3)) for _ in range(max(0, probes - 8))]
+        for twin, name in ((data_file, "Nbody"), (label_file, "Hydro")):
+            array = np.load(twin, mmap_mode="r")
+            if array.shape[:3] != f[name].shape[1:]:
+                problem = f"holds a {array.shape[0]}^3 box, {h5_path} a {box}^3 one"
+            else:
+                cell = next((c for c in cells if not np.array_equal(array[c], f[name][(slice(None), *c)])), None)
+                problem = cell and f"differs from {h5_path} at cell {cell}"
+            if problem:
+                raise DataError(f"{twin} {problem}: the twins were written from another box; rewrite them with "
+                                f"`python -m utils.make_dataset --out {h5_path} --npy_only --force`")
 
 
 # Per-element arguments of the pipeline, indexed by element: the permutation's index in
@@ -210,6 +233,7 @@ def get_dali_loader(params, split, rank=0, world_size=1, device=torch.device("cp
     data_file, label_file = npy_paths(spec.path)  # no keys of their own: the .npy twins of train/val_path
     check_npy_file(data_file, spec.box, spec.in_channels, spec.path)
     check_npy_file(label_file, spec.box, spec.out_channels, spec.path)
+    check_twins_match(spec.path, data_file, label_file)
     sampler = build_sampler(spec)
     device_id = None
     if device.type == "cuda":
