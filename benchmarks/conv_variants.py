@@ -1,17 +1,26 @@
-"""Does rewriting the U-Net's stride-2 convolutions as stride-1 kernel-2 ones (networks/conv_forms.py) pay on this GPU?
+"""Where does a training step's time go, layer by layer, and do other forms of the same convolutions run faster?
 
     python benchmarks/conv_variants.py [--batch 64] [--out results.json]
+    python benchmarks/conv_variants.py --tiny          # CPU smoke test: widths [8, 16], batch 2, 16^3 crops
 
-Per layer of the reference U-Net (bf16 autocast, channels-last-3d, batch 64, 64^3 crops): the
-forward and backward time of nn.Conv3d / nn.ConvTranspose3d against its rewritten form
-(space-to-depth for Conv3d, sub-pixel for ConvTranspose3d), and then whole training steps (model,
-L1 loss, backward, fused Adam) with every layer native, every layer rewritten, and each layer in
-its faster form. Median of CUDA-event timings after warm-up (cuDNN autotuning, cudnn.benchmark).
+Per convolution of the reference U-Net (bf16 autocast, channels-last-3d, batch 64, 64^3 crops), the
+forward + backward time of each form of it (networks/conv_forms.py; all compute the same thing):
+
+- ``native``: nn.Conv3d / nn.ConvTranspose3d (kernel 4, stride 2, padding 1), as the model runs;
+- ``rewritten``: as a stride-1 kernel-2 convolution (space-to-depth for Conv3d, sub-pixel for
+  ConvTranspose3d);
+- ``padded`` (first and last layer only): the 4 input / 5 output channels zero-padded to 8.
+
+Then whole training steps (model, L1 loss, backward, fused Adam) with every layer native, every layer
+rewritten, and every layer in its fastest form, and the share of the native step the convolutions
+take. Median of CUDA-event timings after warm-up (cuDNN autotuning on). The GPU suite runs this as
+its part h (benchmarks/gpu_suite.py); ``measure`` returns what it prints.
 """
 import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,21 +30,23 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from networks.UNet import UNet  # noqa: E402
-from networks.conv_forms import conv3d_s2d, conv_transpose3d_subpixel  # noqa: E402
+from networks.conv_forms import (conv3d_padded_in, conv3d_s2d, conv_transpose3d_padded_out,  # noqa: E402
+                                 conv_transpose3d_subpixel)
+
+REFERENCE_CHANNELS = [64, 128, 256, 512, 512, 512]
 
 
-def timed(function, repeats=10, warmup=3):
+def timed(function, device, repeats=10, warmup=3):
+    """Median milliseconds of ``function()`` (CUDA events on a GPU, the wall clock on a CPU)."""
     for _ in range(warmup):
         function()
     times = []
-    if not torch.cuda.is_available():  # CPU smoke test of this script
-        import time
-        for _ in range(repeats):
+    for _ in range(repeats):
+        if device.type != "cuda":
             begin = time.perf_counter()
             function()
             times.append(1e3 * (time.perf_counter() - begin))
-        return statistics.median(times)
-    for _ in range(repeats):
+            continue
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         function()
@@ -45,17 +56,30 @@ def timed(function, repeats=10, warmup=3):
     return statistics.median(times)
 
 
-def rewrite(module):
-    """Make ``module`` (a U-Net Conv3d or ConvTranspose3d) run its rewritten form; parameters unchanged."""
-    form = conv3d_s2d if isinstance(module, nn.Conv3d) else conv_transpose3d_subpixel
-    module.forward = lambda x, m=module: form(x, m.weight, m.bias)
-
-
 def layers(model):
     """The model's convolutions in forward order, with names."""
     found = [(f"down{i}", block[0]) for i, block in enumerate(model.down)]
     found += [(f"up{i}", block[0]) for i, block in enumerate(model.up)] + [("last", model.conv_last)]
     return found
+
+
+def forms(name, module, first, last):
+    """{form name: function(x, weight, bias)} of one convolution, the native one included."""
+    if isinstance(module, nn.ConvTranspose3d):
+        found = {"native": lambda x, w, b: F.conv_transpose3d(x, w, b, stride=2, padding=1),
+                 "rewritten": conv_transpose3d_subpixel}
+        if name == last:
+            found["padded"] = conv_transpose3d_padded_out
+    else:
+        found = {"native": lambda x, w, b: F.conv3d(x, w, b, stride=2, padding=1), "rewritten": conv3d_s2d}
+        if name == first:
+            found["padded"] = conv3d_padded_in
+    return found
+
+
+def use_form(module, function):
+    """Make ``module`` run ``function(x, weight, bias)``; parameters and checkpoints unchanged."""
+    module.forward = lambda x, m=module: function(x, m.weight, m.bias)
 
 
 def layer_inputs(model, batch, crop, device):
@@ -71,69 +95,87 @@ def layer_inputs(model, batch, crop, device):
     return inputs
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--crop", type=int, default=64)
-    parser.add_argument("--channels", type=lambda text: [int(c) for c in text.split(",")],
-                        default=[64, 128, 256, 512, 512, 512], help="U-Net widths (default: the reference's)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10):
+    """Per-layer form timings and whole-step timings; returns {"layers": [...], "steps": {...}, ...}."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    channels = list(channels or REFERENCE_CHANNELS)
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
-    model = UNet(args.channels).to(device, memory_format=torch.channels_last_3d)
-    inputs = layer_inputs(model, args.batch, args.crop, device)
-    results = {"layers": [], "steps": {}}
-    faster = {}
+    model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
+    names = [name for name, _ in layers(model)]
+    inputs = layer_inputs(model, batch, crop, device)
+    results = {"setup": {"batch": batch, "crop": crop, "model_channels": channels, "device": str(device),
+                         "precision": "bf16 autocast, channels-last-3d"}, "layers": [], "steps": {}}
+    best = {}
     for name, module in layers(model):
-        x = inputs[name].requires_grad_(name != "down0")  # training never needs the input gradient of the first layer
-        form = conv3d_s2d if isinstance(module, nn.Conv3d) else conv_transpose3d_subpixel
+        x = inputs[name].requires_grad_(name != "down0")  # training never needs the first layer's input gradient
+        candidates = forms(name, module, names[0], names[-1])
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+            reference = candidates["native"](x, module.weight, module.bias).float()
+        row = {"layer": name, "input_shape": list(x.shape), "ms": {}, "relative_error_bf16": {}}
+        for form, function in candidates.items():
+            def run(function=function):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    y = function(x, module.weight, module.bias)
+                y.backward(torch.ones_like(y))
 
-        def run(use_form):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                y = form(x, module.weight, module.bias) if use_form else module(x)
-            y.backward(torch.ones_like(y))
-
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            reference, rewritten = module(x), form(x, module.weight, module.bias)
-        error = ((rewritten.float() - reference.float()).norm() / reference.float().norm()).item()
-        native_ms, form_ms = timed(lambda: run(False)), timed(lambda: run(True))
-        faster[name] = form_ms < native_ms
-        row = {"layer": name, "shape": list(x.shape), "native_ms": round(native_ms, 3), "rewritten_ms": round(form_ms, 3),
-               "relative_error_bf16": error}
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+                y = function(x, module.weight, module.bias).float()
+            row["relative_error_bf16"][form] = float((y - reference).norm() / reference.norm())
+            row["ms"][form] = round(timed(run, device, repeats), 3)
+            module.zero_grad(set_to_none=True)
+            x.grad = None
+        best[name] = row["best"] = min(row["ms"], key=row["ms"].get)
         results["layers"].append(row)
-        print(f"{name:5s} {str(tuple(x.shape)):28s} native {native_ms:7.3f} ms  rewritten {form_ms:7.3f} ms  "
-              f"({native_ms / form_ms:4.2f}x)  rel. error {error:.1e}", flush=True)
-        model.zero_grad(set_to_none=True)
+        log(f"{name:5s} {str(tuple(x.shape)):28s} " + "  ".join(f"{form} {ms:7.3f} ms" for form, ms in row["ms"].items())
+            + f"  -> {row['best']} ({row['ms']['native'] / row['ms'][row['best']]:.2f}x)")
+    del inputs
 
-    batch = (torch.rand(args.batch, 4, args.crop, args.crop, args.crop, device=device) * 2 - 1,
-             torch.rand(args.batch, 5, args.crop, args.crop, args.crop, device=device) * 2 - 1)
-    batch = tuple(t.contiguous(memory_format=torch.channels_last_3d) for t in batch)
+    data = (torch.rand(batch, 4, crop, crop, crop, device=device) * 2 - 1,
+            torch.rand(batch, 5, crop, crop, crop, device=device) * 2 - 1)
+    data = tuple(t.contiguous(memory_format=torch.channels_last_3d) for t in data)
     for variant in ("native", "rewritten", "best"):
         torch.manual_seed(0)
-        model = UNet(args.channels).to(device, memory_format=torch.channels_last_3d)
+        model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
+        chosen = {name: {"native": "native", "rewritten": "rewritten", "best": best[name]}[variant] for name in names}
         for name, module in layers(model):
-            if variant == "rewritten" or (variant == "best" and faster[name]):
-                rewrite(module)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+            use_form(module, forms(name, module, names[0], names[-1])[chosen[name]])
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
         def step():
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                prediction = model(batch[0])
-            F.l1_loss(prediction.float(), batch[1]).backward()
+                prediction = model(data[0])
+            F.l1_loss(prediction.float(), data[1]).backward()
             optimizer.step()
 
-        ms = timed(step, repeats=15, warmup=5)
-        results["steps"][variant] = {"ms": round(ms, 2), "samples_per_s": round(args.batch * 1e3 / ms, 1),
-                                     "rewritten_layers": [n for n, _ in layers(model) if variant == "rewritten" or
-                                                          (variant == "best" and faster[n])]}
-        print(f"train step, {variant:9s}: {ms:6.2f} ms = {args.batch * 1e3 / ms:6.0f} samples/s "
-              f"(rewritten: {', '.join(results['steps'][variant]['rewritten_layers']) or 'none'})", flush=True)
+        ms = timed(step, device, repeats=max(3, repeats + 5), warmup=5)
+        results["steps"][variant] = {"ms": round(ms, 2), "samples_per_s": round(batch * 1e3 / ms, 1),
+                                     "forms": {name: form for name, form in chosen.items() if form != "native"}}
+        log(f"train step, {variant:9s}: {ms:7.2f} ms = {batch * 1e3 / ms:6.0f} samples/s (not native: "
+            f"{', '.join(f'{n} {f}' for n, f in results['steps'][variant]['forms'].items()) or 'none'})")
         del model, optimizer
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    native_sum = sum(row["ms"]["native"] for row in results["layers"])
+    results["conv_share_of_native_step"] = round(native_sum / results["steps"]["native"]["ms"], 3)
+    log(f"the convolutions (forward + backward, timed alone) add up to {native_sum:.2f} ms, "
+        f"{100 * results['conv_share_of_native_step']:.0f}% of the native step")
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=None, help="default 64 (2 with --tiny)")
+    parser.add_argument("--crop", type=int, default=None, help="default 64 (16 with --tiny)")
+    parser.add_argument("--channels", type=lambda text: [int(c) for c in text.split(",")], default=None,
+                        help="U-Net widths, comma-separated (default: the reference's; 8,16 with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    tiny = dict(batch=2, crop=16, channels=[8, 16]) if args.tiny else dict(batch=64, crop=64, channels=None)
+    settings = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in tiny.items()}
+    results = measure(**settings, repeats=3 if args.tiny else 10)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -1,6 +1,6 @@
 """Every GPU path of the tutorial, run and measured by one command, ending with a PASS/FAIL line per check.
 
-    python benchmarks/gpu_suite.py OUT_DIR            # one GPU: every part, about 7 minutes planned on an H100
+    python benchmarks/gpu_suite.py OUT_DIR            # one GPU: every part that fits the time budget (below)
     python benchmarks/gpu_suite.py OUT_DIR --small    # CPU smoke mode: tiny model, a few steps; GPU parts skip
     python benchmarks/gpu_suite.py OUT_DIR --parts ab # a subset of the parts
 
@@ -23,7 +23,15 @@ e. train.py with checkpoints every few seconds against the eager run of d: the t
 f. a torch.profiler trace of a few training steps with the fast loader: cuDNN convolution kernels,
    the prefetcher's host-to-device copies overlapping compute, and the top kernels by time;
 g. tests/test_gpu.py, the CUDA tests (the whole suite on a GPU: `python -m pytest -q -n 14 --full tests`,
-   about 4.5 minutes on the H100 with pytest-xdist).
+   about 4.5 minutes on the H100 with pytest-xdist);
+h. benchmarks/conv_variants.py: each convolution's forward + backward time in its native form and in
+   the other forms of networks/conv_forms.py, and whole steps with each layer in its fastest form
+   (where the step's time goes, for the next optimisation).
+
+A GPU call of the device tool this suite was written for ends after 600 s, so the suite keeps to a
+time budget (``--budget_s``, default 560 s): a part whose rough duration (``PART_SECONDS``, guesses
+from the H100 run of the ladder) would overrun it is not started but reported as SKIP with the
+command that runs it alone, and every finished part's results are saved as soon as it ends.
 
 OUT_DIR receives at most 8 files: summary.json (the results behind benchmarks/results/h100.json),
 summary.md, probe.json, ladder.json, ladder.md, ladder.png, suite.log (every step and its output)
@@ -68,6 +76,9 @@ SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6
              ladder=["--tiny", "--loss_steps", "2", "--warmup_steps", "0", "--windows", "2", "--steps_per_window", "1"],
              checkpoint_minutes=1e-5, profile_steps=5, profile_window=[2, 4])
 
+# Rough seconds per part on an H100 (scheduling guesses, not results): a part is started only if it fits the budget.
+PART_SECONDS = {"b": 200, "c": 90, "d": 90, "e": 60, "f": 40, "g": 60, "h": 60}
+
 # Acceptance: checks must pass; goals are the issue's performance targets, reported beside them.
 LOSS_TOLERANCE = 0.02          # train.py vs train_graph.py in bf16: max |loss_graph - loss_eager| / loss_eager
 STALL_GOAL_S = 0.5             # training blocked per checkpoint
@@ -77,8 +88,8 @@ GRAPH_SPEEDUP_GOAL = 1.05
 
 
 class Suite:
-    def __init__(self, out, small):
-        self.out, self.small = out, small
+    def __init__(self, out, small, budget_s=None):
+        self.out, self.small, self.budget_s = out, small, budget_s
         self.size = SMALL if small else GPU
         self.cuda = torch.cuda.is_available() and not small
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_suite_"))
@@ -111,8 +122,15 @@ class Suite:
             yield
         self.log_file.flush()
 
-    def part(self, name, function):
-        """Run one part; a crash is a FAIL of that part, and the suite goes on."""
+    def part(self, name, function, key=None):
+        """Run one part; a crash is a FAIL of that part, and the suite goes on. A part that would overrun the
+        time budget is not started (SKIP, with the command that runs it alone)."""
+        elapsed = time.perf_counter() - self.started
+        needs = PART_SECONDS.get(key, 0) if self.cuda else 0
+        if self.budget_s is not None and key and elapsed + needs > self.budget_s:
+            self.skip(name, f"not started: {elapsed:.0f} s of the {self.budget_s:.0f} s budget spent, it needs about "
+                            f"{needs} s; run it alone with `python benchmarks/gpu_suite.py OUT --parts {key}`")
+            return
         self.log(f"=== {name}")
         try:
             function()
@@ -431,6 +449,22 @@ class Suite:
                                  "summary": summary}
         self.check("CUDA tests (tests/test_gpu.py)", result.returncode == 0, summary)
 
+    # --- h. convolution forms -----------------------------------------------------------------------
+    def conv_forms(self):
+        from benchmarks.conv_variants import measure
+        size = dict(batch=self.size["batch"], crop=self.size["crop"], channels=self.size["channels"])
+        with self.quiet():
+            result = measure(**size, device=torch.device("cuda" if self.cuda else "cpu"), log=self.log,
+                             repeats=10 if self.cuda else 1)
+        self.results["conv_forms"] = result
+        worst = max(max(row["relative_error_bf16"].values()) for row in result["layers"])
+        self.check("convolution forms compute the native result", worst < 0.02,
+                   f"largest bf16 relative difference from the native form {worst:.1e} over "
+                   f"{len(result['layers'])} layers")
+        steps = result["steps"]
+        self.log(f"step with every layer in its fastest form: {steps['best']['samples_per_s']:.0f} samples/s vs "
+                 f"{steps['native']['samples_per_s']:.0f} native")
+
     def finish(self):
         self.save()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -564,6 +598,18 @@ def markdown(results):
         lines += ["", "## Checkpoints", "", f"{checkpoint['checkpoints']} checkpoints: stall (s) "
                   f"{', '.join(f'{s:.3f}' for s in checkpoint['stall_s'])}; background write (s) "
                   f"{', '.join(f'{s:.1f}' for s in checkpoint['write_s'])}"]
+    forms = results.get("conv_forms")
+    if forms:
+        names = sorted({form for row in forms["layers"] for form in row["ms"]}, key=["native", "rewritten", "padded"].index)
+        lines += ["", "## Convolution forms (forward + backward ms per layer; networks/conv_forms.py)", "",
+                  "| layer | input | " + " | ".join(names) + " | fastest |", "| --- | --- |" + " ---: |" * len(names)
+                  + " --- |"]
+        lines += [f"| {row['layer']} | {tuple(row['input_shape'])} | "
+                  + " | ".join(f"{row['ms'][n]:.3f}" if n in row["ms"] else "" for n in names) + f" | {row['best']} |"
+                  for row in forms["layers"]]
+        lines += ["", "Whole steps: " + ", ".join(f"{variant} {step['samples_per_s']:.0f} samples/s"
+                                                for variant, step in forms["steps"].items())
+                  + f"; the convolutions alone are {100 * forms['conv_share_of_native_step']:.0f}% of the native step"]
     profile = results.get("profile")
     if profile and profile.get("top_kernels"):
         lines += ["", f"## Top kernels in the profiled steps {profile['window']}", "", "| share | ms | kernel |",
@@ -576,22 +622,29 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="folder for the (at most 8) result files")
     parser.add_argument("--small", action="store_true", help="CPU smoke mode: tiny model, few steps, GPU parts skip")
-    parser.add_argument("--parts", default="abcdefg", help="subset of the parts a-g to run (default: all)")
+    parser.add_argument("--parts", default="abcdefgh", help="subset of the parts a-h to run (default: all; part a, "
+                                                              "the environment, always runs)")
+    parser.add_argument("--budget_s", type=float, default=560,
+                        help="time budget in seconds: a part that would overrun it is skipped (default 560, under "
+                             "the device tool's 600 s per call)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.parts) - set("abcdefgh"))
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(unknown)} in --parts; choose from a-h")
     if not args.small and not torch.cuda.is_available():
         parser.error("no CUDA GPU is visible; run with --small for the CPU smoke mode")
     args.out.mkdir(parents=True, exist_ok=True)
-    suite = Suite(args.out, args.small)
+    suite = Suite(args.out, args.small, args.budget_s)
     try:
         suite.part("a. environment and kernel probe", suite.probe)
         suite.part("set-up: data and config", suite.prepare)
         steps = {"b": ("b. optimisation ladder", suite.ladder), "c": ("c. benchmark mode", suite.benchy),
                  "d": ("d. train.py vs train_graph.py", suite.graph_vs_eager),
                  "e": ("e. checkpoint stall", suite.checkpoint_stall), "f": ("f. profile", suite.profile),
-                 "g": ("g. tests", suite.tests)}
+                 "g": ("g. tests", suite.tests), "h": ("h. convolution forms", suite.conv_forms)}
         for key, (name, function) in steps.items():
             if key in args.parts:
-                suite.part(name, function)
+                suite.part(name, function, key)
     finally:
         code = suite.finish()
     return code

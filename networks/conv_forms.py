@@ -10,7 +10,12 @@ Same maths, different shapes for cuDNN. Along one axis (pad 1, so xp[i] = x[i - 
   with 8 x C_out output channels on xp, whose (S + 1)^3 outputs each phase reads at offset a
   (``conv_transpose3d_subpixel``), interleaved into the 2S^3 output (depth-to-space).
 
-Both take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
+The U-Net's first and last layers have 4 input and 5 output channels, while tensor-core kernels
+work on channel counts in multiples of 8. ``conv3d_padded_in`` and ``conv_transpose3d_padded_out``
+pad those channels with zeros (input and weight, or weight alone) and drop the padding again: the
+same result, in shapes cuDNN may run faster.
+
+All take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
 few MB), so the modules, parameters and checkpoints stay the reference's.
 """
 import torch
@@ -63,3 +68,30 @@ def conv_transpose3d_subpixel(x, weight, bias):
     if bias is not None:
         out = out + bias.to(out.dtype).view(1, -1, 1, 1, 1)
     return out
+
+
+def _pad_channels(tensor, dim, multiple):
+    """``tensor`` with zeros appended along ``dim`` up to a multiple of ``multiple`` (itself when already one)."""
+    missing = -tensor.shape[dim] % multiple
+    if not missing:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
+
+
+def conv3d_padded_in(x, weight, bias, multiple=8):
+    """``F.conv3d(x, weight, bias, stride=2, padding=1)`` with the input channels zero-padded to ``multiple``."""
+    memory_format = (torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d)
+                     else torch.contiguous_format)
+    x = _pad_channels(x, 1, multiple).contiguous(memory_format=memory_format)
+    return F.conv3d(x, _pad_channels(weight, 1, multiple).to(x.dtype), bias, stride=2, padding=1)
+
+
+def conv_transpose3d_padded_out(x, weight, bias, multiple=8):
+    """``F.conv_transpose3d(x, weight, bias, stride=2, padding=1)`` computed with the output channels
+    zero-padded to ``multiple``, then dropped (a channel slice of the padded result)."""
+    c_out = weight.shape[1]
+    padded_bias = None if bias is None else _pad_channels(bias, 0, multiple)
+    out = F.conv_transpose3d(x, _pad_channels(weight, 1, multiple).to(x.dtype), padded_bias, stride=2, padding=1)
+    return out[:, :c_out]

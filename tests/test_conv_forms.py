@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from networks.conv_forms import conv3d_s2d, conv_transpose3d_subpixel
+from networks.conv_forms import conv3d_padded_in, conv3d_s2d, conv_transpose3d_padded_out, conv_transpose3d_subpixel
 
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last_3d}
 
@@ -45,6 +45,31 @@ def test_subpixel_conv_transpose3d_equals_the_stride_2_transposed_convolution(si
         assert rewritten.is_contiguous(memory_format=torch.channels_last_3d)
 
 
+@pytest.mark.parametrize("layout", FORMATS)
+def test_channel_padded_forms_equal_the_first_and_last_layers(layout):
+    """The first layer (4 input channels) and the last (5 output channels), padded to 8 and back."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 4, 8, 8, 8, dtype=torch.float64).to(memory_format=FORMATS[layout]).requires_grad_()
+    weight = torch.randn(6, 4, 4, 4, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    reference, padded = F.conv3d(x, weight, bias, stride=2, padding=1), conv3d_padded_in(x, weight, bias)
+    torch.testing.assert_close(padded, reference, rtol=0, atol=1e-12)
+    for got, want in zip(grads(padded, (x, weight, bias), 3), grads(reference, (x, weight, bias), 3)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+    x = torch.randn(2, 6, 4, 4, 4, dtype=torch.float64).to(memory_format=FORMATS[layout]).requires_grad_()
+    weight = torch.randn(6, 5, 4, 4, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    reference = F.conv_transpose3d(x, weight, bias, stride=2, padding=1)
+    padded = conv_transpose3d_padded_out(x, weight, bias)
+    assert padded.shape == reference.shape == (2, 5, 8, 8, 8)
+    torch.testing.assert_close(padded, reference, rtol=0, atol=1e-12)
+    for got, want in zip(grads(padded, (x, weight, bias), 4), grads(reference, (x, weight, bias), 4)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_a_wrong_rearrangement_would_be_caught():
     """The checks above are sensitive: swapping two kernel taps changes the result far beyond the tolerance."""
     torch.manual_seed(0)
@@ -54,3 +79,19 @@ def test_a_wrong_rearrangement_would_be_caught():
     swapped[..., [0, 3]] = weight[..., [3, 0]]
     error = (conv_transpose3d_subpixel(x, swapped, None) - F.conv_transpose3d(x, weight, stride=2, padding=1)).abs()
     assert error.max() > 1e-3
+
+
+def test_conv_variants_times_every_form_of_every_layer():
+    """benchmarks/conv_variants.py (the GPU suite's part h) on a tiny model: every layer, every form, whole steps."""
+    from benchmarks.conv_variants import measure
+    lines = []
+    results = measure(batch=1, crop=16, channels=[8, 16], device=torch.device("cpu"), log=lines.append, repeats=1)
+    assert [row["layer"] for row in results["layers"]] == ["down0", "down1", "up0", "last"]
+    for row in results["layers"]:
+        expected = {"native", "rewritten"} | ({"padded"} if row["layer"] in ("down0", "last") else set())
+        assert set(row["ms"]) == expected and all(ms > 0 for ms in row["ms"].values())
+        assert row["best"] == min(row["ms"], key=row["ms"].get)
+        assert all(error < 0.02 for error in row["relative_error_bf16"].values()), row  # same maths, bf16 rounding
+    assert set(results["steps"]) == {"native", "rewritten", "best"}
+    assert len(results["steps"]["rewritten"]["forms"]) == 4 and results["steps"]["native"]["forms"] == {}
+    assert 0 < results["conv_share_of_native_step"] and len(lines) == 4 + 3 + 1

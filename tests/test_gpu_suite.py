@@ -41,3 +41,15 @@ def test_small_mode_runs_every_cpu_part_and_skips_the_gpu_parts(tmp_path):
     assert checks["profiler trace of the window"]["status"] == "PASS"
     assert summary["checkpoint"]["checkpoints"] >= 1 and summary["checkpoint"]["max_stall_s"] >= 0
     assert "| status | check | detail |" in (out / "summary.md").read_text()
+    # Part h: every convolution of the tiny model timed in each of its forms.
+    assert checks["convolution forms compute the native result"]["status"] == "PASS"
+    assert len(summary["conv_forms"]["layers"]) == 4 and "## Convolution forms" in (out / "summary.md").read_text()
+
+
+def test_a_part_that_would_overrun_the_budget_is_skipped_with_its_command(tmp_path, capsys):
+    from benchmarks import gpu_suite
+    assert gpu_suite.main([str(tmp_path), "--small", "--parts", "h", "--budget_s", "0"]) == 0
+    skipped = json.loads((tmp_path / "summary.json").read_text())["checks"][-1]
+    assert skipped["name"] == "h. convolution forms" and skipped["status"] == "SKIP"
+    assert "budget spent" in skipped["detail"] and "`python benchmarks/gpu_suite.py OUT --parts h`" in skipped["detail"]
+    assert "SKIP h. convolution forms: not started" in capsys.readouterr().out
