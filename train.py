@@ -264,7 +264,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
         if check is not None:
             check(params, world_size)
         info = init_distributed(params.device)
-        state = None
+        state, finished = None, False
         try:
             run_dir, note = make_run_dir(args.run_num, args.resume, params, info)
             signals.checkpoint = lambda: next(iter(list_checkpoints(run_dir / "checkpoints")), None)
@@ -275,7 +275,9 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                 save_config(params, run_dir / "config.yaml")
             prepare_data(params, info, logger.info)
             state = build_training(params, info, capturable, run_dir)
-            return train(params, state, run_dir, make_step, args.resume)
+            result = train(params, state, run_dir, make_step, args.resume)
+            finished = True
+            return result
         except RuntimeError as err:  # a peer rank went away: one line here too, its own log says why
             lost = peer_lost(err, info)
             if lost is None:
@@ -286,7 +288,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
             # gloo's worker threads can abort the process (SIGABRT) after a successful run.
             state = None
             gc.collect()
-            cleanup(info)
+            cleanup(info, finished)
     finally:
         signals.close()
 

@@ -163,9 +163,12 @@ def test_regenerating_without_npy_removes_the_old_twins(tmp_path, caplog):
     """A new .h5 never lands beside .npy twins of an older box of the same size (DALI would read them)."""
     out = tmp_path / "train.h5"
     assert md.main(["--box", "16", "--seed", "1", "--out", str(out), "--npy"]) == 0
-    assert md.main(["--box", "16", "--seed", "2", "--out", str(out), "--force"]) == 0
+    md.logger.addHandler(caplog.handler)  # a warning: on the command line it reaches stderr, in train.py the
+    try:                                  # run's log (the "train" logger, which an earlier test may have set up)
+        assert md.main(["--box", "16", "--seed", "2", "--out", str(out), "--force"]) == 0
+    finally:
+        md.logger.removeHandler(caplog.handler)
     assert sorted(os.listdir(tmp_path)) == ["train.h5"]
-    # a warning: on the command line it reaches stderr, in train.py the run's log
     assert f"removed {md.npy_paths(out)[0]} and {md.npy_paths(out)[1]}" in caplog.text and "(--npy)" in caplog.text
 
 

@@ -117,8 +117,12 @@ def peer_lost(err, info):
                     f"its log says why; rerun the same command to continue from the last checkpoint")
 
 
-def cleanup(info):
+def cleanup(info, finished=False):
+    """Destroy the process group. ``finished``: every rank ended the run normally, so first wait for all of them
+    at a barrier: none tears its connections down while another still has collectives in flight."""
     if info.enabled and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
