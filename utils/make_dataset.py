@@ -75,14 +75,13 @@ the GPU's) and disk space first; a failure raises GenerationError, which the com
 import argparse
 import contextlib
 import functools
+import logging
 import os
 import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import logging
 
 import h5py
 import numpy as np
@@ -985,10 +984,7 @@ def main(argv=None):
         parser.error(f"--slab must be >= 1, got {args.slab}")
 
     targets = [Path(args.out)] + (list(npy_paths(args.out)) if args.npy else [])
-    existing = [str(t) for t in targets if t.exists()]
-    if existing and not args.force:
-        raise GenerationError(f"{', '.join(existing)} already {'exists' if len(existing) == 1 else 'exist'}; "
-                              f"pass --force to overwrite")
+    refuse_existing(targets, args.force, "overwrite")
     start = time.perf_counter()
     # A failure is one line (utils/cli.py: ``error: ...``, exit status 2), no traceback; write_dataset has
     # left nothing partial behind.
@@ -1014,14 +1010,19 @@ def main(argv=None):
     return 0
 
 
+def refuse_existing(paths, force, verb):
+    """GenerationError "<files> already exist(s); pass --force to <verb>" unless ``force`` or none of ``paths`` exists."""
+    existing = [str(path) for path in paths if Path(path).exists()]
+    if existing and not force:
+        raise GenerationError(f"{', '.join(existing)} already {'exists' if len(existing) == 1 else 'exist'}; "
+                              f"pass --force to {verb}")
+
+
 def _write_twins_only(path, force):
     """``--npy_only``: the .npy twins of the existing HDF5 file ``path``, atomically; exit status 0."""
     if not path.is_file():
         raise GenerationError(f"{path} does not exist; --npy_only writes the .npy twins of an existing .h5 file")
-    existing = [str(twin) for twin in npy_paths(path) if twin.exists()]
-    if existing and not force:
-        raise GenerationError(f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; pass --force "
-                              f"to replace {'it' if len(existing) == 1 else 'them'}")
+    refuse_existing(npy_paths(path), force, "replace them")
     start = time.perf_counter()
     try:
         twins = write_npy_from_h5(path)
