@@ -9,8 +9,8 @@ channels-last-3d -- one forward and backward pass runs under ``torch.profiler``.
 classified from the profiler's op and kernel names:
 
 - ``cudnn``: an ``aten::cudnn_convolution*`` op, or cuDNN/CUTLASS-style kernels, and no slow op;
-- ``slow``: ``aten::slow_conv3d*`` / ``aten::slow_conv_transpose3d*`` or ``vol2col``/``col2vol``/
-  ``im2col`` kernels: PyTorch's native fallback, 4-20x slower and memory hungry. PyTorch 2.9
+- ``slow``: ``aten::slow_conv3d*`` / ``aten::slow_conv_transpose3d*`` or PyTorch's ``vol2col``/``col2vol``/
+  ``im2col`` kernels (``at::native::``; cuDNN's own im2col kernels are cuDNN): PyTorch's native fallback, 4-20x slower and memory hungry. PyTorch 2.9
   disabled cuDNN for 3D bf16/fp16 convolutions with cuDNN in [9.8, 9.15) (pytorch issues 163539,
   166122), so this is checked, not assumed;
 - ``unknown``: neither (reported, counted as a failure: look at the kernel names).
@@ -32,7 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-SLOW_MARKERS = ("slow_conv3d", "slow_conv_transpose3d", "vol2col", "col2vol", "im2col", "col2im")
+# PyTorch's own fallback ops and kernels. Plain "im2col" would also match cuDNN's GEMM engine (im2col4d_kernel):
+# only PyTorch's at::native::im2col/col2im kernels count.
+SLOW_MARKERS = ("slow_conv3d", "slow_conv_transpose3d", "slow_conv_dilated3d", "vol2col", "col2vol", "native::im2col",
+                "native::col2im")
 CUDNN_MARKERS = ("cudnn", "xmma", "cutlass", "implicit_convolve", "fprop", "dgrad", "wgrad", "sm90_", "sm80_",
                  "conv2d_grouped", "convolve")
 MODES = ("fp32", "tf32", "bf16", "fp16", "bf16_cl")

@@ -44,9 +44,10 @@ def conv3d_s2d(x, weight, bias):
 def _subpixel_weight(weight):
     """ConvTranspose3d (C_in, C_out, 4, 4, 4) -> Conv3d (8 C_out, C_in, 2, 2, 2): channel (a_x, a_y, a_z, o)."""
     c_in, c_out = weight.shape[:2]
-    index = torch.tensor([[3, 1], [2, 0]], device=weight.device)    # kernel index 3 - a - 2t, [a][t]
-    w = weight[:, :, index][:, :, :, :, index][..., index]           # (C_in, C_out, ax, tx, ay, ty, az, tz)
-    return w.permute(2, 4, 6, 1, 0, 3, 5, 7).reshape(8 * c_out, c_in, 2, 2, 2)
+    # Phase a, tap t uses kernel index 3 - a - 2t: flipped, that is 2t + a. A view, no index tensor: building
+    # one on the GPU would be a host-to-device copy and a sync in every step (and break graph capture).
+    w = weight.flip([2, 3, 4]).reshape(c_in, c_out, 2, 2, 2, 2, 2, 2)  # (C_in, C_out, tx, ax, ty, ay, tz, az)
+    return w.permute(3, 5, 7, 1, 0, 2, 4, 6).reshape(8 * c_out, c_in, 2, 2, 2)
 
 
 def conv_transpose3d_subpixel(x, weight, bias):

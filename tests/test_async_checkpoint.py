@@ -100,6 +100,8 @@ def test_one_write_in_flight_and_the_stall_includes_waiting_for_it(tmp_path, hel
     threading.Timer(0.3, held_writes.release.set).start()
     stall = writer.save(payload(2, model, optimizer), 2, keep_last=3, started=started)  # waits for step 1's write
     assert stall >= 0.3 and writer.stall_seconds[1] == stall
+    # ...and says how much of it was that wait: nearly all (the copy of a tiny model is quick); none for the first
+    assert writer.wait_seconds[0] < 0.25 <= writer.wait_seconds[1] <= stall
     assert (tmp_path / "ckpt_step00000001.pt").exists() and len(writer.write_seconds) == 1
     writer.close()
     assert names(tmp_path) == ["ckpt_step00000001.pt", "ckpt_step00000002.pt"] and writer.saves == 2

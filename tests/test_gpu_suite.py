@@ -8,9 +8,11 @@ import torch
 
 from utils.config import REPO_ROOT
 
-pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
+from benchmarks import gpu_suite, kernel_probe
+from utils.checkpoint_manager import stall_message
 
 
+@pytest.mark.slow  # integration: run with --full (CI does)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the small mode is the CPU smoke test")
 def test_small_mode_runs_every_cpu_part_and_skips_the_gpu_parts(tmp_path):
     out = tmp_path / "suite"
@@ -47,9 +49,34 @@ def test_small_mode_runs_every_cpu_part_and_skips_the_gpu_parts(tmp_path):
 
 
 def test_a_part_that_would_overrun_the_budget_is_skipped_with_its_command(tmp_path, capsys):
-    from benchmarks import gpu_suite
     assert gpu_suite.main([str(tmp_path), "--small", "--parts", "h", "--budget_s", "0"]) == 0
-    skipped = json.loads((tmp_path / "summary.json").read_text())["checks"][-1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    skipped = summary["checks"][-1]
     assert skipped["name"] == "h. convolution forms" and skipped["status"] == "SKIP"
     assert "budget spent" in skipped["detail"] and "`python benchmarks/gpu_suite.py OUT --parts h`" in skipped["detail"]
     assert "SKIP h. convolution forms: not started" in capsys.readouterr().out
+    # Without part a the environment is still recorded, but neither the kernel probe nor the data set-up runs
+    # (a second GPU call for the parts the first one skipped spends its time on them).
+    assert summary["versions"]["torch"] == torch.__version__ and "probe" not in summary and "setup" not in summary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["suite.log", "summary.json", "summary.md"]
+
+
+@pytest.mark.parametrize("names, path", [
+    (["aten::convolution", "aten::slow_conv3d_forward"], "slow"),                               # CPU/GPU fallback op
+    (["aten::cudnn_convolution", "void at::native::vol2col_kernel<float>(long, float const*, int)"], "slow"),
+    (["aten::convolution_backward", "void at::native::im2col_kernel<c10::BFloat16>(long, ...)"], "slow"),
+    (["aten::cudnn_convolution", "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_ndhwc_kernel"], "cudnn"),
+    (["aten::cudnn_convolution", "im2col4d_kernel", "sm80_xmma_gemm_f32f32_tf32f32_f32_nt_n"], "cudnn"),  # GEMM engine
+    (["aten::convolution", "some_unnamed_kernel"], "unknown"),
+])
+def test_kernel_probe_tells_cudnn_from_pytorchs_slow_fallback(names, path):
+    assert kernel_probe.classify(names) == path
+
+
+def test_the_checkpoint_stall_is_parsed_from_train_pys_own_log_lines():
+    text = "\n".join(["INFO " + stall_message("periodic", 40, 0.031, 0.0),
+                      "Checkpoint (periodic) written: /x/ckpt_step00000040.pt (2.3 s, 1.40 GB)",
+                      "INFO " + stall_message("periodic", 80, 1.732, 1.701),
+                      "INFO " + stall_message("end of epoch 1", 160, 0.045, 0.0004)])
+    assert gpu_suite.checkpoint_stalls(text) == [("periodic", 0.031, 0.0), ("periodic", 1.732, 1.701),
+                                                 ("end of epoch 1", 0.045, 0.0)]

@@ -375,8 +375,9 @@ class AsyncCheckpointer:
     - ``due()``: ``every_minutes`` (> 0) have passed on ``clock`` since the last save started, or since
       construction.
     - Statistics for benchmarks: ``saves``, ``stall_seconds`` (per save, the time the caller was blocked:
-      from ``started``, waiting for the previous write included), ``write_seconds`` and ``write_bytes``
-      (per finished write).
+      from ``started``, waiting for the previous write included), ``wait_seconds`` (per save, the part of
+      the stall spent waiting for the previous write or the buffers' pinning: zero when saves are further
+      apart than a write takes), ``write_seconds`` and ``write_bytes`` (per finished write).
     """
 
     def __init__(self, directory, every_minutes=0.0, log=None, clock=None):
@@ -386,7 +387,7 @@ class AsyncCheckpointer:
         self.clock = clock or monotonic
         self.last_save = self.clock()
         self.saves = 0
-        self.stall_seconds, self.write_seconds, self.write_bytes = [], [], []
+        self.stall_seconds, self.wait_seconds, self.write_seconds, self.write_bytes = [], [], [], []
         self._pinned = {}  # where a CUDA tensor sits in the payload (its keys) -> its reusable pinned host buffer
         self._executor = None
         self._pending = None  # (future, step, reason) of the write in flight
@@ -432,10 +433,12 @@ class AsyncCheckpointer:
         the stall counts what it did before (building the payload) too.
         """
         started = perf_counter() if started is None else started
+        waiting = perf_counter()
         self.wait()  # one write in flight; raises the previous write's error
         if self._reserving is not None:
             self._reserving.exception()  # finished (a failure only means the buffers are pinned below instead)
             self._reserving = None
+        waited = perf_counter() - waiting
         _check_payload(payload, step, keep_last)
         self.last_save = self.clock()
         snapshot = self._snapshot(payload)
@@ -444,6 +447,7 @@ class AsyncCheckpointer:
         stall = perf_counter() - started
         self.saves += 1
         self.stall_seconds.append(stall)
+        self.wait_seconds.append(waited)
         return stall
 
     def poll(self):

@@ -32,6 +32,13 @@ from utils.run_control import RunControl
 logger = logging.getLogger("train")
 
 
+def stall_message(reason, step, stall, waited):
+    """The log line of a checkpoint's stall (benchmarks/gpu_suite.py parses it)."""
+    return (f"Checkpoint ({reason}) at step {step}: state copied to host in {stall:.3f} s"
+            + (f" ({waited:.3f} s of it waiting for the previous write)" if waited >= 0.001 else "")
+            + ", writing in the background")
+
+
 class CheckpointManager:
     def __init__(self, state, run_dir):
         self.state, self.run_dir = state, Path(run_dir)
@@ -160,10 +167,10 @@ class CheckpointManager:
         # The epoch's loss so far, summed over ranks: the resumed rank 0 carries it for everyone.
         loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
         if state.info.is_main:
-            stall = self._background_writer().save(self.payload(loss_sum), state.global_step,
-                                                   state.params.keep_checkpoints, reason, started)
-            logger.info(f"Checkpoint ({reason}) at step {state.global_step}: state copied to host in {stall:.3f} s, "
-                        f"writing in the background")
+            writer = self._background_writer()
+            stall = writer.save(self.payload(loss_sum), state.global_step, state.params.keep_checkpoints, reason,
+                                started)
+            logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
         if wait:
             self.wait()
 
