@@ -41,6 +41,9 @@ def check_graph_support(params, world_size):
     if not torch.cuda.is_available():
         raise ConfigError("train_graph.py captures the training step in a CUDA graph and needs a CUDA GPU, "
                           "but none is visible (torch.cuda.is_available() is False); use train.py here")
+    if params.device == "cpu":
+        raise ConfigError("train_graph.py captures the training step in a CUDA graph, but device is cpu; "
+                          "use train.py for CPU runs (or --device cuda)")
     if world_size > 1:
         raise ConfigError(f"train_graph.py runs on one GPU (WORLD_SIZE={world_size}); "
                           f"use train.py for multi-GPU (DDP) runs")

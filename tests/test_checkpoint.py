@@ -326,13 +326,15 @@ def test_rng_round_trip_through_a_checkpoint(tmp_path):
     assert draws() != expected  # the generators moved on
     set_rng_state(load_checkpoint(tmp_path / "ckpt_step00000001.pt")["rng"])
     assert draws() == expected
+
+
 def test_loading_keeps_the_optimizers_own_lr_object():
-    """The schedule sets the lr every step; a capturable optimizer must keep a tensor lr (train_graph.py
-    captures after resuming, so a copy of the tensor is fine, a float is not)."""
+    """The schedule sets the lr every step; a capturable optimizer must keep its tensor lr, the very object:
+    a graph captured before a load would otherwise read a tensor that set_lr no longer fills."""
     model = tiny_model(seed=0)
     saved = torch.optim.Adam(model.parameters(), lr=1e-2)
     train_step(model, saved)
     lr = torch.tensor(1e-3)
     current = torch.optim.Adam(model.parameters(), lr=lr)
     load_optimizer_state(current, saved.state_dict())
-    assert torch.is_tensor(current.param_groups[0]["lr"]) and current.param_groups[0]["lr"].item() == lr.item()
+    assert current.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(1e-3)

@@ -34,6 +34,7 @@ def test_train_graph_without_cuda_exits_with_one_line_before_any_work(tmp_path, 
     (["--enable_amp"], 1, "use --amp_mode=bf16"),
     (["--enable_apex"], 1, "use --enable_fused"),
     ([], 2, "use train.py for multi-GPU"),
+    (["--device", "cpu"], 1, "use train.py for CPU runs"),  # on a GPU machine it used to crash at the capture
 ])
 def test_train_graph_refuses_what_a_graph_cannot_run(tmp_path, monkeypatch, capsys, flags, world_size, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the GPU check to the config checks
@@ -92,6 +93,19 @@ def test_a_float_learning_rate_is_refused_for_capture():
         train_graph.check_capturable(tiny_model_and_adam()[1], torch.device("cpu"))
     tensor_lr = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2), capturable=True)
     train_graph.check_capturable(tensor_lr, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_capturable_optimizer_is_foreach_or_fused_never_single_tensor(tiny_params, fused):
+    """fused=False alone would pick torch's single-tensor Adam, whose capturable update writes NaN into weights
+    with an always-zero gradient when lr is 0 (the first warm-up step); tests/test_gpu.py checks that on a GPU."""
+    from utils.training import build_optimizer
+    params = tiny_params(enable_fused=fused)
+    optimizer, name = build_optimizer(UNet([4, 8]), params, torch.device("cpu"), capturable=True)
+    implementation = "fused" if fused else "foreach"
+    assert optimizer.defaults[implementation] is True and not optimizer.defaults["fused" if not fused else "foreach"]
+    assert optimizer.defaults["capturable"] and torch.is_tensor(optimizer.param_groups[0]["lr"])
+    assert name == f"torch Adam ({implementation}, capturable, lr on device)"
 
 
 # --- utils/profiling.py -------------------------------------------------------------------------

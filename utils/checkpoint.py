@@ -255,7 +255,10 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
     kept = OPTIMIZER_IMPLEMENTATION_KEYS + ("lr",)
     merged = [{**current, **saved, **{key: current[key] for key in kept if key in current}}
               for saved, current in zip(saved_groups, groups)]
+    lrs = [group["lr"] for group in groups]
     optimizer.load_state_dict({**state_dict, "param_groups": merged})
+    for group, lr in zip(optimizer.param_groups, lrs):  # load_state_dict deep-copies: put the very tensor back
+        group["lr"] = lr
 
 
 def rng_state(device=None):

@@ -58,10 +58,13 @@ def build_optimizer(model, params, device, capturable=False):
     """Adam; fused (one kernel for all parameters) when asked for, else foreach (PyTorch's default)."""
     lr = params.lr_schedule["start_lr"]
     if capturable:  # train_graph.py captures step(): the lr must live in a device tensor that set_lr fills
-        fused = params.enable_fused
+        # Name the implementation: fused=False alone selects the single-tensor Adam, not foreach; its capturable
+        # update divides 0 by -0.0 at lr 0 (the first warm-up step), writing NaN into weights whose gradient is
+        # always 0 (most taps of the layers next to the 1^3 level).
+        implementation = "fused" if params.enable_fused else "foreach"
         lr = torch.tensor(lr, dtype=torch.float32, device=device)
-        return (torch.optim.Adam(model.parameters(), lr=lr, fused=fused, capturable=True),
-                f"torch Adam ({'fused' if fused else 'foreach'}, capturable, lr on device)")
+        return (torch.optim.Adam(model.parameters(), lr=lr, capturable=True, **{implementation: True}),
+                f"torch Adam ({implementation}, capturable, lr on device)")
     if params.enable_apex:
         try:
             from apex.optimizers import FusedAdam  # in NVIDIA's containers; never pip-install "apex"
