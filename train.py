@@ -139,7 +139,8 @@ def log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time
                 f"avg {summary['samples_per_sec']:.2f} samples/sec")
     logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
                 f"MFU {metrics.format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
-                f"({summary['memory_kind']})")
+                f"({summary['memory_kind']}" + ("" if summary["peak_memory_reserved_gb"] is None
+                                               else f", {summary['peak_memory_reserved_gb']:.2f} GB reserved") + ")")
     logger.info(f"  Avg train loss={train_loss:.6f}")
     if writer:
         step = state.global_step
@@ -148,6 +149,8 @@ def log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time
         writer.add_scalar("Perf/samples_per_sec", summary["samples_per_sec"], step)
         writer.add_scalar("Perf/data_wait_share", summary["wait_share"], step)
         writer.add_scalar("Perf/peak_memory_GB", summary["peak_memory_gb"], step)
+        if summary["peak_memory_reserved_gb"] is not None:
+            writer.add_scalar("Perf/peak_memory_reserved_GB", summary["peak_memory_reserved_gb"], step)
         if summary["mfu"] is not None:
             writer.add_scalar("Perf/MFU", summary["mfu"], step)
 

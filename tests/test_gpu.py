@@ -29,7 +29,7 @@ from utils.checkpoint import restore_training_state, snapshot_training_state
 from utils.config import DEFAULT_YAML, load_config
 from utils.data import get_data_loader, sample_plan
 from utils.distributed import init_distributed
-from utils.data.fast import FastLoader, get_fast_loader
+from utils.data.fast import FastLoader
 from utils.data.gpu import get_gpu_loader
 from utils.errors import Preempted
 
@@ -140,6 +140,23 @@ def test_set_lr_after_capture_drives_the_replayed_adam_step(tiny_params, fused):
     assert (large - 3 * small).norm() <= 1e-3 * large.norm()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_replay_at_lr_0_leaves_never_updated_weights_finite(tiny_params, fused):
+    # Four levels take 16^3 crops to 1^3: most taps next to that level only see padding, so their gradient and
+    # Adam's second moment stay exactly 0. Warm-up starts at lr 0, and torch's single-tensor capturable Adam
+    # (what fused=False alone selects) divides 0 by -0.0 there: NaN weights from the first step.
+    params = tiny_params(**{**TINY_CUDA, "model_channels": [8, 16, 16, 16]}, enable_fused=fused)
+    state = training.build_training(params, init_distributed("cuda"), capturable=True)
+    (inp, tar), = device_batches(tiny_params, count=1)
+    step = train_graph.capture_train_step(state, inp, tar)
+    before = flat_weights(state.model)
+    state.set_lr(0.0)
+    step(state, inp, tar)
+    never_moved = sum(int((state.optimizer.state[p]["exp_avg_sq"] == 0).sum()) for p in state.model.parameters())
+    assert never_moved > 1000  # the case this test is about
+    assert torch.equal(flat_weights(state.model), before)  # finite and unchanged
+
+
 @pytest.fixture
 def graph_argv(tiny_files, tmp_path, monkeypatch):
     """train_graph.py arguments for a 2 x 8-step run on the GPU, deterministic, checkpoints at epoch ends."""
@@ -214,10 +231,12 @@ def test_gpu_resident_batches_are_the_cpu_batches_on_the_device(tiny_params, sto
             assert 0 < rounding <= 2 ** -12  # half an ulp of fp16 for values in [0.5, 1)
 
 
-def test_prefetched_batches_are_right_while_the_compute_stream_is_busy(tiny_params):
-    params = tiny_params(Nsamples=64, data_size=16, num_data_workers=2)  # fast loader, 16 batches of 4
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_prefetched_batches_are_right_while_the_compute_stream_is_busy(tiny_params, channels_last):
+    params = tiny_params(Nsamples=64, data_size=16, num_data_workers=2, channels_last=channels_last)  # 16 batches of 4
     reference, reference_sampler = get_data_loader(tiny_params(Nsamples=64, data_size=16, fast_loader=False), "train")
-    loader, sampler = get_fast_loader(params, "train", device=CUDA)
+    loader, sampler = get_data_loader(params, "train", device=CUDA)  # the factory: fast loader, layout on the copy stream
+    layout = torch.channels_last_3d if channels_last else torch.contiguous_format
     assert isinstance(loader.loader, FastLoader) and loader.loader.buffers.pin_memory
     for epoch, keep in ((1, True), (2, False)):
         reference_sampler.set_epoch(epoch)
@@ -229,7 +248,7 @@ def test_prefetched_batches_are_right_while_the_compute_stream_is_busy(tiny_para
         for expected_inp, expected_tar in expected:
             torch.cuda._sleep(SLEEP_CYCLES)  # the step before this one is still running on the compute stream
             inp, tar = next(batches)
-            assert inp.is_cuda and inp.is_contiguous() and inp.shape == expected_inp.shape
+            assert inp.is_cuda and inp.is_contiguous(memory_format=layout) and inp.shape == expected_inp.shape
             # queued behind the sleep: it reads the batch long after the host moved on to later batches
             mismatches.append((inp != expected_inp).sum() + (tar != expected_tar).sum())
             if keep:
@@ -303,8 +322,10 @@ def test_reference_model_mfu_and_peak_memory_are_plausible():
     assert flops_per_step == pytest.approx(3 * 27.2e9 * batch, rel=0.01)  # README: 27.2 GFLOP per sample
     summary = meter.summary(elapsed, steps, batch, flops_per_step, peak)
     assert torch.isfinite(loss).item()
-    assert 0 < summary["mfu"] < 1, summary
-    assert summary["samples_per_sec"] == pytest.approx(steps * batch / elapsed)
-    # weights, gradients and Adam's two moments in fp32 are resident; the rest are activations and workspaces
+    assert 0 < summary["mfu"] < 1 and summary["samples_per_sec"] > 20, summary  # bf16 cuDNN: hundreds per second
+    # weights, gradients and Adam's two moments in fp32 are resident; the rest are activations and workspaces,
+    # freed after each step: the peak is above what stays allocated, and far below the device
     assert summary["memory_kind"] == "GPU allocated"
-    assert 16 * num_params < summary["peak_memory_gb"] * 1e9 < 16e9, summary
+    resident = torch.cuda.memory_allocated(CUDA)
+    assert 16 * num_params <= resident < summary["peak_memory_gb"] * 1e9 < 16e9, (resident, summary)
+    assert summary["peak_memory_reserved_gb"] >= summary["peak_memory_gb"]  # the pools hold what was allocated

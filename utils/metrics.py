@@ -39,7 +39,10 @@ class StepMeter:
     """Accumulates time spent waiting for data against wall time, per log interval and per epoch."""
 
     def __init__(self, device, start_step=0):
+        """Start of an epoch: on a GPU the peak-memory counters restart here, so each epoch reports its own."""
         self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         self.last_time = time.perf_counter()
         self.wait = self.last_wait = 0.0
         self.last_steps = start_step
@@ -63,9 +66,12 @@ class StepMeter:
     def summary(self, elapsed, steps, samples_per_step, flops_per_step, peak):
         samples_per_sec = steps * samples_per_step / elapsed
         memory, kind = peak_memory(self.device)
+        # Reserved counts the caching allocator's pools too: a CUDA graph's memory is reserved, and its replays
+        # allocate nothing, so for train_graph.py the allocated peak alone would understate it.
+        reserved = torch.cuda.max_memory_reserved(self.device) / 1e9 if self.device.type == "cuda" else None
         return {"samples_per_sec": samples_per_sec, "wait_share": self.wait / elapsed,
                 "mfu": flops_per_step * steps / elapsed / peak if peak else None,
-                "peak_memory_gb": memory, "memory_kind": kind}
+                "peak_memory_gb": memory, "memory_kind": kind, "peak_memory_reserved_gb": reserved}
 
 
 def format_mfu(mfu):
