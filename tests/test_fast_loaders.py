@@ -58,6 +58,16 @@ def test_shapes_and_a_smaller_last_validation_batch(tiny_params):
     assert [tuple(b[1].shape) for b in gpu] == [(4, 5, 8, 8, 8)] * 2 + [(2, 5, 8, 8, 8)]
 
 
+def test_the_gpu_resident_loader_lays_out_channels_last_batches_in_its_gather(tiny_params):
+    # (the fast loader does it on its CUDA copy stream: tests/test_gpu.py)
+    reference, _ = batches(get_data_loader, tiny_params(data_loader_config="gpu"))
+    laid_out, _ = batches(get_data_loader, tiny_params(data_loader_config="gpu", channels_last=True))
+    assert_same_batches(reference, laid_out)
+    for inp, tar in laid_out:
+        assert inp.is_contiguous(memory_format=torch.channels_last_3d) and not inp.is_contiguous()
+        assert tar.is_contiguous(memory_format=torch.channels_last_3d)
+
+
 def test_chunked_compressed_file_is_read_through_h5py(tiny_params, tmp_path):
     path = tmp_path / "chunked.h5"
     with h5py.File(tiny_params().train_path) as source, h5py.File(path, "w") as f:

@@ -21,13 +21,16 @@ def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cp
     """The loader factory: returns ``(loader, sampler)`` for ``split`` ('train' or 'val').
 
     Every loader yields batches ``(input (B, 4, S, S, S), target (B, 5, S, S, S))`` of the same
-    sample stream, in the sampler's order, after ``sampler.set_epoch(epoch)``.
+    sample stream, in the sampler's order, after ``sampler.set_epoch(epoch)``. With ``channels_last``
+    the fast loader (on its copy stream) and the GPU-resident loader (in its gather) already lay the
+    batches out channels-last, so the training step's own conversion has nothing left to do.
     """
+    memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
     if params.data_loader_config == "dali-lowmem":
         from utils.data.dali import get_dali_loader  # optional extra: DALI and utils.make_dataset only when used
         return get_dali_loader(params, split, rank, world_size, device)
     if params.data_loader_config == "gpu":
-        return get_gpu_loader(params, split, rank, world_size, device)
+        return get_gpu_loader(params, split, rank, world_size, device, memory_format=memory_format)
     if params.fast_loader:
-        return get_fast_loader(params, split, rank, world_size, device)
+        return get_fast_loader(params, split, rank, world_size, device, memory_format=memory_format)
     return get_torch_loader(params, split, rank, world_size, device)

@@ -92,11 +92,12 @@ class GPUResidentLoader(PlannedLoader):
     file must have passed ``check_data_file``.
     """
 
-    def __init__(self, spec: SplitSpec, sampler: ShardedSampler, device, storage_dtype="fp32", progress=True):
+    def __init__(self, spec: SplitSpec, sampler: ShardedSampler, device, storage_dtype="fp32", progress=True,
+                 memory_format=torch.contiguous_format):
         if storage_dtype not in STORAGE_DTYPES:
             raise DataError(f"gpu_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage_dtype!r}")
         super().__init__(sampler)
-        self.spec, self.device = spec, torch.device(device)
+        self.spec, self.device, self.memory_format = spec, torch.device(device), memory_format
         dtype = STORAGE_DTYPES[storage_dtype]
         check_device_memory(spec.path, dtype, self.device, spec.split)
         self.inp = load_volume(spec.path, "Nbody", dtype, self.device, progress)  # (C_in, N, N, N)
@@ -137,19 +138,23 @@ class GPUResidentLoader(PlannedLoader):
         source, sign = (table[elements] for table in self.tables[num_channels])      # (B, C) each
         rows = source * batch + torch.arange(batch, device=self.device)[:, None]      # (B, C)
         rotated = moved.view(num_channels * batch, -1).index_select(0, rows.view(-1))  # (B*C, S^3)
-        out = torch.empty((batch, num_channels, s, s, s), dtype=torch.float32, device=self.device)
-        torch.mul(rotated.view(out.shape), sign[..., None, None, None], out=out)     # cast and sign in one pass
+        out = torch.empty((batch, num_channels, s, s, s), dtype=torch.float32, device=self.device,
+                          memory_format=self.memory_format)
+        torch.mul(rotated.view(out.shape), sign[..., None, None, None], out=out)     # cast, sign, layout: one pass
         return out
 
 
-def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"), storage_dtype=None):
+def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"), storage_dtype=None,
+                   memory_format=torch.contiguous_format):
     """``(loader, sampler)`` like ``utils.data.get_data_loader``, with the volumes on ``device``.
 
-    ``storage_dtype``: 'fp32' | 'fp16' | 'bf16'; None takes ``params.gpu_storage_dtype``.
+    ``storage_dtype``: 'fp32' | 'fp16' | 'bf16'; None takes ``params.gpu_storage_dtype``. ``memory_format``:
+    the batches' layout.
     """
     spec = SplitSpec.from_params(params, split, rank, world_size, mode="gpu")
     check_data_file(spec.path, spec.box, spec.in_channels, spec.out_channels)
     spec.check_crop_fits()
     sampler = build_sampler(spec)
     storage_dtype = storage_dtype or params.gpu_storage_dtype
-    return GPUResidentLoader(spec, sampler, device, storage_dtype, progress=rank == 0), sampler
+    return GPUResidentLoader(spec, sampler, device, storage_dtype, progress=rank == 0,
+                             memory_format=memory_format), sampler
