@@ -231,6 +231,31 @@ def test_gpu_resident_batches_are_the_cpu_batches_on_the_device(tiny_params, sto
             assert 0 < rounding <= 2 ** -12  # half an ulp of fp16 for values in [0.5, 1)
 
 
+def test_gpu_resident_batches_made_on_the_side_stream_are_waited_for(tiny_params, monkeypatch):
+    params = tiny_params(Nsamples=64, data_size=16, fast_loader=False)  # 16 batches of 4
+    reference, reference_sampler = get_data_loader(params, "train")
+    resident, sampler = get_gpu_loader(params, "train", device=CUDA, storage_dtype="fp32", prefetch=True)
+    assert resident.prefetch and "side stream" in resident.description
+    make = resident.make_batch
+
+    def late_make(corners, elements):
+        torch.cuda._sleep(SLEEP_CYCLES)  # on the side stream: each batch is late unless the consumer waits for it
+        return make(corners, elements)
+
+    monkeypatch.setattr(resident, "make_batch", late_make)
+    for epoch in (1, 2):
+        reference_sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        expected = [(inp.to(CUDA), tar.to(CUDA)) for inp, tar in reference]
+        torch.cuda.synchronize()
+        mismatches = []
+        for (expected_inp, expected_tar), (inp, tar) in zip(expected, resident, strict=True):
+            mismatches.append((inp != expected_inp).sum() + (tar != expected_tar).sum())  # queued on this stream
+            del inp, tar  # only record_stream keeps the side stream from reusing the memory for a later batch
+        torch.cuda.synchronize()
+        assert [int(m) for m in mismatches] == [0] * len(expected) == [0] * 16, epoch
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
 def test_prefetched_batches_are_right_while_the_compute_stream_is_busy(tiny_params, channels_last):
     params = tiny_params(Nsamples=64, data_size=16, num_data_workers=2, channels_last=channels_last)  # 16 batches of 4

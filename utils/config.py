@@ -240,6 +240,7 @@ SCHEMA = {
     "fast_loader": Key(_bool, "threads fill crops straight into reusable (pinned) batches; synthetic/inmem/lowmem"),
     "gpu_storage_dtype": Key(_choice("fp32", "fp16", "bf16"),
                              "dtype of the volumes kept on the device by the gpu loader"),
+    "gpu_prefetch": Key(_bool, "gpu loader: make the next batch on a side CUDA stream while the step runs"),
     "train_path": Key(_str, "training HDF5 file", RUN),
     "val_path": Key(_str, "validation HDF5 file", RUN),
     "box_size": Key(_int_list(2), "edge of the training and validation boxes, cells", RUN),

@@ -8,7 +8,9 @@ that memory with fp16 or bf16: the real 1024^3 training box (9 channels) takes 3
 
 Each batch is then made on the device by a handful of batched kernels, with no host traffic (this
 rank's crop plan of the epoch, ``sampler.epoch_plan()``, is copied to the device once per epoch and
-cut into the sampler's batches there). A symmetry element moves new spatial
+cut into the sampler's batches there). With ``prefetch`` (``gpu_prefetch: true``, the default) the
+next batch is made on a side CUDA stream while the consumer's step runs: the gathers are
+memory-bound and the convolutions compute-bound, so the two can share the GPU. A symmetry element moves new spatial
 axis k to old axis perm[k], reversed if flip[k], so output position j along new axis k reads
 
     old coordinate along axis perm[k] = corner[perm[k]] + (S - 1 - j if flip[k] else j),
@@ -93,11 +95,12 @@ class GPUResidentLoader(PlannedLoader):
     """
 
     def __init__(self, spec: SplitSpec, sampler: ShardedSampler, device, storage_dtype="fp32", progress=True,
-                 memory_format=torch.contiguous_format):
+                 memory_format=torch.contiguous_format, prefetch=True):
         if storage_dtype not in STORAGE_DTYPES:
             raise DataError(f"gpu_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage_dtype!r}")
         super().__init__(sampler)
         self.spec, self.device, self.memory_format = spec, torch.device(device), memory_format
+        self.prefetch = prefetch and self.device.type == "cuda"
         dtype = STORAGE_DTYPES[storage_dtype]
         check_device_memory(spec.path, dtype, self.device, spec.split)
         self.inp = load_volume(spec.path, "Nbody", dtype, self.device, progress)  # (C_in, N, N, N)
@@ -109,14 +112,52 @@ class GPUResidentLoader(PlannedLoader):
         self.flips = torch.tensor([flips for _, flips in elements], device=self.device)  # (48, 3)
         # Flat spatial indices fit in int32 up to N = 1290 (half the index memory and traffic).
         self.index_dtype = torch.int32 if self.inp[0].numel() < 2**31 else torch.int64
-        self.description = f"gpu-resident {storage_dtype} volumes on {self.device}"
+        self.description = f"gpu-resident {storage_dtype} volumes on {self.device}" + (
+            ", next batch made on a side stream" if self.prefetch else "")
 
     def __iter__(self):
         plan = self.sampler.epoch_plan()
         corners, elements = (torch.tensor(a, device=self.device) for a in (plan.corners, plan.elements))
-        for batch in self.sampler.batch_slices(len(plan)):
-            index = self.flat_index(corners[batch], elements[batch])  # shared: both volumes have the same N
-            yield self.gather(self.inp, index, elements[batch]), self.gather(self.tar, index, elements[batch])
+        slices = self.sampler.batch_slices(len(plan))
+        if not self.prefetch:
+            for batch in slices:
+                yield self.make_batch(corners[batch], elements[batch])
+            return
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))  # the plan's copies above
+        for table in (corners, elements):
+            table.record_stream(side)  # read there; freed here if the consumer stops early
+
+        def start(batch):
+            with torch.cuda.stream(side):
+                made = self.make_batch(corners[batch], elements[batch])
+                ready = torch.cuda.Event()
+                ready.record(side)
+            return made, ready
+
+        pending = None
+        for batch in slices:
+            upcoming = start(batch)  # queued before the consumer queues the step of the batch handed over now
+            if pending is not None:
+                yield self.hand_over(*pending)
+            pending = upcoming
+        if pending is not None:
+            yield self.hand_over(*pending)
+
+    def hand_over(self, made, ready):
+        """``made`` for use on the consumer's current stream, once ``ready`` (recorded on the side stream)."""
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(ready)
+        for tensor in made:
+            # Allocated on the side stream, used on this one: the allocator must not reuse the memory for a
+            # later batch until this stream is done with it.
+            tensor.record_stream(stream)
+        return made
+
+    def make_batch(self, corners, elements):
+        """(inp, tar) of the crops at ``corners`` (B, 3) moved by the symmetry ``elements`` (B,)."""
+        index = self.flat_index(corners, elements)  # shared: both volumes have the same N
+        return self.gather(self.inp, index, elements), self.gather(self.tar, index, elements)
 
     def flat_index(self, corners, elements):
         """(B, S, S, S) flat positions in an N^3 volume of the crops at ``corners`` (B, 3), moved by ``elements``."""
@@ -145,16 +186,18 @@ class GPUResidentLoader(PlannedLoader):
 
 
 def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"), storage_dtype=None,
-                   memory_format=torch.contiguous_format):
+                   memory_format=torch.contiguous_format, prefetch=None):
     """``(loader, sampler)`` like ``utils.data.get_data_loader``, with the volumes on ``device``.
 
     ``storage_dtype``: 'fp32' | 'fp16' | 'bf16'; None takes ``params.gpu_storage_dtype``. ``memory_format``:
-    the batches' layout.
+    the batches' layout. ``prefetch``: make the next batch on a side stream (CUDA only); None takes
+    ``params.gpu_prefetch``.
     """
     spec = SplitSpec.from_params(params, split, rank, world_size, mode="gpu")
     check_data_file(spec.path, spec.box, spec.in_channels, spec.out_channels)
     spec.check_crop_fits()
     sampler = build_sampler(spec)
     storage_dtype = storage_dtype or params.gpu_storage_dtype
-    return GPUResidentLoader(spec, sampler, device, storage_dtype, progress=rank == 0,
-                             memory_format=memory_format), sampler
+    prefetch = params.gpu_prefetch if prefetch is None else prefetch
+    return GPUResidentLoader(spec, sampler, device, storage_dtype, progress=rank == 0, memory_format=memory_format,
+                             prefetch=prefetch), sampler
