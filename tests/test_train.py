@@ -11,6 +11,7 @@ from utils import training
 from utils.config import load_config
 from utils.data import get_data_loader
 from utils.distributed import cleanup, init_distributed
+from utils.errors import ConfigError
 
 
 def test_one_step_lowers_the_loss_on_a_fixed_batch(tiny_params):
@@ -97,6 +98,32 @@ def read_scalars(log_dir):
     events = EventAccumulator(str(log_dir))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("gpus, visible, local_rank, expected", [
+    (4, None, 3, "cuda:3"),            # torchrun or srun --gpu-bind=none: every GPU of the node, pick ours
+    (1, "2", 2, "cuda:0"),             # srun --gpus-per-task=1: the one GPU the task sees is its own
+    (1, None, 1, "only 1 GPU"),        # a one-GPU node with two ranks on it
+    (2, "0,1", 3, "only 2 GPU"),       # more ranks than GPUs
+])
+def test_each_rank_takes_its_gpu_however_the_launcher_binds_them(monkeypatch, gpus, visible, local_rank, expected):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # no process group: only the device choice is under test
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    if expected.startswith("cuda"):
+        assert str(init_distributed("auto").device) == expected and [str(d) for d in chosen] == [expected]
+    else:
+        with pytest.raises(ConfigError, match=f"LOCAL_RANK={local_rank} but {expected}"):
+            init_distributed("auto")
+        assert not chosen
 
 
 def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):

@@ -58,11 +58,15 @@ def init_distributed(device_kind="auto"):
     if use_cuda:
         if not torch.cuda.is_available():
             raise ConfigError("device: cuda, but no CUDA device is visible here; use --device cpu (or auto)")
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: "
-                              f"start at most {torch.cuda.device_count()} rank(s) per node, or add --device cpu "
-                              f"to train on the CPU with gloo")
-        device = torch.device("cuda", local_rank)
+        count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if local_rank < count:
+            index = local_rank  # every GPU of the node visible (torchrun, srun --gpu-bind=none)
+        elif count == 1 and visible.strip() and "," not in visible:
+            index = 0  # the launcher bound one GPU to each task (srun --gpus-per-task=1, --gpu-bind=single:1)
+        else:
+            raise ConfigError(f"LOCAL_RANK={local_rank} but only {count} GPU(s) are visible: start at most {count} "
+                              f"rank(s) per node, or add --device cpu to train on the CPU with gloo")
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
