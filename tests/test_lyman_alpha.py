@@ -258,3 +258,19 @@ def test_whole_periodic_box_needs_no_window(generated):
     assert scalars["lyman_alpha/mean_flux_true"] == pytest.approx(0.7, abs=1e-7)
     assert all(value == 1.0 for tag, value in scalars.items() if "ratio/" in tag)
     assert metrics.flux.periodic and torch.equal(metrics.flux._window, torch.ones(32))
+
+
+def test_a_rank_without_samples_reduces_on_its_own_device(monkeypatch):
+    """Nsamples_val below the number of ranks leaves a rank with no skewers; its all-reduce must still use
+    the rank's device (NCCL refuses CPU tensors: the other ranks would hang in the collective)."""
+    devices = []
+
+    def record(values, info):
+        devices.append(values.device)
+        return torch.zeros(values.shape, dtype=values.dtype)  # no optical depths on any rank
+
+    monkeypatch.setattr(lya, "_sum_over_ranks", record)
+    info = DistInfo(rank=1, local_rank=1, world_size=2, device=torch.device("meta"))  # stands in for the rank's GPU
+    with pytest.raises(ValueError, match="no optical depths"):
+        lya.solve_amplitude([], 0.7, info)
+    assert devices == [torch.device("meta")]

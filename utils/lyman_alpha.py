@@ -203,7 +203,8 @@ def solve_amplitude(tau, mean_flux, info=None, newton_steps=3):
     if not 0 < mean_flux < 1:
         raise ValueError(f"mean_flux must be in (0, 1), got {mean_flux}")
     parts = [tau] if torch.is_tensor(tau) else list(tau)
-    device = parts[0].device if parts else torch.device("cpu")
+    # A rank with no samples still joins the all-reduces, on its own device (NCCL refuses CPU tensors).
+    device = parts[0].device if parts else (info.device if info is not None else torch.device("cpu"))
     low, high = _LOG10_TAU_RANGE
     scale = _LOG10_TAU_BINS / (high - low)
     sums = torch.zeros(2 * _LOG10_TAU_BINS, dtype=torch.float64, device=device)
