@@ -155,6 +155,23 @@ def test_profiling_off_costs_nothing_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_nvtx_window_brackets_its_steps_for_nsys(tmp_path, monkeypatch):
+    """The CUDA calls of --enable_manual_profiling, recorded (no GPU here): the capture range opens after the
+    host has waited for earlier steps, closes after the window's kernels finished, and the ranges pair up."""
+    calls = []
+    for module, name in ((torch.cuda, "synchronize"), (torch.cuda.profiler, "start"), (torch.cuda.profiler, "stop"),
+                         (torch.cuda.nvtx, "range_push"), (torch.cuda.nvtx, "range_pop")):
+        monkeypatch.setattr(module, name, lambda *args, name=name: calls.append((name, *args)))
+    params = load_config("quickstart", overrides={"enable_manual_profiling": True, "profile_window": [2, 4]})
+    profiled_run(Profiler(params, tmp_path, torch.device("cuda")), 6)
+    window = [call for call in calls if call[0] in ("synchronize", "start", "stop")]
+    assert window == [("synchronize",), ("start",), ("synchronize",), ("stop",)]
+    start, stop = calls.index(("start",)), calls.index(("stop",))
+    inside = [call[1] for call in calls[start:stop] if call[0] == "range_push"]
+    assert inside == ["step", "data copy", "forward", "backward", "optimizer"] * 2  # steps 2 and 3
+    assert [c[0] for c in calls].count("range_push") == [c[0] for c in calls].count("range_pop") == 6 * 5
+
+
 def test_profile_window_must_be_a_nonempty_range(tmp_path):
     params = load_config("quickstart", overrides={"profile_window": [5, 5]})
     with pytest.raises(ConfigError, match="0 < start < stop"):

@@ -86,6 +86,7 @@ class Profiler:
                     self._stop_trace(self.stop)
         if self.nvtx:
             if global_step == self.start:
+                torch.cuda.synchronize()  # the host runs steps ahead: earlier steps' kernels stay out of the range
                 torch.cuda.profiler.start()  # cudaProfilerStart: nsys --capture-range=cudaProfilerApi begins here
                 self.cuda_profiler_running = True
             elif global_step == self.stop:
