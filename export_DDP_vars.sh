@@ -9,6 +9,9 @@
 #   MASTER_ADDR host of rank 0: first node of the step (block distribution puts rank 0 there)
 #   MASTER_PORT 29500 unless already set (MASTER_PORT=29611 sbatch ...): change it when two jobs
 #               can share a node, or they collide on the rendezvous port.
+#   CUDA_VISIBLE_DEVICES  reversed (0,1,2,3 -> 3,2,1,0) when REVERSE_GPUS=1 (submit_pm.sh on GPU
+#               nodes): on Perlmutter local rank 0's cores are nearest GPU 3. Done here, in the task,
+#               because srun sets each task's CUDA_VISIBLE_DEVICES itself.
 
 if [[ -z ${SLURM_PROCID:-} || -z ${SLURM_STEP_ID:-} ]]; then
     # In the batch script itself SLURM_PROCID is 0 and SLURM_NTASKS is the job's: a lone python
@@ -30,3 +33,11 @@ else
 fi
 export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-29500}
+if [[ ${REVERSE_GPUS:-0} == 1 && -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    IFS=, read -ra _gpus <<<"$CUDA_VISIBLE_DEVICES"
+    _reversed=()
+    for (( _i = ${#_gpus[@]} - 1; _i >= 0; _i-- )); do _reversed+=("${_gpus[_i]}"); done
+    CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${_reversed[*]}")
+    export CUDA_VISIBLE_DEVICES
+    unset _gpus _reversed _i
+fi

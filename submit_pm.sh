@@ -64,12 +64,10 @@ if (( CPU_ONLY )); then
     # Without this every rank starts one thread per core of the node and the ranks oversubscribe it.
     export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 else
-    # Perlmutter: GPU 3 is closest to the first cores, which Slurm gives to local rank 0;
-    # reversing the allocated GPUs (0,1,2,3 -> 3,2,1,0) pairs each rank with the GPU on its NUMA domain.
-    if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
-        CUDA_VISIBLE_DEVICES=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | tac | paste -sd,)
-        export CUDA_VISIBLE_DEVICES
-    fi
+    # Perlmutter: GPU 3 is closest to the first cores, which Slurm gives to local rank 0; each task
+    # reverses its GPU list (0,1,2,3 -> 3,2,1,0) in export_DDP_vars.sh, so each rank drives the GPU on
+    # its NUMA domain. (Not here: srun sets every task's CUDA_VISIBLE_DEVICES anew.)
+    export REVERSE_GPUS=1
     # NERSC's advice for NCCL over Slingshot: libfabric's default memory-registration cache monitor can hang it.
     export FI_MR_CACHE_MONITOR=userfaultfd
 fi

@@ -195,6 +195,16 @@ def test_export_ddp_vars_without_scontrol_uses_the_launch_node(tmp_path):
     assert result.stdout.split() == ["5", "1", "8", "10.1.2.3", "29611"], result.stderr
 
 
+@pytest.mark.parametrize("reverse, visible, expected", [("1", "0,1,2,3", "3,2,1,0"), ("1", "2", "2"),
+                                                        ("0", "0,1,2,3", "0,1,2,3"), (None, "0,1", "0,1")])
+def test_export_ddp_vars_reverses_the_tasks_gpus_when_asked(tmp_path, reverse, visible, expected):
+    env = {**TASK_ENV, "CUDA_VISIBLE_DEVICES": visible, **({"REVERSE_GPUS": reverse} if reverse else {})}
+    script = f"source {REPO_ROOT / 'export_DDP_vars.sh'} && echo $CUDA_VISIBLE_DEVICES $RANK"
+    result = subprocess.run(["/bin/bash", "-c", script], env={"PATH": str(tmp_path), **env}, capture_output=True,
+                            text=True)
+    assert result.stdout.split() == [expected, "5"], result.stderr
+
+
 def test_export_ddp_vars_refuses_outside_a_slurm_task():
     batch_env = {k: v for k, v in TASK_ENV.items() if k != "SLURM_STEP_ID"}  # the batch script's own shell
     result = source_export_ddp_vars(batch_env, os.environ["PATH"])
