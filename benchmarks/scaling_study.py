@@ -24,6 +24,7 @@ train.py unchanged. Runs go to --expdir (a new temporary folder by default).
 """
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -68,14 +69,22 @@ def parse_args(argv=None):
         parser.error("--metric epoch needs --num_epochs >= 2: the first epoch includes warm-up")
     if args.launcher == "slurm" and "SLURM_JOB_ID" not in os.environ:
         parser.error("--launcher slurm runs srun inside an allocation; start it from salloc or an sbatch script")
+    if args.launcher == "slurm" and not os.environ.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        parser.error("--launcher slurm packs the ranks onto as few nodes as possible, one per GPU: start the "
+                     "allocation with --ntasks-per-node (the GPUs per node, e.g. salloc -N 8 --ntasks-per-node 4 ...)")
     return args
 
 
 def launch_command(launcher, num_ranks):
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_ranks}"]
-    # srun does not pass the allocation's --cpus-per-task on to the step (Slurm >= 22.05).
-    return ["srun", f"--ntasks={num_ranks}", f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}",
+    # Packed: without --nodes, srun spreads a 4-rank step over 4 nodes of an 8-node allocation, and the
+    # study would time inter-node traffic where one node's NVLink is meant. srun does not pass the
+    # allocation's --cpus-per-task on to the step (Slurm >= 22.05).
+    per_node = int(os.environ["SLURM_NTASKS_PER_NODE"])
+    return ["srun", f"--nodes={math.ceil(num_ranks / per_node)}", f"--ntasks={num_ranks}",
+            f"--ntasks-per-node={min(num_ranks, per_node)}",
+            f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}",
             "bash", "-c", 'source export_DDP_vars.sh && exec "$@"', "task", sys.executable]
 
 

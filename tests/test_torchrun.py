@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.scaling_study import StudyError, benchy_throughput, epoch_throughput, weak_scaling_rows
+from benchmarks.scaling_study import (StudyError, benchy_throughput, epoch_throughput, launch_command,
+                                      weak_scaling_rows)
 
 pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
 
@@ -64,3 +65,12 @@ def test_benchy_throughput_is_the_whole_jobs_full_mean():
     assert benchy_throughput(record, 4) == 85.0
     with pytest.raises(StudyError, match="world_size=4, expected 8"):
         benchy_throughput(record, 8)
+
+
+@pytest.mark.parametrize("ranks, nodes, per_node", [(1, 1, 1), (4, 1, 4), (8, 2, 4), (32, 8, 4)])
+def test_slurm_steps_are_packed_onto_as_few_nodes_as_the_ranks_need(monkeypatch, ranks, nodes, per_node):
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "32")
+    command = launch_command("slurm", ranks)
+    assert command[:5] == ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={per_node}",
+                           "--cpus-per-task=32"]
