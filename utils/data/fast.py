@@ -246,6 +246,7 @@ class DevicePrefetcher:
 
     def __init__(self, loader, device, memory_format=torch.contiguous_format):
         self.loader, self.device, self.memory_format = loader, torch.device(device), memory_format
+        self.copy_stream = None  # made once (see utils/data/gpu.py: the pool of streams is shared with NCCL)
         self.dataset = getattr(loader, "dataset", None)  # train.py reads loader.dataset, as of a DataLoader
 
     def __len__(self):
@@ -261,7 +262,9 @@ class DevicePrefetcher:
         if self.device.type != "cuda":
             yield from self.loader
             return
-        copy_stream = torch.cuda.Stream(self.device)
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(self.device)
+        copy_stream = self.copy_stream
         host_batches = iter(self.loader)
         pending = self._copy(next(host_batches, None), copy_stream)
         while pending is not None:

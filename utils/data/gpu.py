@@ -101,6 +101,9 @@ class GPUResidentLoader(PlannedLoader):
         super().__init__(sampler)
         self.spec, self.device, self.memory_format = spec, torch.device(device), memory_format
         self.prefetch = prefetch and self.device.type == "cuda"
+        # One side stream for the loader's life: torch.cuda.Stream() hands out a fixed pool round robin (NCCL
+        # draws from it too), so a new one per epoch would, after a few dozen, share a stream with all-reduces.
+        self.side = torch.cuda.Stream(self.device) if self.prefetch else None
         dtype = STORAGE_DTYPES[storage_dtype]
         check_device_memory(spec.path, dtype, self.device, spec.split)
         self.inp = load_volume(spec.path, "Nbody", dtype, self.device, progress)  # (C_in, N, N, N)
@@ -123,7 +126,7 @@ class GPUResidentLoader(PlannedLoader):
             for batch in slices:
                 yield self.make_batch(corners[batch], elements[batch])
             return
-        side = torch.cuda.Stream(self.device)
+        side = self.side
         side.wait_stream(torch.cuda.current_stream(self.device))  # the plan's copies above
         for table in (corners, elements):
             table.record_stream(side)  # read there; freed here if the consumer stops early
