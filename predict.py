@@ -49,7 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch_size", type=int, default=8, help="windows per forward pass (default: 8)")
     parser.add_argument("--device", choices=["cuda", "cpu"], help="(default: cuda when available)")
     parser.add_argument("--amp_mode", choices=["none", "bf16"], default="none",
-                        help="autocast precision (default: none)")
+                        help="autocast precision (default: none, i.e. fp32 with TF32 off on a GPU)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
     parser.add_argument("--lyman_alpha", action=argparse.BooleanOptionalAction, default=True,
                         help="Lyman-alpha flux statistics of the whole box (default: on)")
@@ -76,6 +76,8 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # one window shape: pick the fastest conv algorithms once
+        # --amp_mode none is fp32, as on the CPU: PyTorch's default would let cuDNN convolutions run in TF32
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
 
     model, params, checkpoint, step = load_trained_model(args.checkpoint, device)
     box = check_input(input_path, params.N_in_channels)
