@@ -1,6 +1,6 @@
 """What only a CUDA GPU can check: graph capture and replay, the capturable optimizer's schedule, resuming
 a graph run, the GPU-resident loader, the pinned prefetcher, cuDNN kernels for bf16 3D convolutions, MFU
-and peak memory.
+and peak memory, and the collectives and DDP on NCCL (a one-rank group).
 
     python -m pytest -q tests/test_gpu.py     # on a GPU machine: about a minute; every test skips elsewhere
 
@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import yaml
 
@@ -354,3 +355,41 @@ def test_reference_model_mfu_and_peak_memory_are_plausible():
     resident = torch.cuda.memory_allocated(CUDA)
     assert 16 * num_params <= resident < summary["peak_memory_gb"] * 1e9 < 16e9, (resident, summary)
     assert summary["peak_memory_reserved_gb"] >= summary["peak_memory_gb"]  # the pools hold what was allocated
+
+
+# --- NCCL ----------------------------------------------------------------------------------------
+def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path, monkeypatch):
+    """One GPU cannot hold two NCCL ranks, but NCCL refuses CPU tensors in a one-rank group all the same (the
+    CPU tests run gloo, which takes them): the run's collectives and DDP with the bf16 hook on the real backend."""
+    from utils import lyman_alpha
+    from utils.distributed import DistInfo, all_reduce_sum
+    from utils.run_control import RunControl
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            device_id=CUDA)
+    try:
+        devices, real_all_reduce = [], dist.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            devices.append(tensor.device)
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        info = DistInfo(rank=0, local_rank=0, world_size=2, device=CUDA)  # 'enabled': the multi-rank code paths
+        assert all_reduce_sum([1.5, 2.0], info) == [1.5, 2.0]
+        control = RunControl(info)
+        try:
+            assert control.agree(checkpoint_due=True) == (False, None, True)
+        finally:
+            control.close()
+        with pytest.raises(ValueError, match="no optical depths"):
+            lyman_alpha.solve_amplitude([], 0.7, info)  # a rank left without validation samples
+        assert len(devices) == 3 and all(device == CUDA for device in devices), devices
+
+        state = training.build_training(tiny_params(**TINY_CUDA, ddp_comm_hook="bf16"), info)
+        assert any("DDP (nccl)" in note for note in state.notes), state.notes
+        before = flat_weights(state.model)
+        (inp, tar), = device_batches(tiny_params, count=1)
+        assert torch.isfinite(training.eager_step(state, inp, tar)).item()
+        assert not torch.equal(flat_weights(state.model), before)
+    finally:
+        dist.destroy_process_group()
