@@ -10,8 +10,10 @@ Each batch is then made on the device by a handful of batched kernels, with no h
 rank's crop plan of the epoch, ``sampler.epoch_plan()``, is copied to the device once per epoch and
 cut into the sampler's batches there). With ``prefetch`` (``gpu_prefetch: true``, the default) the
 next batch is made on a side CUDA stream while the consumer's step runs: the gathers are
-memory-bound and the convolutions compute-bound, so the two can share the GPU. A symmetry element moves new spatial
-axis k to old axis perm[k], reversed if flip[k], so output position j along new axis k reads
+memory-bound and the convolutions compute-bound, so the two can share the GPU.
+
+A symmetry element moves new spatial axis k to old axis perm[k], reversed if flip[k], so output
+position j along new axis k reads
 
     old coordinate along axis perm[k] = corner[perm[k]] + (S - 1 - j if flip[k] else j),
 
