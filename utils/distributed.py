@@ -61,8 +61,10 @@ def init_distributed(device_kind="auto"):
         count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
         if local_rank < count:
             index = local_rank  # every GPU of the node visible (torchrun, srun --gpu-bind=none)
-        elif count == 1 and visible.strip() and "," not in visible:
-            index = 0  # the launcher bound one GPU to each task (srun --gpus-per-task=1, --gpu-bind=single:1)
+        elif count == 1 and visible.strip() and "," not in visible and "LOCAL_WORLD_SIZE" not in os.environ:
+            # Slurm bound one GPU to each task (srun --gpus-per-task=1, --gpu-bind=single:1); torchrun, which
+            # sets LOCAL_WORLD_SIZE, never does: there it would put two ranks on one GPU.
+            index = 0
         else:
             raise ConfigError(f"LOCAL_RANK={local_rank} but only {count} GPU(s) are visible: start at most {count} "
                               f"rank(s) per node, or add --device cpu to train on the CPU with gloo")
