@@ -209,9 +209,10 @@ class DaliLoader(PlannedLoader):
     @staticmethod
     def _to_torch(batch, size):
         # No copy: the dynamic executor's output buffers live as long as the tensor that views
-        # them, and DLPack orders GPU reads after DALI's writes on the consumer's stream. Not
-        # ordered (unchecked, open): DALI reusing a buffer the consumer dropped while kernels that
-        # read it are still queued on the consumer's stream (README section 5).
+        # them, and DLPack orders GPU reads after DALI's writes on the consumer's stream (DALI's
+        # own PyTorch iterator hands its outputs over the same way). Unchecked here: that DALI
+        # reuses a buffer the consumer dropped only after kernels still queued on the consumer's
+        # stream have read it (README section 5).
         return torch.from_dlpack(batch.as_tensor())[:size]  # drop the padding of a short last batch
 
     def __iter__(self):
