@@ -232,18 +232,22 @@ def test_gpu_resident_batches_are_the_cpu_batches_on_the_device(tiny_params, sto
             assert 0 < rounding <= 2 ** -12  # half an ulp of fp16 for values in [0.5, 1)
 
 
-def test_gpu_resident_batches_made_on_the_side_stream_are_waited_for(tiny_params, monkeypatch):
+@pytest.mark.parametrize("late", ["side stream", "consumer stream"])
+def test_gpu_resident_batches_made_on_the_side_stream_are_handed_over_safely(tiny_params, monkeypatch, late):
+    """'side stream': each batch is made late, so the consumer must wait for it (wait_event). 'consumer stream':
+    the consumer is late, so batches it has dropped but not yet read must not be reused (record_stream)."""
     params = tiny_params(Nsamples=64, data_size=16, fast_loader=False)  # 16 batches of 4
     reference, reference_sampler = get_data_loader(params, "train")
     resident, sampler = get_gpu_loader(params, "train", device=CUDA, storage_dtype="fp32", prefetch=True)
     assert resident.prefetch and "side stream" in resident.description
-    make = resident.make_batch
+    if late == "side stream":
+        make = resident.make_batch
 
-    def late_make(corners, elements):
-        torch.cuda._sleep(SLEEP_CYCLES)  # on the side stream: each batch is late unless the consumer waits for it
-        return make(corners, elements)
+        def late_make(corners, elements):
+            torch.cuda._sleep(SLEEP_CYCLES)  # queued on the side stream, before the batch's gathers
+            return make(corners, elements)
 
-    monkeypatch.setattr(resident, "make_batch", late_make)
+        monkeypatch.setattr(resident, "make_batch", late_make)
     for epoch in (1, 2):
         reference_sampler.set_epoch(epoch)
         sampler.set_epoch(epoch)
@@ -251,10 +255,12 @@ def test_gpu_resident_batches_made_on_the_side_stream_are_waited_for(tiny_params
         torch.cuda.synchronize()
         mismatches = []
         for (expected_inp, expected_tar), (inp, tar) in zip(expected, resident, strict=True):
+            if late == "consumer stream":
+                torch.cuda._sleep(SLEEP_CYCLES)  # the step before this one is still running
             mismatches.append((inp != expected_inp).sum() + (tar != expected_tar).sum())  # queued on this stream
-            del inp, tar  # only record_stream keeps the side stream from reusing the memory for a later batch
+            del inp, tar  # dropped before it is read: only record_stream keeps the memory from later batches
         torch.cuda.synchronize()
-        assert [int(m) for m in mismatches] == [0] * len(expected) == [0] * 16, epoch
+        assert [int(m) for m in mismatches] == [0] * len(expected) == [0] * 16, (late, epoch)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])

@@ -100,14 +100,13 @@ def read_scalars(log_dir):
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("gpus, visible, local_rank, torchrun, expected", [
-    (4, None, 3, True, "cuda:3"),      # torchrun or srun --gpu-bind=none: every GPU of the node, pick ours
-    (1, "2", 2, False, "cuda:0"),      # srun --gpus-per-task=1: the one GPU the task sees is its own
-    (1, "2", 1, True, "only 1 GPU"),   # torchrun with CUDA_VISIBLE_DEVICES=2: two ranks, one GPU
-    (1, None, 1, False, "only 1 GPU"),  # a one-GPU node with two ranks on it
-    (2, "0,1", 3, False, "only 2 GPU"),  # more ranks than GPUs
+@pytest.mark.parametrize("gpus, gpus_per_task, local_rank, expected", [
+    (4, None, 3, "cuda:3"),            # torchrun or srun --gpu-bind=none: every GPU of the node, pick ours
+    (1, "1", 2, "cuda:0"),             # srun --gpus-per-task=1: the one GPU the task sees is its own
+    (1, None, 1, "only 1 GPU"),        # two ranks, one GPU (a one-GPU node, or CUDA_VISIBLE_DEVICES=0)
+    (2, "2", 3, "only 2 GPU"),         # more ranks than GPUs
 ])
-def test_each_rank_takes_its_gpu_however_the_launcher_binds_them(monkeypatch, gpus, visible, local_rank, torchrun,
+def test_each_rank_takes_its_gpu_however_the_launcher_binds_them(monkeypatch, gpus, gpus_per_task, local_rank,
                                                                  expected):
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -116,14 +115,10 @@ def test_each_rank_takes_its_gpu_however_the_launcher_binds_them(monkeypatch, gp
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     monkeypatch.setenv("RANK", str(local_rank))
     monkeypatch.setenv("WORLD_SIZE", "1")  # no process group: only the device choice is under test
-    if torchrun:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_rank + 1))
+    if gpus_per_task is None:
+        monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
     else:
-        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        monkeypatch.setenv("SLURM_GPUS_PER_TASK", gpus_per_task)
     if expected.startswith("cuda"):
         assert str(init_distributed("auto").device) == expected and [str(d) for d in chosen] == [expected]
     else:

@@ -379,8 +379,8 @@ class AsyncCheckpointer:
       construction.
     - Statistics for benchmarks: ``saves``, ``stall_seconds`` (per save, the time the caller was blocked:
       from ``started``, waiting for the previous write included), ``wait_seconds`` (per save, the part of
-      the stall spent waiting for the previous write or the buffers' pinning: zero when saves are further
-      apart than a write takes), ``write_seconds`` and ``write_bytes`` (per finished write).
+      the stall spent waiting for the previous write: zero when saves are further apart than a write
+      takes), ``write_seconds`` and ``write_bytes`` (per finished write).
     """
 
     def __init__(self, directory, every_minutes=0.0, log=None, clock=None):
@@ -438,10 +438,10 @@ class AsyncCheckpointer:
         started = perf_counter() if started is None else started
         waiting = perf_counter()
         self.wait()  # one write in flight; raises the previous write's error
+        waited = perf_counter() - waiting
         if self._reserving is not None:
             self._reserving.exception()  # finished (a failure only means the buffers are pinned below instead)
             self._reserving = None
-        waited = perf_counter() - waiting
         _check_payload(payload, step, keep_last)
         self.last_save = self.clock()
         snapshot = self._snapshot(payload)

@@ -58,16 +58,16 @@ def init_distributed(device_kind="auto"):
     if use_cuda:
         if not torch.cuda.is_available():
             raise ConfigError("device: cuda, but no CUDA device is visible here; use --device cpu (or auto)")
-        count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        count = torch.cuda.device_count()
         if local_rank < count:
             index = local_rank  # every GPU of the node visible (torchrun, srun --gpu-bind=none)
-        elif count == 1 and visible.strip() and "," not in visible and "LOCAL_WORLD_SIZE" not in os.environ:
-            # Slurm bound one GPU to each task (srun --gpus-per-task=1, --gpu-bind=single:1); torchrun, which
-            # sets LOCAL_WORLD_SIZE, never does: there it would put two ranks on one GPU.
-            index = 0
+        elif count == 1 and os.environ.get("SLURM_GPUS_PER_TASK") == "1":
+            index = 0  # srun --gpus-per-task=1: the one GPU this task sees is its own
         else:
             raise ConfigError(f"LOCAL_RANK={local_rank} but only {count} GPU(s) are visible: start at most {count} "
-                              f"rank(s) per node, or add --device cpu to train on the CPU with gloo")
+                              f"rank(s) per node (under Slurm with one GPU per task: --gpus-per-task=1, or "
+                              f"--gpu-bind=none to show each task all of them), or add --device cpu to train on "
+                              f"the CPU with gloo")
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
