@@ -465,7 +465,8 @@ class Suite:
             return
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"]
         # Within the budget, so the suite still ends with its PASS/FAIL lines (and h still gets its turn to SKIP).
-        timeout = 600 if self.budget_s is None else max(60, self.budget_s - (time.perf_counter() - self.started) - 10)
+        left = None if self.budget_s is None else self.budget_s - (time.perf_counter() - self.started)
+        timeout = 600 if left is None else max(60, left - 10)
         self.log(f"$ {' '.join(command[1:])}   (timeout {timeout:.0f} s)")
         try:
             result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)

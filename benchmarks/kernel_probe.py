@@ -9,10 +9,11 @@ channels-last-3d -- one forward and backward pass runs under ``torch.profiler``.
 classified from the profiler's op and kernel names:
 
 - ``cudnn``: an ``aten::cudnn_convolution*`` op, or cuDNN/CUTLASS-style kernels, and no slow op;
-- ``slow``: ``aten::slow_conv3d*`` / ``aten::slow_conv_transpose3d*`` or PyTorch's ``vol2col``/``col2vol``/
-  ``im2col`` kernels (``at::native::``; cuDNN's own im2col kernels are cuDNN): PyTorch's native fallback, 4-20x slower and memory hungry. PyTorch 2.9
-  disabled cuDNN for 3D bf16/fp16 convolutions with cuDNN in [9.8, 9.15) (pytorch issues 163539,
-  166122), so this is checked, not assumed;
+- ``slow``: ``aten::slow_conv3d*`` / ``aten::slow_conv_transpose3d*`` or PyTorch's ``vol2col``/
+  ``col2vol``/``im2col`` kernels (``at::native::``; cuDNN's own im2col kernels are cuDNN): PyTorch's
+  native fallback, 4-20x slower and memory hungry. PyTorch 2.9 disabled cuDNN for 3D bf16/fp16
+  convolutions with cuDNN in [9.8, 9.15) (pytorch issues 163539, 166122), so this is checked, not
+  assumed;
 - ``unknown``: neither (reported, counted as a failure: look at the kernel names).
 
 Then the pass is timed with CUDA events (median of ``--repeats``), giving TFLOP/s per case. By

@@ -237,6 +237,17 @@ class FastLoader(PlannedLoader):
         return tuple(map(torch.from_numpy, views))
 
 
+def hand_over(batch, ready, device):
+    """``batch``, made on a side stream up to the event ``ready``, for use on ``device``'s current stream (the
+    consumer's, at this call): that stream waits for ``ready``, and the tensors are marked used there, or the
+    caching allocator could hand their memory to the next side-stream batch while the consumer still reads it."""
+    stream = torch.cuda.current_stream(device)
+    stream.wait_event(ready)
+    for tensor in batch:
+        tensor.record_stream(stream)
+    return batch
+
+
 class DevicePrefetcher:
     """Copies batch i+1 to ``device`` on a side CUDA stream while step i runs; on CPU, a passthrough.
 
@@ -269,12 +280,7 @@ class DevicePrefetcher:
         pending = self._copy(next(host_batches, None), copy_stream)
         while pending is not None:
             host, batch, copied = pending
-            compute_stream = torch.cuda.current_stream(self.device)  # the consumer's, at this next()
-            compute_stream.wait_event(copied)  # the step queued after this yield reads the batch
-            for tensor in batch:
-                # Allocated on the copy stream, used on the compute stream: without this the caching
-                # allocator could hand the memory to the next copy while the step still reads it.
-                tensor.record_stream(compute_stream)
+            hand_over(batch, copied, self.device)  # the step queued after this yield reads the batch
             pending = self._copy(next(host_batches, None), copy_stream)  # overlaps with this step
             copied.synchronize()  # only now may the host buffer be refilled (long done: queued a step ago)
             del host

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from utils import symmetry
+from utils.data.fast import hand_over
 from utils.data.files import check_data_file
 from utils.data.spec import VECTOR_CHANNELS, PlannedLoader, ShardedSampler, SplitSpec, build_sampler
 from utils.errors import DataError
@@ -144,20 +145,10 @@ class GPUResidentLoader(PlannedLoader):
         for batch in slices:
             upcoming = start(batch)  # queued before the consumer queues the step of the batch handed over now
             if pending is not None:
-                yield self.hand_over(*pending)
+                yield hand_over(*pending, self.device)
             pending = upcoming
         if pending is not None:
-            yield self.hand_over(*pending)
-
-    def hand_over(self, made, ready):
-        """``made`` for use on the consumer's current stream, once ``ready`` (recorded on the side stream)."""
-        stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(ready)
-        for tensor in made:
-            # Allocated on the side stream, used on this one: the allocator must not reuse the memory for a
-            # later batch until this stream is done with it.
-            tensor.record_stream(stream)
-        return made
+            yield hand_over(*pending, self.device)
 
     def make_batch(self, corners, elements):
         """(inp, tar) of the crops at ``corners`` (B, 3) moved by the symmetry ``elements`` (B,)."""
