@@ -9,12 +9,15 @@ forward + backward time of each form of it (networks/conv_forms.py; all compute 
 - ``native``: nn.Conv3d / nn.ConvTranspose3d (kernel 4, stride 2, padding 1), as the model runs;
 - ``rewritten``: as a stride-1 kernel-2 convolution (space-to-depth for Conv3d, sub-pixel for
   ConvTranspose3d);
-- ``padded`` (first and last layer only): the 4 input / 5 output channels zero-padded to 8.
+- ``padded`` (first and last layer only, where it differs from native): the 4 input / 5 output
+  channels zero-padded to 8.
 
 Then whole training steps (model, L1 loss, backward, fused Adam) with every layer native, every layer
-rewritten, and every layer in its fastest form, and the share of the native step the convolutions
-take. Median of CUDA-event timings after warm-up (cuDNN autotuning on). The GPU suite runs this as
-its part h (benchmarks/gpu_suite.py); ``measure`` returns what it prints.
+rewritten, and every layer in its fastest form, set as training sets them (``UNet.set_conv_forms``,
+the config key ``conv_forms``), and the share of the native step the convolutions take. The last line
+prints the ``--conv_forms`` value of the fastest step, to pass to train.py. Median of CUDA-event
+timings after warm-up (cuDNN autotuning on). The GPU suite runs this as its part h
+(benchmarks/gpu_suite.py); ``measure`` returns what it prints.
 """
 import argparse
 import json
@@ -30,8 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from networks.UNet import UNet  # noqa: E402
-from networks.conv_forms import (conv3d_padded_in, conv3d_s2d, conv_transpose3d_padded_out,  # noqa: E402
-                                 conv_transpose3d_subpixel)
+from networks.conv_forms import describe_conv_forms, stride2_conv  # noqa: E402
 
 REFERENCE_CHANNELS = [64, 128, 256, 512, 512, 512]
 
@@ -56,36 +58,19 @@ def timed(function, device, repeats=10, warmup=3):
     return statistics.median(times)
 
 
-def layers(model):
-    """The model's convolutions in forward order, with names."""
-    found = [(f"down{i}", block[0]) for i, block in enumerate(model.down)]
-    found += [(f"up{i}", block[0]) for i, block in enumerate(model.up)] + [("last", model.conv_last)]
-    return found
-
-
-def forms(name, module, first, last):
-    """{form name: function(x, weight, bias)} of one convolution, the native one included."""
-    if isinstance(module, nn.ConvTranspose3d):
-        found = {"native": lambda x, w, b: F.conv_transpose3d(x, w, b, stride=2, padding=1),
-                 "rewritten": conv_transpose3d_subpixel}
-        if name == last:
-            found["padded"] = conv_transpose3d_padded_out
-    else:
-        found = {"native": lambda x, w, b: F.conv3d(x, w, b, stride=2, padding=1), "rewritten": conv3d_s2d}
-        if name == first:
-            found["padded"] = conv3d_padded_in
-    return found
-
-
-def use_form(module, function):
-    """Make ``module`` run ``function(x, weight, bias)``; parameters and checkpoints unchanged."""
-    module.forward = lambda x, m=module: function(x, m.weight, m.bias)
+def forms(module):
+    """{form name: function(x, weight, bias)} of one convolution: native, rewritten, and padded where its channel
+    counts are not multiples of 8 (elsewhere padded is the native form)."""
+    transposed = isinstance(module, nn.ConvTranspose3d)
+    ragged = (module.out_channels if transposed else module.in_channels) % 8
+    return {form: lambda x, w, b, form=form: stride2_conv(x, w, b, transposed, form)
+            for form in ("native", "rewritten") + (("padded",) if ragged else ())}
 
 
 def layer_inputs(model, batch, crop, device):
     """The input each convolution sees on a crop^3 batch (recorded by forward pre-hooks)."""
     inputs, handles = {}, []
-    for name, module in layers(model):
+    for name, module in model.conv_layers():
         handles.append(module.register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__(
             name, args[0].detach().clone())))
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
@@ -102,14 +87,13 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
-    names = [name for name, _ in layers(model)]
     inputs = layer_inputs(model, batch, crop, device)
     results = {"setup": {"batch": batch, "crop": crop, "model_channels": channels, "device": str(device),
                          "precision": "bf16 autocast, channels-last-3d"}, "layers": [], "steps": {}}
     best = {}
-    for name, module in layers(model):
+    for name, module in model.conv_layers():
         x = inputs[name].requires_grad_(name != "down0")  # training never needs the first layer's input gradient
-        candidates = forms(name, module, names[0], names[-1])
+        candidates = forms(module)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
             reference = candidates["native"](x, module.weight, module.bias).float()
         row = {"layer": name, "input_shape": list(x.shape), "ms": {}, "relative_error_bf16": {}}
@@ -137,9 +121,8 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     for variant in ("native", "rewritten", "best"):
         torch.manual_seed(0)
         model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
-        chosen = {name: {"native": "native", "rewritten": "rewritten", "best": best[name]}[variant] for name in names}
-        for name, module in layers(model):
-            use_form(module, forms(name, module, names[0], names[-1])[chosen[name]])
+        spec = describe_conv_forms(best) if variant == "best" else variant
+        chosen = model.set_conv_forms(spec)  # as train.py's --conv_forms sets them
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
         def step():
@@ -151,6 +134,7 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
 
         ms = timed(step, device, repeats=max(3, repeats + 5), warmup=5)
         results["steps"][variant] = {"ms": round(ms, 2), "samples_per_s": round(batch * 1e3 / ms, 1),
+                                     "conv_forms": spec,
                                      "forms": {name: form for name, form in chosen.items() if form != "native"}}
         log(f"train step, {variant:9s}: {ms:7.2f} ms = {batch * 1e3 / ms:6.0f} samples/s (not native: "
             f"{', '.join(f'{n} {f}' for n, f in results['steps'][variant]['forms'].items()) or 'none'})")
@@ -161,6 +145,10 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     results["conv_share_of_native_step"] = round(native_sum / results["steps"]["native"]["ms"], 3)
     log(f"the convolutions (forward + backward, timed alone) add up to {native_sum:.2f} ms, "
         f"{100 * results['conv_share_of_native_step']:.0f}% of the native step")
+    fastest = min(results["steps"], key=lambda variant: results["steps"][variant]["ms"])
+    results["fastest_conv_forms"] = results["steps"][fastest]["conv_forms"]
+    log(f"fastest step: {fastest} ({results['steps']['native']['ms'] / results['steps'][fastest]['ms']:.2f}x native); "
+        f"train with --conv_forms {results['fastest_conv_forms']}")
     return results
 
 

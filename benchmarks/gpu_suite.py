@@ -495,7 +495,8 @@ class Suite:
                    f"{len(result['layers'])} layers")
         steps = result["steps"]
         self.log(f"step with every layer in its fastest form: {steps['best']['samples_per_s']:.0f} samples/s vs "
-                 f"{steps['native']['samples_per_s']:.0f} native")
+                 f"{steps['native']['samples_per_s']:.0f} native; fastest step: --conv_forms "
+                 f"{result['fastest_conv_forms']}")
 
     def finish(self):
         self.save()
@@ -649,7 +650,8 @@ def markdown(results):
                   for row in forms["layers"]]
         lines += ["", "Whole steps: " + ", ".join(f"{variant} {step['samples_per_s']:.0f} samples/s"
                                                 for variant, step in forms["steps"].items())
-                  + f"; the convolutions alone are {100 * forms['conv_share_of_native_step']:.0f}% of the native step"]
+                  + f"; the convolutions alone are {100 * forms['conv_share_of_native_step']:.0f}% of the native step. "
+                  f"Fastest: `--conv_forms {forms['fastest_conv_forms']}`"]
     profile = results.get("profile")
     if profile and profile.get("top_kernels"):
         lines += ["", f"## Top kernels in the profiled steps {profile['window']}", "", "| share | ms | kernel |",

@@ -98,6 +98,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps_per_window", type=int, help="steps per timed window (default 10; 2)")
     parser.add_argument("--rungs", help="comma-separated subset of: " + ", ".join(r.name for r in RUNGS))
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated batch")
+    parser.add_argument("--conv_forms", default="native",
+                        help="the convolution forms of every rung (train.py's --conv_forms; networks/conv_forms.py)")
     parser.add_argument("--out", type=Path, help="results .json (a .md beside it); "
                                                  "default benchmarks/results/<device>.json")
     args = parser.parse_args(argv)
@@ -135,7 +137,7 @@ def rung_params(args, settings):
     overrides = {"model_channels": args.model_channels, "data_size": args.crop_size,
                  "global_batch_size": args.batch_size, "base_batch_size": args.batch_size,  # lr = start_lr
                  "amp_mode": "none", "enable_fused": False, "enable_apex": False, "enable_jit": False,
-                 "channels_last": False, **settings}
+                 "channels_last": False, "conv_forms": args.conv_forms, **settings}
     return load_config("base", overrides=overrides)
 
 
@@ -143,7 +145,8 @@ def describe(params, device):
     math_mode = params.amp_mode if params.amp_mode != "none" else (
         "tf32" if params.enable_tf32 and device.type == "cuda" else "fp32")
     extras = [name for name, on in (("fused Adam", params.enable_fused), ("compile", params.enable_jit),
-                                    ("channels-last", params.channels_last)) if on]
+                                    ("channels-last", params.channels_last),
+                                    (f"conv_forms={params.conv_forms}", params.conv_forms != "native")) if on]
     return ", ".join([math_mode] + extras)
 
 
@@ -289,7 +292,11 @@ def main(argv=None):
     env = environment(device)
     params = rung_params(args, {})
     model = build_model(params)
-    setup = {"model_channels": params.model_channels, "num_parameters": sum(p.numel() for p in model.parameters()),
+    try:
+        model.set_conv_forms(args.conv_forms)
+    except ValueError as err:
+        sys.exit(f"ladder.py: --conv_forms: {err}")
+    setup = {"model_channels": params.model_channels, "conv_forms": args.conv_forms, "num_parameters": sum(p.numel() for p in model.parameters()),
              "forward_gflop_per_sample": model.flops_per_sample(args.crop_size) / 1e9,
              **{key: getattr(args, key) for key in ("batch_size", "crop_size", "loss_steps", "warmup_steps",
                                                     "windows", "steps_per_window", "seed")}}

@@ -36,6 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from networks.conv_forms import (StridedConv3d, StridedConvTranspose3d, describe_conv_forms, parse_conv_forms,
+                                 stride2_conv)
+
 UPSAMPLE_MODES = ("transposed", "resize_conv", "linear_conv", "transposed_blur")
 REFERENCE_LEAKY_RELU_SLOPE = 0.01  # nn.LeakyReLU()'s default, what the reference's down path uses
 
@@ -72,6 +75,7 @@ class ResizeConv3d(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels, *(self.kernel_size,) * 3))
         self.bias = nn.Parameter(torch.empty(out_channels))
         self.register_buffer("taps", torch.tensor(taps), persistent=False)
+        self.form = "native"  # how the transposed convolution is computed (networks/conv_forms.py)
         # The weight transform is linear: learned taps (k^3) -> transposed-convolution taps (4^3), one matmul.
         self.register_buffer("to_transposed", self._expand(torch.eye(self.kernel_size ** 3).view(
             -1, 1, *(self.kernel_size,) * 3)).reshape(self.kernel_size ** 3, 64), persistent=False)
@@ -96,7 +100,7 @@ class ResizeConv3d(nn.Module):
         return full.view(c_out, c_in, 4, 4, 4).transpose(0, 1)
 
     def forward(self, x):  # (B, C_in, S, S, S) -> (B, C_out, 2S, 2S, 2S)
-        return F.conv_transpose3d(x, self.transposed_weight().to(x.dtype), self.bias, stride=2, padding=1)
+        return stride2_conv(x, self.transposed_weight().to(x.dtype), self.bias, transposed=True, form=self.form)
 
     def literal(self, x):
         """The textbook form (more FLOPs): for tests and for readers."""
@@ -113,7 +117,7 @@ class ResizeConv3d(nn.Module):
                 f"kernel_size={self.kernel_size}{padding}")
 
 
-class BlurredConvTranspose3d(nn.ConvTranspose3d):
+class BlurredConvTranspose3d(StridedConvTranspose3d):
     """ConvTranspose3d(kernel 4, stride 2, padding 1) followed by a fixed [1, 2, 1] / 4 blur along each axis.
 
     The blur's response cos^2(k/2) per axis is zero at the Nyquist frequency, where the transposed
@@ -123,7 +127,7 @@ class BlurredConvTranspose3d(nn.ConvTranspose3d):
     """
 
     def __init__(self, in_channels, out_channels):
-        super().__init__(in_channels, out_channels, kernel_size=4, stride=2, padding=1)
+        super().__init__(in_channels, out_channels)
 
     def forward(self, x):
         return self.blur(super().forward(x))
@@ -141,7 +145,7 @@ class BlurredConvTranspose3d(nn.ConvTranspose3d):
 def upsampler(in_channels, out_channels, upsample="transposed"):
     """The stride-2 upsampling operator of the up path (see the module docstring)."""
     if upsample == "transposed":
-        return nn.ConvTranspose3d(in_channels, out_channels, kernel_size=4, stride=2, padding=1)
+        return StridedConvTranspose3d(in_channels, out_channels)
     if upsample == "resize_conv":
         return ResizeConv3d(in_channels, out_channels, "nearest")
     if upsample == "linear_conv":
@@ -153,7 +157,7 @@ def upsampler(in_channels, out_channels, upsample="transposed"):
 
 def down_conv(in_channels, out_channels, leaky_relu_slope=REFERENCE_LEAKY_RELU_SLOPE):
     return nn.Sequential(
-        nn.Conv3d(in_channels, out_channels, kernel_size=4, stride=2, padding=1),
+        StridedConv3d(in_channels, out_channels),
         nn.LeakyReLU(negative_slope=leaky_relu_slope, inplace=True),
     )
 
@@ -197,6 +201,21 @@ class UNet(nn.Module):
             x = torch.cat([x, skips.pop()], dim=1)
         return torch.tanh(self.conv_last(x))  # (B, C_out, S, S, S)
 
+    def conv_layers(self):
+        """[(name, module)] of the stride-2 (transposed) convolutions in forward order: down0, down1, ..., up0,
+        up1, ..., last: the names ``conv_forms`` uses."""
+        found = [(f"down{i}", block[0]) for i, block in enumerate(self.down)]
+        return found + [(f"up{i}", block[0]) for i, block in enumerate(self.up)] + [("last", self.conv_last)]
+
+    def set_conv_forms(self, spec):
+        """Compute each convolution in the form ``spec`` names (networks/conv_forms.py, ``parse_conv_forms``):
+        the same maths, other shapes for cuDNN; parameters and checkpoints unchanged. Returns {layer: form}."""
+        layers = self.conv_layers()
+        forms = parse_conv_forms(spec, [name for name, _ in layers])
+        for name, module in layers:
+            module.form = forms[name]
+        return forms
+
     def init_weights(self, conv_scale=0.02, conv_bias=0.0):
         for module in self.modules():
             if isinstance(module, (nn.Conv3d, nn.ConvTranspose3d, ResizeConv3d)):
@@ -222,8 +241,10 @@ class UNet(nn.Module):
     def describe(self, crop_size):
         """'upsample=..., leaky_relu_slope=..., N parameters, X GFLOP/sample forward': the start-up log's facts."""
         num_params = sum(p.numel() for p in self.parameters())
-        return (f"upsample={self.upsample}, leaky_relu_slope={self.down[0][1].negative_slope:g}, {num_params:,} "
-                f"parameters, {self.flops_per_sample(crop_size) / 1e9:.2f} GFLOP/sample forward")
+        forms = describe_conv_forms({name: module.form for name, module in self.conv_layers()})
+        return (f"upsample={self.upsample}, leaky_relu_slope={self.down[0][1].negative_slope:g}, "
+                + ("" if forms == "native" else f"conv_forms={forms}, ")
+                + f"{num_params:,} parameters, {self.flops_per_sample(crop_size) / 1e9:.2f} GFLOP/sample forward")
 
 
 def build_model(params):

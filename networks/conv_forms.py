@@ -17,9 +17,18 @@ same result, in shapes cuDNN may run faster.
 
 All take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
 few MB), so the modules, parameters and checkpoints stay the reference's.
+
+The U-Net builds its stride-2 layers as ``StridedConv3d`` / ``StridedConvTranspose3d`` (nn.Conv3d /
+nn.ConvTranspose3d with a ``form`` attribute), so training can run any layer in any form: the config
+key ``conv_forms`` (``UNet.set_conv_forms``; grammar in ``parse_conv_forms``). Forms change speed and
+bf16 rounding only, so they may change on resume. ``benchmarks/conv_variants.py`` measures which is
+fastest and prints the value to pass.
 """
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+FORMS = ("native", "rewritten", "padded")
 
 
 def _s2d_weight(weight):
@@ -91,8 +100,85 @@ def conv3d_padded_in(x, weight, bias, multiple=8):
 
 def conv_transpose3d_padded_out(x, weight, bias, multiple=8):
     """``F.conv_transpose3d(x, weight, bias, stride=2, padding=1)`` computed with the output channels
-    zero-padded to ``multiple``, then dropped (a channel slice of the padded result)."""
+    zero-padded to ``multiple``, then dropped: a channel slice of the padded result, copied into the input's
+    memory format (as the native form returns it, so the layers after it see the same layout)."""
     c_out = weight.shape[1]
+    memory_format = (torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d)
+                     else torch.contiguous_format)
     padded_bias = None if bias is None else _pad_channels(bias, 0, multiple)
     out = F.conv_transpose3d(x, _pad_channels(weight, 1, multiple).to(x.dtype), padded_bias, stride=2, padding=1)
-    return out[:, :c_out]
+    return out[:, :c_out].contiguous(memory_format=memory_format)
+
+
+def stride2_conv(x, weight, bias, transposed, form="native"):
+    """The kernel-4, stride-2, padding-1 (transposed) convolution of ``x`` computed in ``form``."""
+    if form == "native":
+        return (F.conv_transpose3d if transposed else F.conv3d)(x, weight, bias, stride=2, padding=1)
+    if form == "rewritten":
+        return (conv_transpose3d_subpixel if transposed else conv3d_s2d)(x, weight, bias)
+    if form == "padded":
+        return (conv_transpose3d_padded_out if transposed else conv3d_padded_in)(x, weight, bias)
+    raise ValueError(f"unknown convolution form {form!r}; choose from {', '.join(FORMS)}")
+
+
+def parse_conv_forms(spec, names):
+    """{layer name: form} for the layers ``names`` from a ``conv_forms`` value.
+
+    Comma-separated items, applied in order: a bare form (``native``, ``rewritten``, ``padded``) sets every
+    layer, ``NAME=FORM`` one layer. So ``native`` (the default), ``rewritten``, ``down0=padded,up2=rewritten``
+    or ``rewritten,last=padded``. ``padded`` pads channel counts to a multiple of 8 (the first layer's 4
+    inputs, the last layer's 5 outputs) and is the native form on layers whose counts already are.
+    Raises ValueError naming what was wrong.
+    """
+    forms = dict.fromkeys(names, "native")
+    items = [item.strip() for item in str(spec).split(",")]
+    if not all(items):
+        raise ValueError(f"conv_forms {spec!r} has an empty item; give e.g. 'native' or 'down0=padded,up1=rewritten'")
+    for item in items:
+        name, _, form = item.rpartition("=")
+        if form not in FORMS:
+            raise ValueError(f"conv_forms item {item!r}: unknown form {form!r}; choose from {', '.join(FORMS)}")
+        if not name:
+            forms = dict.fromkeys(names, form)
+        elif name in forms:
+            forms[name] = form
+        else:
+            raise ValueError(f"conv_forms item {item!r}: this model has no layer {name!r}; its layers are "
+                             f"{', '.join(names)}")
+    return forms
+
+
+def describe_conv_forms(forms):
+    """The shortest ``conv_forms`` value that selects ``forms`` ({layer: form}): 'native', 'rewritten,last=padded'..."""
+    counts = {form: list(forms.values()).count(form) for form in FORMS}
+    common = max(FORMS, key=lambda form: (counts[form], form == "native"))
+    rest = [f"{name}={form}" for name, form in forms.items() if form != common]
+    return ",".join(([common] if common != "native" or not rest else []) + rest)
+
+
+class StridedConv3d(nn.Conv3d):
+    """``nn.Conv3d(C_in, C_out, kernel_size=4, stride=2, padding=1)`` computed in ``self.form`` (same parameters)."""
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__(in_channels, out_channels, kernel_size=4, stride=2, padding=1)
+        self.form = "native"
+
+    def forward(self, x):
+        return stride2_conv(x, self.weight, self.bias, transposed=False, form=self.form)
+
+    def extra_repr(self):
+        return super().extra_repr() + ("" if self.form == "native" else f", form={self.form}")
+
+
+class StridedConvTranspose3d(nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d(C_in, C_out, kernel_size=4, stride=2, padding=1)`` computed in ``self.form``."""
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__(in_channels, out_channels, kernel_size=4, stride=2, padding=1)
+        self.form = "native"
+
+    def forward(self, x):
+        return stride2_conv(x, self.weight, self.bias, transposed=True, form=self.form)
+
+    def extra_repr(self):
+        return super().extra_repr() + ("" if self.form == "native" else f", form={self.form}")

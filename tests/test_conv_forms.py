@@ -1,9 +1,16 @@
-"""networks/conv_forms.py computes exactly what the U-Net's stride-2 convolutions compute, gradients included."""
+"""networks/conv_forms.py computes exactly what the U-Net's stride-2 convolutions compute, gradients included,
+and the config key conv_forms puts the forms into the model train.py trains."""
+import copy
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from networks.conv_forms import conv3d_padded_in, conv3d_s2d, conv_transpose3d_padded_out, conv_transpose3d_subpixel
+from conftest import run_train_cli
+from networks.conv_forms import (conv3d_padded_in, conv3d_s2d, conv_transpose3d_padded_out, conv_transpose3d_subpixel,
+                                 describe_conv_forms, parse_conv_forms)
+from networks.UNet import UPSAMPLE_MODES, UNet
 
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last_3d}
 
@@ -94,4 +101,86 @@ def test_conv_variants_times_every_form_of_every_layer():
         assert all(error < 0.02 for error in row["relative_error_bf16"].values()), row  # same maths, bf16 rounding
     assert set(results["steps"]) == {"native", "rewritten", "best"}
     assert len(results["steps"]["rewritten"]["forms"]) == 4 and results["steps"]["native"]["forms"] == {}
-    assert 0 < results["conv_share_of_native_step"] and len(lines) == 4 + 3 + 1
+    assert results["steps"]["rewritten"]["conv_forms"] == "rewritten"
+    assert results["fastest_conv_forms"] == min(results["steps"].values(), key=lambda step: step["ms"])["conv_forms"]
+    assert 0 < results["conv_share_of_native_step"] and len(lines) == 4 + 3 + 2
+    assert lines[-1].endswith(f"train with --conv_forms {results['fastest_conv_forms']}")
+
+
+# --- the forms inside the model: the conv_forms key ---------------------------------------------------------------
+NAMES = ["down0", "down1", "up0", "last"]
+
+
+def test_conv_forms_values_and_their_errors():
+    assert parse_conv_forms("native", NAMES) == dict.fromkeys(NAMES, "native")
+    assert parse_conv_forms("rewritten,last=padded", NAMES) == {
+        "down0": "rewritten", "down1": "rewritten", "up0": "rewritten", "last": "padded"}
+    assert parse_conv_forms(" down0=padded , up0=rewritten", NAMES) == {
+        "down0": "padded", "down1": "native", "up0": "rewritten", "last": "native"}
+    assert parse_conv_forms("up0=rewritten,native", NAMES) == dict.fromkeys(NAMES, "native")  # items apply in order
+    for bad, message in [("fast", "unknown form 'fast'; choose from native, rewritten, padded"),
+                         ("down7=rewritten", "has no layer 'down7'; its layers are down0, down1, up0, last"),
+                         ("rewritten,", "has an empty item"), ("down0=", "unknown form ''")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_conv_forms(bad, NAMES)
+
+
+@pytest.mark.parametrize("forms", [dict.fromkeys(NAMES, "native"), dict.fromkeys(NAMES, "rewritten"),
+                                   {"down0": "padded", "down1": "native", "up0": "rewritten", "last": "padded"},
+                                   {"down0": "padded", "down1": "rewritten", "up0": "rewritten", "last": "rewritten"}])
+def test_the_printed_conv_forms_value_selects_the_same_forms(forms):
+    """benchmarks/conv_variants.py prints describe_conv_forms(fastest) for the user to pass back as --conv_forms."""
+    value = describe_conv_forms(forms)
+    assert parse_conv_forms(value, NAMES) == forms
+    assert len(value) <= len(",".join(f"{name}={form}" for name, form in forms.items()))
+
+
+@pytest.mark.parametrize("layout", FORMATS)
+@pytest.mark.parametrize("upsample", UPSAMPLE_MODES)
+def test_the_model_in_other_forms_is_the_native_model(upsample, layout):
+    """Every layer rewritten or padded: same parameters (checkpoints load either way), same outputs and gradients."""
+    torch.manual_seed(0)
+    native = UNet([8, 12, 16], upsample=upsample).to(torch.float64, memory_format=FORMATS[layout])  # as training
+    other = copy.deepcopy(native)
+    forms = other.set_conv_forms("rewritten,down0=padded,last=padded")
+    assert forms == {"down0": "padded", "down1": "rewritten", "down2": "rewritten", "up0": "rewritten",
+                     "up1": "rewritten", "last": "padded"}
+    assert [module.form for _, module in other.conv_layers()] == list(forms.values())
+    assert "conv_forms=rewritten,down0=padded,last=padded, " in other.describe(16) and "form=padded" in repr(other)
+    assert list(other.state_dict()) == list(native.state_dict())
+    x = torch.randn(2, 4, 16, 16, 16, dtype=torch.float64).to(memory_format=FORMATS[layout])
+    upstream = torch.randn(2, 5, 16, 16, 16, dtype=torch.float64)
+    outputs = []
+    for model in (native, other):
+        y = model(x)
+        (y * upstream).sum().backward()
+        outputs.append(y)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
+    for (name, got), want in zip(other.named_parameters(), native.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10, msg=name)
+    other.set_conv_forms("native")
+    assert other.describe(16) == native.describe(16)
+
+
+@pytest.mark.parametrize("spec", ["rewritten", "padded"])
+def test_every_form_keeps_the_channels_last_layout(spec):
+    """Each layer's output in the layout the native layer gives (float32: the CPU keeps channels-last there)."""
+    torch.manual_seed(0)
+    model = UNet([8, 12, 16]).to(memory_format=torch.channels_last_3d)
+    model.set_conv_forms(spec)
+    layouts = []
+    for name, module in model.conv_layers():
+        module.register_forward_hook(lambda module, args, out, name=name: layouts.append(
+            (name, out.is_contiguous(memory_format=torch.channels_last_3d))))
+    model(torch.randn(2, 4, 16, 16, 16).to(memory_format=torch.channels_last_3d))
+    assert layouts == [(name, True) for name, _ in model.conv_layers()]
+
+
+def test_train_py_trains_with_conv_forms_and_refuses_a_wrong_value(tiny_argv, tmp_path, capsys):
+    import train
+    train.main(tiny_argv + ["--conv_forms", "rewritten,down0=padded", "--num_epochs", "1"])
+    log = next((tmp_path / "runs").rglob("out.log")).read_text()
+    assert "conv_forms=rewritten,down0=padded, " in log and "Time taken for epoch 1" in log
+    code, err = run_train_cli(tiny_argv + ["--conv_forms", "up9=rewritten"], capsys)
+    assert code == 2 and "conv_forms item 'up9=rewritten': this model has no layer 'up9'; its layers are down0, down1, " \
+                          "up0, last" in err

@@ -1,6 +1,6 @@
 """What only a CUDA GPU can check: graph capture and replay, the capturable optimizer's schedule, resuming
-a graph run, the GPU-resident loader, the pinned prefetcher, cuDNN kernels for bf16 3D convolutions, MFU
-and peak memory, and the collectives and DDP on NCCL (a one-rank group).
+a graph run, the rewritten convolution forms in a graph, the GPU-resident loader, the pinned prefetcher, cuDNN
+kernels for bf16 3D convolutions, MFU and peak memory, and the collectives and DDP on NCCL (a one-rank group).
 
     python -m pytest -q tests/test_gpu.py     # on a GPU machine: about a minute; every test skips elsewhere
 
@@ -104,6 +104,30 @@ def test_graph_replay_trains_like_eager_steps(tiny_params):
     difference = flat_weights(graphed.model) - flat_weights(eager.model)
     assert update.abs().max() > 1e-3
     assert difference.norm() <= 1e-3 * update.norm(), (difference.norm().item(), update.norm().item())
+
+
+def test_rewritten_convolutions_capture_in_a_graph_and_train_like_the_native_ones(tiny_params):
+    """conv_forms (networks/conv_forms.py) in the optimised settings: the forms capture (no sync or host tensor in
+    them) and the replayed steps' losses track eager native steps within bf16 rounding."""
+    settings = {**TINY_CUDA, "amp_mode": "bf16", "enable_fused": True, "channels_last": True, "Nsamples": 4 * NUM_STEPS}
+    info = init_distributed("cuda")
+    native = training.build_training(tiny_params(**settings), info)
+    forms = training.build_training(tiny_params(**settings, conv_forms="rewritten,down0=padded,last=padded"), info,
+                                    capturable=True)
+    assert [module.form for _, module in forms.model.conv_layers()] == ["padded", "rewritten", "rewritten", "padded"]
+    assert torch.equal(flat_weights(native.model), flat_weights(forms.model))
+    batches = device_batches(tiny_params)
+    with torch.no_grad(), native.autocast:  # the outputs themselves (an L1 loss near init hardly sees the model)
+        inp = batches[0][0].contiguous(memory_format=torch.channels_last_3d)
+        want, got = native.model(inp).float(), forms.model(inp).float()
+    assert (got - want).norm() < 2e-2 * want.norm(), ((got - want).norm().item(), want.norm().item())
+    native.set_lr(1e-3)
+    native_losses = [training.eager_step(native, inp, tar).item() for inp, tar in batches]
+    step = train_graph.capture_train_step(forms, *batches[0])
+    forms.set_lr(1e-3)
+    form_losses = [step(forms, inp, tar).item() for inp, tar in batches]
+    assert len(set(form_losses)) == NUM_STEPS  # a new loss every replay
+    assert form_losses == pytest.approx(native_losses, rel=5e-3), (native_losses, form_losses)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])

@@ -207,3 +207,21 @@ def test_ladder_tiny_runs_on_cpu_and_skips_cuda_rungs(tmp_path):
     assert "| rung | settings | samples/s |" in table
     assert "| + CUDA graph | skipped: CUDA graphs need a CUDA GPU |" in table
     assert table.count("\n| ") == 2 + len(ladder.RUNGS)  # header, separator, one row per rung
+
+
+def test_ladder_runs_every_rung_in_the_conv_forms_it_is_given(tmp_path):
+    """--conv_forms reaches every rung's model (the same maths: fp32 losses equal the native ladder's)."""
+    fast = ["--tiny", "--rungs", "fp32", "--loss_steps", "2", "--warmup_steps", "0", "--windows", "1",
+            "--steps_per_window", "1"]
+    reports = {}
+    for forms in ("native", "rewritten,down0=padded"):
+        out = tmp_path / f"{forms}.json"
+        assert ladder.main(fast + ["--conv_forms", forms, "--out", str(out)]) == 0
+        reports[forms] = json.loads(out.read_text())
+    native, forms = (reports[key]["rungs"][0] for key in ("native", "rewritten,down0=padded"))
+    assert native["settings"] == "fp32" and forms["settings"] == "fp32, conv_forms=rewritten,down0=padded"
+    assert reports["rewritten,down0=padded"]["setup"]["conv_forms"] == "rewritten,down0=padded"
+    assert forms["loss_last"] == pytest.approx(native["loss_last"], rel=1e-5)
+    with pytest.raises(SystemExit, match="ladder.py: --conv_forms: conv_forms item 'up7=padded': this model has no "
+                                         "layer 'up7'"):
+        ladder.main(fast + ["--conv_forms", "up7=padded", "--out", str(tmp_path / "bad.json")])

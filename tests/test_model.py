@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.flop_counter
 
+from networks.conv_forms import StridedConvTranspose3d
 from networks.UNet import UPSAMPLE_MODES, BlurredConvTranspose3d, ResizeConv3d, UNet, build_model, loss_func
 from utils.config import load_config
 
@@ -46,8 +47,10 @@ def test_default_activation_is_the_references():
         activations = [block[1] for block in model.down]
         assert all(type(a) is torch.nn.LeakyReLU for a in activations)
         assert all(a.negative_slope == 0.01 == torch.nn.LeakyReLU().negative_slope and a.inplace for a in activations)
-        assert all(type(block[0]) is torch.nn.ConvTranspose3d for block in model.up)
-        assert type(model.conv_last) is torch.nn.ConvTranspose3d and model.upsample == "transposed"
+        # the reference's layers (StridedConvTranspose3d: nn.ConvTranspose3d, run in its native form by default)
+        assert all(type(block[0]) is StridedConvTranspose3d for block in model.up)
+        assert type(model.conv_last) is StridedConvTranspose3d and model.upsample == "transposed"
+        assert all(module.form == "native" for _, module in model.conv_layers())
     assert load_config("quickstart").leaky_relu_slope == 0.01 and load_config("base").upsample == "transposed"
     other = build_model(load_config("quickstart", overrides={"leaky_relu_slope": 0.2, "upsample": "resize_conv"}))
     assert all(block[1].negative_slope == 0.2 for block in other.down) and other.upsample == "resize_conv"

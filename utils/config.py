@@ -229,6 +229,8 @@ SCHEMA = {
     "enable_apex": Key(_bool, "apex FusedAdam when importable"),
     "enable_jit": Key(_bool, "torch.compile the model and loss"),
     "channels_last": Key(_bool, "channels-last-3d memory format"),
+    "conv_forms": Key(_str, "how the stride-2 convolutions are computed: native, rewritten, padded, or per layer "
+                            "NAME=FORM items (networks/conv_forms.py); same maths, speed and rounding differ"),
     "enable_tf32": Key(_bool, "TF32 matmuls and convolutions on GPU"),
     "device": Key(_choice("auto", "cuda", "cpu"), "auto: the rank's GPU when CUDA is visible, else the CPU"),
     "enable_benchy": Key(_bool, "benchmark mode"),
