@@ -28,7 +28,8 @@ g. tests/test_gpu.py, the CUDA tests (the whole suite on a GPU: `python -m pytes
    about 4.5 minutes on the H100 with pytest-xdist);
 h. benchmarks/conv_variants.py: each convolution's forward + backward time in its native form and in
    the other forms of networks/conv_forms.py, and whole steps with each layer in its fastest form
-   (where the step's time goes, for the next optimisation).
+   (where the step's time goes), with the ``--conv_forms`` value of the fastest step and the
+   throughput goal checked again for it.
 
 A GPU call of the device tool this suite was written for ends after 600 s, so the suite keeps to a
 time budget (``--budget_s``, default 560 s): a part whose rough duration (``PART_SECONDS``, guesses
@@ -497,6 +498,12 @@ class Suite:
         self.log(f"step with every layer in its fastest form: {steps['best']['samples_per_s']:.0f} samples/s vs "
                  f"{steps['native']['samples_per_s']:.0f} native; fastest step: --conv_forms "
                  f"{result['fastest_conv_forms']}")
+        if self.cuda:  # the ladder's goal again, with the convolutions in their fastest forms
+            fastest = next(step for step in steps.values() if step["conv_forms"] == result["fastest_conv_forms"])
+            self.check(f"compute-only throughput >= {COMPUTE_GOAL} samples/s with --conv_forms",
+                       fastest["samples_per_s"] >= COMPUTE_GOAL,
+                       f"--conv_forms {result['fastest_conv_forms']}: {fastest['samples_per_s']:.0f} samples/s "
+                       f"(bf16, fused Adam, channels-last; median step)", kind="goal")
 
     def finish(self):
         self.save()
