@@ -55,7 +55,7 @@ class TrainState:
 
 
 def build_optimizer(model, params, device, capturable=False):
-    """Adam; fused (one kernel for all parameters) when asked for, else foreach (PyTorch's default)."""
+    """Adam; fused (one kernel for all parameters) when asked for, else PyTorch's default implementation."""
     lr = params.lr_schedule["start_lr"]
     if capturable:  # train_graph.py captures step(): the lr must live in a device tensor that set_lr fills
         # Name the implementation: fused=False alone selects the single-tensor Adam, not foreach; its capturable
@@ -73,7 +73,9 @@ def build_optimizer(model, params, device, capturable=False):
             logger.info("apex is not importable here; --enable_apex uses PyTorch's fused Adam instead")
     if params.enable_fused or params.enable_apex:
         return torch.optim.Adam(model.parameters(), lr=lr, fused=True), "torch Adam (fused)"
-    return torch.optim.Adam(model.parameters(), lr=lr), "torch Adam (foreach)"
+    # PyTorch's default: foreach (a few multi-tensor kernels) on CUDA, a loop over the parameters on the CPU
+    implementation = "foreach" if device.type == "cuda" else "for-loop"
+    return torch.optim.Adam(model.parameters(), lr=lr), f"torch Adam ({implementation})"
 
 
 def build_training(params, info, capturable=False, run_dir=None):
