@@ -146,7 +146,7 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     log(f"the convolutions (forward + backward, timed alone) add up to {native_sum:.2f} ms, "
         f"{100 * results['conv_share_of_native_step']:.0f}% of the native step")
     fastest = min(results["steps"], key=lambda variant: results["steps"][variant]["ms"])
-    results["fastest_conv_forms"] = results["steps"][fastest]["conv_forms"]
+    results["fastest_step"], results["fastest_conv_forms"] = fastest, results["steps"][fastest]["conv_forms"]
     log(f"fastest step: {fastest} ({results['steps']['native']['ms'] / results['steps'][fastest]['ms']:.2f}x native); "
         f"train with --conv_forms {results['fastest_conv_forms']}")
     return results

@@ -53,6 +53,7 @@ from networks.UNet import build_model  # noqa: E402
 from train_graph import capture_train_step  # noqa: E402
 from utils import metrics  # noqa: E402
 from utils.config import REPO_ROOT, load_config  # noqa: E402
+from utils.errors import ConfigError  # noqa: E402
 from utils.distributed import DistInfo  # noqa: E402
 from utils.lr_schedule import initial_lr  # noqa: E402
 from utils.make_dataset import make_dataset  # noqa: E402
@@ -290,12 +291,11 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     env = environment(device)
-    params = rung_params(args, {})
-    model = build_model(params)
     try:
-        model.set_conv_forms(args.conv_forms)
-    except ValueError as err:
-        sys.exit(f"ladder.py: --conv_forms: {err}")
+        params = rung_params(args, {})
+    except ConfigError as err:
+        sys.exit(f"ladder.py: {err}")
+    model = build_model(params)
     setup = {"model_channels": params.model_channels, "conv_forms": args.conv_forms, "num_parameters": sum(p.numel() for p in model.parameters()),
              "forward_gflop_per_sample": model.flops_per_sample(args.crop_size) / 1e9,
              **{key: getattr(args, key) for key in ("batch_size", "crop_size", "loss_steps", "warmup_steps",

@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from networks.conv_forms import (StridedConv3d, StridedConvTranspose3d, describe_conv_forms, parse_conv_forms,
-                                 stride2_conv)
+from networks.conv_forms import (StridedConv3d, StridedConvTranspose3d, conv_layer_names, describe_conv_forms,
+                                 parse_conv_forms, stride2_conv)
 
 UPSAMPLE_MODES = ("transposed", "resize_conv", "linear_conv", "transposed_blur")
 REFERENCE_LEAKY_RELU_SLOPE = 0.01  # nn.LeakyReLU()'s default, what the reference's down path uses
@@ -204,8 +204,8 @@ class UNet(nn.Module):
     def conv_layers(self):
         """[(name, module)] of the stride-2 (transposed) convolutions in forward order: down0, down1, ..., up0,
         up1, ..., last: the names ``conv_forms`` uses."""
-        found = [(f"down{i}", block[0]) for i, block in enumerate(self.down)]
-        return found + [(f"up{i}", block[0]) for i, block in enumerate(self.up)] + [("last", self.conv_last)]
+        modules = [block[0] for block in self.down] + [block[0] for block in self.up] + [self.conv_last]
+        return list(zip(conv_layer_names(self.num_levels), modules))
 
     def set_conv_forms(self, spec):
         """Compute each convolution in the form ``spec`` names (networks/conv_forms.py, ``parse_conv_forms``):

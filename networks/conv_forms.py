@@ -24,11 +24,34 @@ key ``conv_forms`` (``UNet.set_conv_forms``; grammar in ``parse_conv_forms``). F
 bf16 rounding only, so they may change on resume. ``benchmarks/conv_variants.py`` measures which is
 fastest and prints the value to pass.
 """
+import itertools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 FORMS = ("native", "rewritten", "padded")
+
+
+CHANNELS_LAST = torch.channels_last_3d
+
+
+def _layout(x, weight):
+    """The memory format the native convolution returns: channels-last when its input or its weight is."""
+    channels_last = x.is_contiguous(memory_format=CHANNELS_LAST) or weight.is_contiguous(memory_format=CHANNELS_LAST)
+    return CHANNELS_LAST if channels_last else torch.contiguous_format
+
+
+def _compute_dtype(x):
+    """``x`` in the dtype autocast runs the convolution in (cast first: padding and rearranging copy fewer bytes)."""
+    kind = x.device.type
+    return x.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else x
+
+
+def _pad_dim1(tensor, multiple):
+    """``tensor`` with zeros appended along dim 1 up to a multiple of ``multiple`` (F.pad keeps the memory format)."""
+    missing = -tensor.shape[1] % multiple
+    return F.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, missing)) if missing else tensor
 
 
 def _s2d_weight(weight):
@@ -42,12 +65,14 @@ def conv3d_s2d(x, weight, bias):
     """``F.conv3d(x, weight, bias, stride=2, padding=1)`` for a kernel-4 ``weight``; x (B, C, S, S, S), S even."""
     b, c, s = x.shape[0], x.shape[1], x.shape[2]
     half = s // 2 + 1
-    xp = F.pad(x, (1, 1, 1, 1, 1, 1))                                # (B, C, S+2, S+2, S+2)
-    z = xp.view(b, c, half, 2, half, 2, half, 2).permute(0, 3, 5, 7, 1, 2, 4, 6)   # (B, rx, ry, rz, C, m, m, m)
-    z = z.reshape(b, 8 * c, half, half, half)
-    if x.is_contiguous(memory_format=torch.channels_last_3d):
-        z = z.contiguous(memory_format=torch.channels_last_3d)
-    return F.conv3d(z, _s2d_weight(weight).to(z.dtype), bias)
+    memory_format = _layout(x, weight)
+    xp = F.pad(_compute_dtype(x), (1, 1, 1, 1, 1, 1))              # (B, C, S+2, S+2, S+2)
+    cells = xp.view(b, c, half, 2, half, 2, half, 2)                # (B, C, m, rx, m, ry, m, rz)
+    if memory_format == CHANNELS_LAST:  # one copy, straight into channels-last (B, m, m, m, rx ry rz C)
+        z = cells.permute(0, 2, 4, 6, 3, 5, 7, 1).reshape(b, half, half, half, 8 * c).permute(0, 4, 1, 2, 3)
+    else:
+        z = cells.permute(0, 3, 5, 7, 1, 2, 4, 6).reshape(b, 8 * c, half, half, half)
+    return F.conv3d(z, _s2d_weight(weight.to(z.dtype)), bias)
 
 
 def _subpixel_weight(weight):
@@ -59,54 +84,67 @@ def _subpixel_weight(weight):
     return w.permute(3, 5, 7, 1, 0, 2, 4, 6).reshape(8 * c_out, c_in, 2, 2, 2)
 
 
+def _phase_pairs(out, phases):
+    """(slice of ``out``, slice of ``phases``) per phase: output (2m + ax, 2n + ay, 2p + az) is phase (ax, ay, az)
+    at (m + ax, n + ay, p + az). ``out`` (B, C, 2S, 2S, 2S), ``phases`` (B, 8 C, S+1, S+1, S+1); any strides
+    (splitting a dimension is always a view)."""
+    b, c, s = out.shape[0], out.shape[1], out.shape[2] // 2
+    out = out.view(b, c, s, 2, s, 2, s, 2)
+    phases = phases.view(b, 2, 2, 2, c, s + 1, s + 1, s + 1)
+    for ax, ay, az in itertools.product((0, 1), repeat=3):
+        yield out[:, :, :, ax, :, ay, :, az], phases[:, ax, ay, az, :, ax:ax + s, ay:ay + s, az:az + s]
+
+
+class _InterleavePhases(torch.autograd.Function):
+    """Depth-to-space of the sub-pixel phases. A Function so that its backward is eight strided copies into one
+    gradient (autograd's own backward of eight slice assignments would build eight full-size gradients and sum
+    them)."""
+
+    @staticmethod
+    def forward(ctx, phases, memory_format):
+        b, c8, s1 = phases.shape[0], phases.shape[1], phases.shape[2]
+        ctx.phases_shape = phases.shape
+        ctx.phases_format = CHANNELS_LAST if phases.is_contiguous(memory_format=CHANNELS_LAST) else torch.contiguous_format
+        out = torch.empty((b, c8 // 8, 2 * (s1 - 1), 2 * (s1 - 1), 2 * (s1 - 1)), dtype=phases.dtype,
+                          device=phases.device, memory_format=memory_format)
+        for target, source in _phase_pairs(out, phases):
+            target.copy_(source)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_phases = torch.zeros(ctx.phases_shape, dtype=grad_out.dtype, device=grad_out.device).contiguous(
+            memory_format=ctx.phases_format)  # the border planes no phase reads stay 0
+        for source, target in _phase_pairs(grad_out, grad_phases):
+            target.copy_(source)
+        return grad_phases, None
+
+
 def conv_transpose3d_subpixel(x, weight, bias):
     """``F.conv_transpose3d(x, weight, bias, stride=2, padding=1)`` for a kernel-4 ``weight``."""
-    b, s = x.shape[0], x.shape[2]
-    c_out = weight.shape[1]
-    xp = F.pad(x, (1, 1, 1, 1, 1, 1))
-    phases = F.conv3d(xp, _subpixel_weight(weight).to(x.dtype))     # (B, 8 C_out, S+1, S+1, S+1)
-    phases = phases.view(b, 2, 2, 2, c_out, s + 1, s + 1, s + 1)
-    # Output (2m + ax, 2n + ay, 2p + az) = phase (ax, ay, az) at (m + ax, n + ay, p + az).
-    out = torch.empty((b, c_out, 2 * s, 2 * s, 2 * s), dtype=phases.dtype, device=x.device,
-                      memory_format=torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d)
-                      else torch.contiguous_format)
-    view = out.view(b, c_out, s, 2, s, 2, s, 2)
-    for ax in (0, 1):
-        for ay in (0, 1):
-            for az in (0, 1):
-                view[:, :, :, ax, :, ay, :, az] = phases[:, ax, ay, az, :, ax:ax + s, ay:ay + s, az:az + s]
-    if bias is not None:
-        out = out + bias.to(out.dtype).view(1, -1, 1, 1, 1)
-    return out
-
-
-def _pad_channels(tensor, dim, multiple):
-    """``tensor`` with zeros appended along ``dim`` up to a multiple of ``multiple`` (itself when already one)."""
-    missing = -tensor.shape[dim] % multiple
-    if not missing:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim)
+    memory_format = _layout(x, weight)
+    xp = F.pad(_compute_dtype(x), (1, 1, 1, 1, 1, 1)).contiguous(memory_format=memory_format)
+    # One convolution gives all 8 phases (channel (ax, ay, az, o)), bias included: bias o on each phase of o.
+    phases = F.conv3d(xp, _subpixel_weight(weight.to(xp.dtype)), None if bias is None else bias.repeat(8))
+    return _InterleavePhases.apply(phases, memory_format)                # (B, C_out, 2S, 2S, 2S)
 
 
 def conv3d_padded_in(x, weight, bias, multiple=8):
     """``F.conv3d(x, weight, bias, stride=2, padding=1)`` with the input channels zero-padded to ``multiple``."""
-    memory_format = (torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d)
-                     else torch.contiguous_format)
-    x = _pad_channels(x, 1, multiple).contiguous(memory_format=memory_format)
-    return F.conv3d(x, _pad_channels(weight, 1, multiple).to(x.dtype), bias, stride=2, padding=1)
+    memory_format = _layout(x, weight)
+    x = _pad_dim1(_compute_dtype(x), multiple).contiguous(memory_format=memory_format)
+    return F.conv3d(x, _pad_dim1(weight.to(x.dtype), multiple), bias, stride=2, padding=1)
 
 
 def conv_transpose3d_padded_out(x, weight, bias, multiple=8):
     """``F.conv_transpose3d(x, weight, bias, stride=2, padding=1)`` computed with the output channels
-    zero-padded to ``multiple``, then dropped: a channel slice of the padded result, copied into the input's
-    memory format (as the native form returns it, so the layers after it see the same layout)."""
+    zero-padded to ``multiple``, then dropped: a channel slice of the padded result, copied into the layout
+    the native form returns (so the layers after it see the same layout)."""
     c_out = weight.shape[1]
-    memory_format = (torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d)
-                     else torch.contiguous_format)
-    padded_bias = None if bias is None else _pad_channels(bias, 0, multiple)
-    out = F.conv_transpose3d(x, _pad_channels(weight, 1, multiple).to(x.dtype), padded_bias, stride=2, padding=1)
+    memory_format = _layout(x, weight)
+    x = _compute_dtype(x)
+    padded_bias = None if bias is None else _pad_dim1(bias.view(1, -1), multiple).view(-1)
+    out = F.conv_transpose3d(x, _pad_dim1(weight.to(x.dtype), multiple), padded_bias, stride=2, padding=1)
     return out[:, :c_out].contiguous(memory_format=memory_format)
 
 
@@ -119,6 +157,11 @@ def stride2_conv(x, weight, bias, transposed, form="native"):
     if form == "padded":
         return (conv_transpose3d_padded_out if transposed else conv3d_padded_in)(x, weight, bias)
     raise ValueError(f"unknown convolution form {form!r}; choose from {', '.join(FORMS)}")
+
+
+def conv_layer_names(num_levels):
+    """The names of a ``num_levels``-level U-Net's stride-2 layers in forward order: down0, ..., up0, ..., last."""
+    return [f"down{i}" for i in range(num_levels)] + [f"up{i}" for i in range(num_levels - 1)] + ["last"]
 
 
 def parse_conv_forms(spec, names):

@@ -121,6 +121,19 @@ def test_the_same_command_continues_and_another_command_starts_a_new_run(tiny_ar
     assert run_folders(tmp_path) == ["0", "1", "2", "mine"]
 
 
+def test_a_run_made_before_a_speed_knob_existed_is_still_the_same_command(tmp_path):
+    """A config.yaml written by older code lacks keys added since: one that does not define the run (conv_forms,
+    gpu_prefetch) does not split the run; a missing run-defining key still does."""
+    from utils.run_dir import same_command
+    params = load_config("quickstart")
+    for dropped, same in [((), True), (("conv_forms", "gpu_prefetch"), True), (("conv_forms", "seed"), False)]:
+        saved = {key: value for key, value in dict(params).items() if key not in dropped}
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+        assert same_command(tmp_path, params) is same, dropped
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**dict(params), "conv_forms": "rewritten"}))
+    assert not same_command(tmp_path, params)  # a key that is there and differs: another command
+
+
 def test_resume_never_in_a_named_run_starts_a_clean_history(tiny_argv, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     argv = tiny_argv + ["--run_num", "0"]

@@ -80,6 +80,20 @@ def test_bad_values_are_named(tmp_path, key, value, expected):
         load_config("base", path)
 
 
+def test_a_yaml_written_for_older_code_is_told_what_to_add(tmp_path):
+    """A key added to the schema since the user's YAML was written: the message gives the lines to add."""
+    path = write_yaml(tmp_path, lambda c: [c.pop(key) for key in ("conv_forms", "gpu_prefetch")])
+    with pytest.raises(ConfigError, match=r"missing config keys conv_forms, gpu_prefetch in config 'base' of .*c\.yaml; "
+                                          r"add conv_forms: native; gpu_prefetch: true \(the defaults in "
+                                          r"config/UNet\.yaml's base\)"):
+        load_config("base", path)
+    path = write_yaml(tmp_path, lambda c: c.pop("conv_forms"))
+    (tmp_path / "c.yaml").write_text((tmp_path / "c.yaml").read_text() + "old:\n  seed: 1\n")
+    with pytest.raises(ConfigError, match=r"missing config keys .* in config 'old'; a config gets the keys it does not "
+                                          r"set from another with a YAML anchor"):  # not a YAML for older code
+        load_config("old", path)
+
+
 def test_nested_key_checked(tmp_path):
     path = write_yaml(tmp_path, lambda c: c["lr_schedule"].update(start_rate=1.0))
     with pytest.raises(ConfigError, match="unknown config key start_rate"):

@@ -11,6 +11,8 @@ from conftest import run_train_cli
 from networks.conv_forms import (conv3d_padded_in, conv3d_s2d, conv_transpose3d_padded_out, conv_transpose3d_subpixel,
                                  describe_conv_forms, parse_conv_forms)
 from networks.UNet import UPSAMPLE_MODES, UNet
+from utils.config import load_config
+from utils.errors import ConfigError
 
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last_3d}
 
@@ -102,7 +104,8 @@ def test_conv_variants_times_every_form_of_every_layer():
     assert set(results["steps"]) == {"native", "rewritten", "best"}
     assert len(results["steps"]["rewritten"]["forms"]) == 4 and results["steps"]["native"]["forms"] == {}
     assert results["steps"]["rewritten"]["conv_forms"] == "rewritten"
-    assert results["fastest_conv_forms"] == min(results["steps"].values(), key=lambda step: step["ms"])["conv_forms"]
+    assert results["fastest_step"] == min(results["steps"], key=lambda variant: results["steps"][variant]["ms"])
+    assert results["fastest_conv_forms"] == results["steps"][results["fastest_step"]]["conv_forms"]
     assert 0 < results["conv_share_of_native_step"] and len(lines) == 4 + 3 + 2
     assert lines[-1].endswith(f"train with --conv_forms {results['fastest_conv_forms']}")
 
@@ -162,9 +165,11 @@ def test_the_model_in_other_forms_is_the_native_model(upsample, layout):
     assert other.describe(16) == native.describe(16)
 
 
+@pytest.mark.parametrize("input_layout", FORMATS)
 @pytest.mark.parametrize("spec", ["rewritten", "padded"])
-def test_every_form_keeps_the_channels_last_layout(spec):
-    """Each layer's output in the layout the native layer gives (float32: the CPU keeps channels-last there)."""
+def test_every_form_keeps_the_channels_last_layout(spec, input_layout):
+    """Each layer's output in the layout the native layer gives: channels-last when the weights are, whatever the
+    input's layout (float32: the CPU keeps channels-last there)."""
     torch.manual_seed(0)
     model = UNet([8, 12, 16]).to(memory_format=torch.channels_last_3d)
     model.set_conv_forms(spec)
@@ -172,7 +177,7 @@ def test_every_form_keeps_the_channels_last_layout(spec):
     for name, module in model.conv_layers():
         module.register_forward_hook(lambda module, args, out, name=name: layouts.append(
             (name, out.is_contiguous(memory_format=torch.channels_last_3d))))
-    model(torch.randn(2, 4, 16, 16, 16).to(memory_format=torch.channels_last_3d))
+    model(torch.randn(2, 4, 16, 16, 16).to(memory_format=FORMATS[input_layout]))
     assert layouts == [(name, True) for name, _ in model.conv_layers()]
 
 
@@ -181,6 +186,18 @@ def test_train_py_trains_with_conv_forms_and_refuses_a_wrong_value(tiny_argv, tm
     train.main(tiny_argv + ["--conv_forms", "rewritten,down0=padded", "--num_epochs", "1"])
     log = next((tmp_path / "runs").rglob("out.log")).read_text()
     assert "conv_forms=rewritten,down0=padded, " in log and "Time taken for epoch 1" in log
+    runs = sorted(path.name for path in (tmp_path / "runs").rglob("*") if path.is_dir())
     code, err = run_train_cli(tiny_argv + ["--conv_forms", "up9=rewritten"], capsys)
     assert code == 2 and "conv_forms item 'up9=rewritten': this model has no layer 'up9'; its layers are down0, down1, " \
                           "up0, last" in err
+    assert sorted(path.name for path in (tmp_path / "runs").rglob("*") if path.is_dir()) == runs  # refused up front
+
+
+def test_load_config_checks_conv_forms_against_the_models_layers():
+    assert load_config("base", overrides={"conv_forms": "rewritten,up4=native,last=padded"}).conv_forms == \
+        "rewritten,up4=native,last=padded"
+    with pytest.raises(ConfigError, match=re.escape("no layer 'up4'; its layers are down0, down1, down2, down3, down4, "
+                                                    "up0, up1, up2, up3, last")):
+        load_config("base", overrides={"conv_forms": "up4=rewritten", "full_scale": False})
+    with pytest.raises(ConfigError, match="unknown form 'fast'"):
+        load_config("base", overrides={"conv_forms": "fast"})

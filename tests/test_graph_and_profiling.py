@@ -222,6 +222,6 @@ def test_ladder_runs_every_rung_in_the_conv_forms_it_is_given(tmp_path):
     assert native["settings"] == "fp32" and forms["settings"] == "fp32, conv_forms=rewritten,down0=padded"
     assert reports["rewritten,down0=padded"]["setup"]["conv_forms"] == "rewritten,down0=padded"
     assert forms["loss_last"] == pytest.approx(native["loss_last"], rel=1e-5)
-    with pytest.raises(SystemExit, match="ladder.py: --conv_forms: conv_forms item 'up7=padded': this model has no "
+    with pytest.raises(SystemExit, match="ladder.py: conv_forms item 'up7=padded': this model has no "
                                          "layer 'up7'"):
         ladder.main(fast + ["--conv_forms", "up7=padded", "--out", str(tmp_path / "bad.json")])

@@ -329,7 +329,18 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
         raise ConfigError(f"config '{name}' in {yaml_path} must be a mapping of keys to values, got a "
                           f"{type(configs[name]).__name__}")
     values = dict(configs[name] or {})
-    _check_keys(values, SCHEMA, f" in config '{name}'")
+    missing = [key for key in SCHEMA if key not in values]
+    shipped = read_yaml(DEFAULT_YAML).get("base") or {} if missing else {}
+    written_for_older_code = 0 < len(missing) <= 3 and set(values) <= set(SCHEMA) and all(k in shipped for k in missing)
+    if written_for_older_code:  # say what to add (a misspelt key is named as unknown below instead)
+        addition = "; ".join(f"{key}: " + yaml.safe_dump(shipped[key], default_flow_style=True, width=1e9)
+                             .removesuffix("...\n").strip() for key in missing)
+        raise ConfigError(f"missing config key{'s' if len(missing) > 1 else ''} {', '.join(missing)} in config "
+                          f"'{name}' of {yaml_path}; add {addition} (the default{'s' if len(missing) > 1 else ''} "
+                          f"in {DEFAULT_YAML.relative_to(REPO_ROOT)}'s base)")
+    _check_keys(values, SCHEMA, f" in config '{name}'" + (
+        "; a config gets the keys it does not set from another with a YAML anchor, as config/UNet.yaml's do "
+        "(`<<: *base`)" if missing else ""))
     for key, value in (overrides or {}).items():
         if value is None:
             continue
@@ -409,6 +420,11 @@ def _check_consistency(params):
     if params.data_size % 2 ** levels:
         raise ConfigError(f"data_size {params.data_size} must be divisible by 2^{levels} "
                           f"(the U-Net halves the crop {levels} times)")
+    from networks.conv_forms import conv_layer_names, parse_conv_forms  # here: the rest of this module needs no torch
+    try:
+        parse_conv_forms(params.conv_forms, conv_layer_names(levels))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     for box, split in zip(params.box_size, ("training", "validation")):
         if params.data_size > box:
             raise ConfigError(f"crop size data_size={params.data_size} is larger than the {split} box "

@@ -10,19 +10,24 @@ import time
 import torch.distributed as dist
 import yaml
 
-from utils.config import resolve_path
+from utils.config import SCHEMA, resolve_path
 from utils.errors import ConfigError
 
 
 def same_command(run_dir, params):
-    """Whether ``run_dir`` was started with this resolved config (its config.yaml), wherever expdir is."""
+    """Whether ``run_dir`` was started with this resolved config (its config.yaml), wherever expdir is. A key
+    the saved config lacks and that does not define the run (a speed knob added to this code since) does not
+    count: after an update, the same command still continues its run."""
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
         return False
+    if not isinstance(saved, dict):
+        return False
     current = yaml.safe_load(yaml.safe_dump(dict(params)))  # the same round trip the saved file took
-    return isinstance(saved, dict) and {k: v for k, v in saved.items() if k != "expdir"} == \
-        {k: v for k, v in current.items() if k != "expdir"}
+    ignored = {"expdir"} | {key for key in current if key not in saved and key in SCHEMA
+                            and not SCHEMA[key].defines_run}
+    return {k: v for k, v in saved.items() if k not in ignored} == {k: v for k, v in current.items() if k not in ignored}
 
 
 def choose_run_num(parent, params, fresh):

@@ -96,10 +96,7 @@ def build_training(params, info, capturable=False, run_dir=None):
     torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
     model = build_model(params).to(device, memory_format=memory_format)
-    try:
-        model.set_conv_forms(params.conv_forms)  # same parameters in every form (networks/conv_forms.py)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    model.set_conv_forms(params.conv_forms)  # same parameters in every form; load_config checked the value
     optimizer, optimizer_name = build_optimizer(model, params, device, capturable)
     train_model, ddp_description = wrap_ddp(model, params, info)
     loss_fn = loss_func
