@@ -199,29 +199,25 @@ def describe_conv_forms(forms):
     return ",".join(([common] if common != "native" or not rest else []) + rest)
 
 
-class StridedConv3d(nn.Conv3d):
+class _StridedForm:
+    """The kernel-4, stride-2, padding-1 layer computed in ``self.form`` (one of FORMS); parameters as nn's."""
+    transposed = False
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__(in_channels, out_channels, kernel_size=4, stride=2, padding=1)
+        self.form = "native"
+
+    def forward(self, x):
+        return stride2_conv(x, self.weight, self.bias, transposed=self.transposed, form=self.form)
+
+    def extra_repr(self):
+        return super().extra_repr() + ("" if self.form == "native" else f", form={self.form}")
+
+
+class StridedConv3d(_StridedForm, nn.Conv3d):
     """``nn.Conv3d(C_in, C_out, kernel_size=4, stride=2, padding=1)`` computed in ``self.form`` (same parameters)."""
 
-    def __init__(self, in_channels, out_channels):
-        super().__init__(in_channels, out_channels, kernel_size=4, stride=2, padding=1)
-        self.form = "native"
 
-    def forward(self, x):
-        return stride2_conv(x, self.weight, self.bias, transposed=False, form=self.form)
-
-    def extra_repr(self):
-        return super().extra_repr() + ("" if self.form == "native" else f", form={self.form}")
-
-
-class StridedConvTranspose3d(nn.ConvTranspose3d):
+class StridedConvTranspose3d(_StridedForm, nn.ConvTranspose3d):
     """``nn.ConvTranspose3d(C_in, C_out, kernel_size=4, stride=2, padding=1)`` computed in ``self.form``."""
-
-    def __init__(self, in_channels, out_channels):
-        super().__init__(in_channels, out_channels, kernel_size=4, stride=2, padding=1)
-        self.form = "native"
-
-    def forward(self, x):
-        return stride2_conv(x, self.weight, self.bias, transposed=True, form=self.form)
-
-    def extra_repr(self):
-        return super().extra_repr() + ("" if self.form == "native" else f", form={self.form}")
+    transposed = True
