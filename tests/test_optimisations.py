@@ -26,6 +26,7 @@ def short_run(params, num_steps=6):
     ({"amp_mode": "bf16"}, 2e-2),
     ({"enable_fused": True}, 1e-5),
     ({"channels_last": True}, 1e-4),
+    ({"conv_forms": "rewritten,down0=padded,last=padded"}, 1e-5),  # the same maths: fp32 rounding apart
 ])
 def test_flag_tracks_the_plain_run(tiny_params, flags, tolerance):
     _, plain = short_run(tiny_params())
@@ -35,6 +36,8 @@ def test_flag_tracks_the_plain_run(tiny_params, flags, tolerance):
         assert abs(a - b) <= tolerance * abs(a), (plain, optimised)
     if flags.get("enable_fused"):
         assert state.optimizer.defaults["fused"] is True
+    if "conv_forms" in flags:
+        assert [module.form for _, module in state.model.conv_layers()] == ["padded", "rewritten", "rewritten", "padded"]
     if flags.get("channels_last"):
         weight = state.model.down[1][0].weight
         assert weight.is_contiguous(memory_format=torch.channels_last_3d)
@@ -57,10 +60,11 @@ def test_fp16_uses_grad_scaler(tiny_params):
     assert state.scaler.is_enabled()  # GradScaler works on the CPU too (torch >= 2.3)
 
 
-def test_compiled_module_is_the_one_that_trains(tiny_params):
+@pytest.mark.parametrize("conv_forms", ["native", pytest.param("rewritten,last=padded", marks=pytest.mark.slow)])
+def test_compiled_module_is_the_one_that_trains(tiny_params, conv_forms):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    state, compiled = short_run(tiny_params(enable_jit=True), num_steps=3)
+    state, compiled = short_run(tiny_params(enable_jit=True, conv_forms=conv_forms), num_steps=3)
     assert isinstance(state.train_model, torch._dynamo.eval_frame.OptimizedModule)
     assert state.train_model._orig_mod is state.model
     # dynamo captured graphs while the training step ran: the step called the compiled module
