@@ -269,14 +269,28 @@ SCHEMA = {
 }
 
 
-def _check_keys(values, schema, where):
+def _check_keys(values, schema, where, missing_hint=None):
     unknown = sorted(set(values) - set(schema))
     if unknown:
         raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
                           f"{where}; valid keys: {', '.join(sorted(schema))}")
     missing = sorted(set(schema) - set(values))
     if missing:
-        raise ConfigError(f"missing config key{'s' if len(missing) > 1 else ''} {', '.join(missing)}{where}")
+        raise ConfigError(f"missing config key{'s' if len(missing) > 1 else ''} {', '.join(missing)}{where}"
+                          + (missing_hint(missing) if missing_hint else ""))
+
+
+def _missing_hint(missing, yaml_path):
+    """What to do about top-level keys a named config lacks: a YAML written for older code lacks a few keys added
+    since (say what to add); one that lacks many forgot to inherit them."""
+    shipped = read_yaml(DEFAULT_YAML).get("base") or {}
+    if len(missing) > 3 or not all(key in shipped for key in missing):
+        return "; a config gets the keys it does not set from another with a YAML anchor, as config/UNet.yaml's do " \
+               "(`<<: *base`)"
+    addition = "; ".join(f"{key}: " + yaml.safe_dump(shipped[key], default_flow_style=True, width=1e9)
+                         .removesuffix("...\n").strip() for key in missing)
+    return (f" of {yaml_path}; add {addition} (the default{'s' if len(missing) > 1 else ''} in "
+            f"{DEFAULT_YAML.relative_to(REPO_ROOT)}'s base)")
 
 
 def _validate(key, value, check):
@@ -329,18 +343,7 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
         raise ConfigError(f"config '{name}' in {yaml_path} must be a mapping of keys to values, got a "
                           f"{type(configs[name]).__name__}")
     values = dict(configs[name] or {})
-    missing = [key for key in SCHEMA if key not in values]
-    shipped = read_yaml(DEFAULT_YAML).get("base") or {} if missing else {}
-    written_for_older_code = 0 < len(missing) <= 3 and set(values) <= set(SCHEMA) and all(k in shipped for k in missing)
-    if written_for_older_code:  # say what to add (a misspelt key is named as unknown below instead)
-        addition = "; ".join(f"{key}: " + yaml.safe_dump(shipped[key], default_flow_style=True, width=1e9)
-                             .removesuffix("...\n").strip() for key in missing)
-        raise ConfigError(f"missing config key{'s' if len(missing) > 1 else ''} {', '.join(missing)} in config "
-                          f"'{name}' of {yaml_path}; add {addition} (the default{'s' if len(missing) > 1 else ''} "
-                          f"in {DEFAULT_YAML.relative_to(REPO_ROOT)}'s base)")
-    _check_keys(values, SCHEMA, f" in config '{name}'" + (
-        "; a config gets the keys it does not set from another with a YAML anchor, as config/UNet.yaml's do "
-        "(`<<: *base`)" if missing else ""))
+    _check_keys(values, SCHEMA, f" in config '{name}'", missing_hint=lambda missing: _missing_hint(missing, yaml_path))
     for key, value in (overrides or {}).items():
         if value is None:
             continue
