@@ -2,6 +2,8 @@
 
     python benchmarks/ladder.py                # full model (116,977,029 parameters), batch 64, 64^3 crops, GPU
     python benchmarks/ladder.py --tiny         # CPU smoke test: widths [4, 8], batch 2, 16^3 crops
+    python benchmarks/ladder.py --rungs fp32 --model_channels 16 32 64 64 --crop_size 32 --batch_size 8
+                                               # quickstart's model on a CPU (add --conv_forms to compare forms)
 
 Each rung adds one optimisation to the previous rung (bf16 replaces fp16):
 
@@ -93,6 +95,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small model, batch 2, 16^3 crops: a CPU smoke test")
     parser.add_argument("--batch_size", type=int, help="per-step batch (default 64; 2 with --tiny)")
+    parser.add_argument("--model_channels", type=int, nargs="+",
+                        help="U-Net widths (default: the reference's 64 128 256 512 512 512; 4 8 with --tiny)")
+    parser.add_argument("--crop_size", type=int, help="crop edge (default 64; 16 with --tiny)")
     parser.add_argument("--loss_steps", type=int, help="steps of the loss check (default 20; 3 with --tiny)")
     parser.add_argument("--warmup_steps", type=int, help="untimed steps before the windows (default 5; 1)")
     parser.add_argument("--windows", type=int, help="timed windows; the median is reported (default 5; 3)")
@@ -107,7 +112,7 @@ def parse_args(argv=None):
     for key, value in (TINY if args.tiny else FULL).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    for key in ("batch_size", "loss_steps", "windows", "steps_per_window"):
+    for key in ("batch_size", "crop_size", "loss_steps", "windows", "steps_per_window"):
         if getattr(args, key) < 1:
             parser.error(f"--{key} must be at least 1")
     if args.warmup_steps < 0:
@@ -296,7 +301,8 @@ def main(argv=None):
     except ConfigError as err:
         sys.exit(f"ladder.py: {err}")
     model = build_model(params)
-    setup = {"model_channels": params.model_channels, "conv_forms": args.conv_forms, "num_parameters": sum(p.numel() for p in model.parameters()),
+    setup = {"model_channels": params.model_channels, "conv_forms": args.conv_forms,
+             "num_parameters": sum(p.numel() for p in model.parameters()),
              "forward_gflop_per_sample": model.flops_per_sample(args.crop_size) / 1e9,
              **{key: getattr(args, key) for key in ("batch_size", "crop_size", "loss_steps", "warmup_steps",
                                                     "windows", "steps_per_window", "seed")}}

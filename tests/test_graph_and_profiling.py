@@ -225,3 +225,15 @@ def test_ladder_runs_every_rung_in_the_conv_forms_it_is_given(tmp_path):
     with pytest.raises(SystemExit, match="ladder.py: conv_forms item 'up7=padded': this model has no "
                                          "layer 'up7'"):
         ladder.main(fast + ["--conv_forms", "up7=padded", "--out", str(tmp_path / "bad.json")])
+
+
+def test_ladder_model_size_flags(tmp_path):
+    """--model_channels and --crop_size choose the model the rungs run (quickstart's on a CPU, say)."""
+    out = tmp_path / "small.json"
+    fast = ["--tiny", "--rungs", "fp32", "--loss_steps", "1", "--warmup_steps", "0", "--windows", "1",
+            "--steps_per_window", "1", "--out", str(out)]
+    assert ladder.main(fast + ["--model_channels", "4", "8", "8", "--crop_size", "8"]) == 0
+    setup = json.loads(out.read_text())["setup"]
+    assert setup["model_channels"] == [4, 8, 8] and setup["crop_size"] == 8
+    with pytest.raises(SystemExit, match="ladder.py: data_size 12 must be divisible by 2\\^3"):
+        ladder.main(fast + ["--model_channels", "4", "8", "8", "--crop_size", "12"])
