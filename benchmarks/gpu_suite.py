@@ -29,7 +29,12 @@ g. tests/test_gpu.py, the CUDA tests (the whole suite on a GPU: `python -m pytes
 h. benchmarks/conv_variants.py: each convolution's forward + backward time in its native form and in
    the other forms of networks/conv_forms.py, and whole steps with each layer in its fastest form
    (where the step's time goes), with the ``--conv_forms`` value of the fastest step and the
-   throughput goal checked again for it.
+   throughput goal checked again for it;
+i. two levers the ladder leaves out, each in a fresh process of benchmarks/ladder.py (cuDNN keeps its
+   choices for the life of a process): torch.compile with channels-last, which train.py allows once up0
+   runs in the rewritten form (pytorch#171622), against the eager channels-last rung of the same
+   process; and every cuDNN engine timed per convolution shape (``--cudnn_benchmark_limit 0``)
+   against that eager rung's default of 10.
 
 A GPU call of the device tool this suite was written for ends after 600 s, so the suite keeps to a
 time budget (``--budget_s``, default 560 s): a part whose rough duration (``PART_SECONDS``, guesses
@@ -67,11 +72,11 @@ from benchmarks.kernel_probe import CUDNN_MARKERS, SLOW_MARKERS, environment  # 
 from utils.errors import ReportedError  # noqa: E402
 from utils.config import DEFAULT_YAML  # noqa: E402
 
+LADDER_TIMING = ["--loss_steps", "10", "--warmup_steps", "3", "--windows", "5", "--steps_per_window", "6"]
 # Sizes of the two modes. GPU: the tutorial's model and batch on a 128^3 box; small: seconds on a CPU.
 GPU = dict(box=[128, 64], crop=64, batch=64, channels=None, steps_per_epoch=160, val_samples=128,
            threads=(4, 8, 14), sweep_batches=12, probe=dict(batch=8, repeats=3),
-           ladder=["--loss_steps", "10", "--warmup_steps", "3", "--windows", "5", "--steps_per_window", "6",
-                   "--rungs", "fp32,tf32,fp16,bf16,fused_adam,compile,channels_last,cuda_graph"],
+           ladder=[*LADDER_TIMING, "--rungs", "fp32,tf32,fp16,bf16,fused_adam,compile,channels_last,cuda_graph"],
            checkpoint_minutes=0.05, profile_steps=12, profile_window=[6, 9])
 SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6, val_samples=8,
              threads=(1, 2), sweep_batches=4, probe=dict(batch=1, crop=16, channels=[4, 8], modes=("fp32", "bf16_cl"),
@@ -80,7 +85,7 @@ SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6
              checkpoint_minutes=1e-5, profile_steps=5, profile_window=[2, 4])
 
 # Rough seconds per part on an H100 (scheduling guesses, not results): a part is started only if it fits the budget.
-PART_SECONDS = {"b": 200, "c": 110, "d": 90, "e": 60, "f": 40, "g": 60, "h": 60}
+PART_SECONDS = {"b": 200, "c": 110, "d": 90, "e": 60, "f": 40, "g": 150, "h": 60, "i": 300}
 
 # Acceptance: checks must pass; goals are the performance targets, reported beside them.
 LOSS_TOLERANCE = 0.02          # train.py vs train_graph.py in bf16: max |loss_graph - loss_eager| / loss_eager
@@ -505,6 +510,47 @@ class Suite:
                        f"--conv_forms {result['fastest_conv_forms']}: {fastest['samples_per_s']:.0f} samples/s "
                        f"(bf16, fused Adam, channels-last; median step)", kind="goal")
 
+    # --- i. compile with channels-last; every cuDNN engine ------------------------------------------
+    def levers(self):
+        if not self.cuda:
+            self.skip("more levers: compile + channels-last, every cuDNN engine", "no GPU")
+            return
+        runs = {"compile": ["--rungs", "channels_last,compile_channels_last"],
+                "all_engines": ["--rungs", "channels_last", "--cudnn_benchmark_limit", "0"]}
+        rates = {}
+        for index, (name, flags) in enumerate(runs.items()):
+            out = self.tmp / f"levers_{name}.json"
+            command = [sys.executable, "benchmarks/ladder.py", *LADDER_TIMING, "--conv_forms", "up0=rewritten", *flags,
+                       "--out", str(out)]
+            left = self.budget_s - (time.perf_counter() - self.started)
+            timeout = max(60, left / (len(runs) - index) - 5)  # the budget left, shared by the runs still to go
+            self.log(f"$ {' '.join(command[1:])}   (timeout {timeout:.0f} s)")
+            try:
+                result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.check(f"levers: {name} runs", False, f"killed after {timeout:.0f} s; run it alone with "
+                                                          f"`python {' '.join(command[1:-2])}`")
+                continue
+            self.log_file.write(result.stdout + result.stderr)
+            rows = json.loads(out.read_text())["rungs"] if out.exists() else []
+            rates[name] = {row["name"]: round(row["samples_per_sec"], 1) for row in rows if row["status"] == "ok"}
+            not_run = {row["name"]: row.get("reason") or row.get("error") for row in rows if row["status"] != "ok"}
+            self.check(f"levers: {name} runs", result.returncode == 0 and bool(rows) and not not_run,
+                       ", ".join(f"{rung} {rate:.0f} samples/s" for rung, rate in rates[name].items())
+                       + (f"; not run: {not_run}" if not_run else "") + ("" if rows else last_line(result.stderr)))
+        eager = rates.get("compile", {}).get("channels_last")
+        ratios = {"compile_channels_last": rates.get("compile", {}).get("compile_channels_last"),
+                  "all_cudnn_engines": rates.get("all_engines", {}).get("channels_last")}
+        ratios = {key: round(rate / eager, 3) for key, rate in ratios.items() if rate and eager}
+        self.results["levers"] = {"conv_forms": "up0=rewritten", "samples_per_s": rates,
+                                  "vs_eager_channels_last": ratios}
+        self.log(f"against the eager channels-last rung: {ratios or 'nothing to compare'}")
+        best = max([rate for run in rates.values() for rate in run.values()], default=None)
+        if best is not None:
+            self.check(f"compute-only throughput >= {COMPUTE_GOAL} samples/s with compile or every cuDNN engine",
+                       best >= COMPUTE_GOAL, f"best {best:.0f} samples/s; vs eager channels-last: {ratios}",
+                       kind="goal")
+
     def finish(self):
         self.save()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -659,6 +705,12 @@ def markdown(results):
                                                 for variant, step in forms["steps"].items())
                   + f"; the convolutions alone are {100 * forms['conv_share_of_native_step']:.0f}% of the native step. "
                   f"Fastest: `--conv_forms {forms['fastest_conv_forms']}`"]
+    levers = results.get("levers")
+    if levers and levers["samples_per_s"]:
+        lines += ["", f"## More levers (fresh ladder processes, --conv_forms {levers['conv_forms']})", "",
+                  "| run | rung | samples/s |", "| --- | --- | ---: |"]
+        lines += [f"| {run} | {rung} | {rate:.1f} |" for run, rates in levers["samples_per_s"].items()
+                  for rung, rate in rates.items()]
     profile = results.get("profile")
     if profile and profile.get("top_kernels"):
         lines += ["", f"## Top kernels in the profiled steps {profile['window']}", "", "| share | ms | kernel |",
@@ -671,15 +723,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="folder for the (at most 8) result files")
     parser.add_argument("--small", action="store_true", help="CPU smoke mode: tiny model, few steps, GPU parts skip")
-    parser.add_argument("--parts", default="abcdefgh", help="subset of the parts a-h to run (default: all; the "
+    parser.add_argument("--parts", default="abcdefghi", help="subset of the parts a-i to run (default: all; the "
                                                               "environment is recorded in any case)")
     parser.add_argument("--budget_s", type=float, default=560,
                         help="time budget in seconds: a part that would overrun it is skipped (default 560, under "
                              "the device tool's 600 s per call)")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.parts) - set("abcdefgh"))
+    unknown = sorted(set(args.parts) - set("abcdefghi"))
     if unknown:
-        parser.error(f"unknown part(s) {', '.join(unknown)} in --parts; choose from a-h")
+        parser.error(f"unknown part(s) {', '.join(unknown)} in --parts; choose from a-i")
     if not args.small and not torch.cuda.is_available():
         parser.error("no CUDA GPU is visible; run with --small for the CPU smoke mode")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -694,7 +746,8 @@ def main(argv=None):
         steps = {"b": ("b. optimisation ladder", suite.ladder), "c": ("c. benchmark mode", suite.benchy),
                  "d": ("d. train.py vs train_graph.py", suite.graph_vs_eager),
                  "e": ("e. checkpoint stall", suite.checkpoint_stall), "f": ("f. profile", suite.profile),
-                 "g": ("g. tests", suite.tests), "h": ("h. convolution forms", suite.conv_forms)}
+                 "g": ("g. tests", suite.tests), "h": ("h. convolution forms", suite.conv_forms),
+                 "i": ("i. compile with channels-last; every cuDNN engine", suite.levers)}
         for key, (name, function) in steps.items():
             if key in args.parts:
                 suite.part(name, function, key)

@@ -10,12 +10,21 @@ Each rung adds one optimisation to the previous rung (bf16 replaces fp16):
     fp32 (TF32 off) -> TF32 -> AMP fp16 + GradScaler -> bf16 -> fused Adam -> torch.compile
     -> channels-last-3d -> CUDA graph of the whole step (train_graph.py)
 
-plus one side rung, the CUDA graph on the compiled model. On CUDA, torch.compile and
-channels-last-3d together hit a PyTorch Inductor bug (pytorch#171622: the compiled backward of a
-channels-last ConvTranspose3d fails a stride assertion; seen with torch 2.11), which train.py
-refuses up front; so the channels-last rung replaces compile rather than adding to it (Inductor
-already chooses channels-last layouts for the convolutions inside a compiled graph), and the two
-CUDA-graph rungs measure both branches.
+plus two side rungs: the CUDA graph of the compiled model, and torch.compile with channels-last-3d. A
+rung means the rungs above it plus its own change, also when ``--rungs`` runs it alone
+(``--rungs channels_last`` is bf16, fused Adam and channels-last).
+
+On CUDA, torch.compile with channels-last-3d hits a PyTorch Inductor bug (pytorch#171622, seen with
+torch 2.11) in the compiled backward of a transposed convolution on a 1^3 input: up0, the bottom of
+the reference model on 64^3 crops. train.py refuses that combination up front unless up0 runs in the
+``rewritten`` form, and so does the side rung (reported as skipped, with the reason): run it with
+``--conv_forms up0=rewritten``. That is why the main ladder's channels-last rung replaces compile
+rather than adding to it (Inductor already chooses channels-last layouts for the convolutions inside
+a compiled graph), and why the two CUDA-graph rungs measure both branches.
+
+``--cudnn_benchmark_limit N`` sets how many cuDNN engines are timed per convolution shape (train.py's
+key; PyTorch's default 10, 0: all). cuDNN keeps its choice for a shape for the rest of the process, so
+compare two values in two runs of this script.
 
 Every rung builds the model as train.py does (``utils.training.build_training``: same seed, same initial
 weights) and trains on one batch of generated N-body -> hydro crops cached on the device, so the
@@ -30,8 +39,8 @@ numbers measure compute alone (the tutorial's SYNTHETIC trial), not data loading
 
 Prints a markdown table and writes it (``.md``) and the raw numbers (``.json``: device, versions,
 per-window rates) to ``--out``, default ``benchmarks/results/<device>.json``. A rung that fails is
-reported as failed (traceback on stderr), the ladder goes on, and the exit code is 1.
-Without CUDA, rungs that need it are skipped with the reason, and their settings are not carried up.
+reported as failed (traceback on stderr), the ladder goes on, and the exit code is 1. Without CUDA, rungs
+that need it are skipped with the reason, and their settings are not carried up.
 """
 import argparse
 import gc
@@ -83,7 +92,11 @@ RUNGS = (
     Rung("cuda_graph", "+ CUDA graph", graph=True, needs_cuda="CUDA graphs need a CUDA GPU"),
     Rung("cuda_graph_compile", "CUDA graph of the compiled model", {"channels_last": False, "enable_jit": True},
          graph=True, needs_cuda="CUDA graphs need a CUDA GPU"),
+    Rung("compile_channels_last", "torch.compile with channels-last-3d", {"channels_last": True, "enable_jit": True},
+         needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
 )
+
+PYTORCH_CUDNN_BENCHMARK_LIMIT = 10  # torch.backends.cudnn.benchmark_limit's default
 
 FULL = dict(model_channels=None, batch_size=64, crop_size=64,  # None: the base config's (reference) widths
             loss_steps=20, warmup_steps=5, windows=5, steps_per_window=10)
@@ -106,6 +119,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated batch")
     parser.add_argument("--conv_forms", default="native",
                         help="the convolution forms of every rung (train.py's --conv_forms; networks/conv_forms.py)")
+    parser.add_argument("--cudnn_benchmark_limit", type=int,
+                        help="cuDNN engines timed per convolution shape in every rung (train.py's key; default 10, "
+                             "0: all). cuDNN's choices last for the process: compare values in separate runs")
     parser.add_argument("--out", type=Path, help="results .json (a .md beside it); "
                                                  "default benchmarks/results/<device>.json")
     args = parser.parse_args(argv)
@@ -144,6 +160,8 @@ def rung_params(args, settings):
                  "global_batch_size": args.batch_size, "base_batch_size": args.batch_size,  # lr = start_lr
                  "amp_mode": "none", "enable_fused": False, "enable_apex": False, "enable_jit": False,
                  "channels_last": False, "conv_forms": args.conv_forms, **settings}
+    if args.cudnn_benchmark_limit is not None:
+        overrides["cudnn_benchmark_limit"] = args.cudnn_benchmark_limit
     return load_config("base", overrides=overrides)
 
 
@@ -152,7 +170,9 @@ def describe(params, device):
         "tf32" if params.enable_tf32 and device.type == "cuda" else "fp32")
     extras = [name for name, on in (("fused Adam", params.enable_fused), ("compile", params.enable_jit),
                                     ("channels-last", params.channels_last),
-                                    (f"conv_forms={params.conv_forms}", params.conv_forms != "native")) if on]
+                                    (f"conv_forms={params.conv_forms}", params.conv_forms != "native"),
+                                    (f"cudnn_benchmark_limit={params.cudnn_benchmark_limit}",
+                                     params.cudnn_benchmark_limit != PYTORCH_CUDNN_BENCHMARK_LIMIT)) if on]
     return ", ".join([math_mode] + extras)
 
 
@@ -213,9 +233,12 @@ def run_ladder(args, device):
     batch = make_batch(args.batch_size, args.crop_size, args.seed)
     results, settings = [], {}
     for rung in RUNGS:
+        runs_here = not rung.needs_cuda or device.type == "cuda"
         if rung.name not in args.rungs:
+            if runs_here:  # a rung is the rungs above it plus its own change, whether or not they are run
+                settings.update(rung.settings)
             continue
-        if rung.needs_cuda and device.type != "cuda":
+        if not runs_here:
             print(f"[{rung.name}] skipped: {rung.needs_cuda}", flush=True)
             results.append({"name": rung.name, "label": rung.label, "status": "skipped", "reason": rung.needs_cuda})
             continue
@@ -230,6 +253,9 @@ def run_ladder(args, device):
             row["seconds"] = round(time.perf_counter() - begin, 1)  # build, autotuning, compilation and all steps
             print(f"[{rung.name}] {row['samples_per_sec']:.1f} samples/s, loss {row['loss_first']:.5f} -> "
                   f"{row['loss_last']:.5f}", flush=True)
+        except ConfigError as err:  # a combination train.py refuses up front, with what to do instead
+            print(f"[{rung.name}] refused: {err}", flush=True)
+            row.update(status="skipped", reason=f"refused: {err}")
         except Exception as err:  # report it and go on: one broken rung must not hide the others
             traceback.print_exc()
             row.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
@@ -302,6 +328,7 @@ def main(argv=None):
         sys.exit(f"ladder.py: {err}")
     model = build_model(params)
     setup = {"model_channels": params.model_channels, "conv_forms": args.conv_forms,
+             "cudnn_benchmark_limit": params.cudnn_benchmark_limit,
              "num_parameters": sum(p.numel() for p in model.parameters()),
              "forward_gflop_per_sample": model.flops_per_sample(args.crop_size) / 1e9,
              **{key: getattr(args, key) for key in ("batch_size", "crop_size", "loss_steps", "warmup_steps",

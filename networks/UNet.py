@@ -65,6 +65,8 @@ class ResizeConv3d(nn.Module):
     convolution's; ``forward`` costs exactly a ConvTranspose3d(kernel 4, stride 2, padding 1).
     """
 
+    transposed = True  # runs as a transposed convolution (like nn.ConvTranspose3d's attribute)
+
     def __init__(self, in_channels, out_channels, interpolation="nearest"):
         super().__init__()
         if interpolation not in _INTERPOLATION_TAPS:
@@ -206,6 +208,16 @@ class UNet(nn.Module):
         up1, ..., last: the names ``conv_forms`` uses."""
         modules = [block[0] for block in self.down] + [block[0] for block in self.up] + [self.conv_last]
         return list(zip(conv_layer_names(self.num_levels), modules))
+
+    def conv_input_sizes(self, crop_size):
+        """{name: edge of the input the layer sees} on a crop_size^3 sample, e.g. up0 sees the bottom (1 for the
+        reference model on 64^3 crops)."""
+        names = [name for name, _ in self.conv_layers()]
+        levels = self.num_levels
+        edges = [crop_size // 2 ** i for i in range(levels)]                 # down0 .. down{L-1}
+        edges += [crop_size // 2 ** (levels - k) for k in range(levels - 1)]  # up0 (the bottom) .. up{L-2}
+        edges.append(crop_size // 2)                                          # last
+        return dict(zip(names, edges))
 
     def set_conv_forms(self, spec):
         """Compute each convolution in the form ``spec`` names (networks/conv_forms.py, ``parse_conv_forms``):

@@ -201,3 +201,50 @@ def test_load_config_checks_conv_forms_against_the_models_layers():
         load_config("base", overrides={"conv_forms": "up4=rewritten", "full_scale": False})
     with pytest.raises(ConfigError, match="unknown form 'fast'"):
         load_config("base", overrides={"conv_forms": "fast"})
+
+
+def test_each_layer_knows_the_edge_of_its_input():
+    edges = UNet([64, 128, 256, 512, 512, 512]).conv_input_sizes(64)
+    assert edges == {"down0": 64, "down1": 32, "down2": 16, "down3": 8, "down4": 4, "down5": 2,
+                     "up0": 1, "up1": 2, "up2": 4, "up3": 8, "up4": 16, "last": 32}
+    model = UNet([4, 8, 8])
+    seen = {}
+    for name, module in model.conv_layers():
+        module.register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, args[0].shape[-1]))
+    model(torch.randn(1, 4, 16, 16, 16))
+    assert seen == model.conv_input_sizes(16) == {"down0": 16, "down1": 8, "down2": 4, "up0": 2, "up1": 4, "last": 8}
+
+
+@pytest.mark.parametrize("upsample", UPSAMPLE_MODES)
+def test_compile_with_channels_last_is_refused_on_cuda_only_for_a_native_transposed_conv_on_one_voxel(
+        tiny_params, upsample):
+    """pytorch#171622 (torch 2.11): the compiled channels-last backward of a transposed convolution on a 1^3 input
+    fails Inductor's stride check. build_training refuses exactly that, in one line, before touching the device
+    (so a CPU test can ask with a CUDA device), and names the conv_forms value that avoids it."""
+    from utils.distributed import DistInfo
+    from utils.training import build_training, compile_channels_last_blockers
+    cuda = DistInfo(device=torch.device("cuda"))
+    params = tiny_params(model_channels=[4, 8, 8], data_size=8, upsample=upsample, enable_jit=True,
+                         channels_last=True)   # 3 levels on 8^3 crops: up0 sees the 1^3 bottom
+    with pytest.raises(ConfigError) as refused:
+        build_training(params, cuda)
+    assert str(refused.value) == (
+        "enable_jit and channels_last together fail on CUDA for a transposed convolution on a 1^3 input (up0): a "
+        "PyTorch Inductor bug (pytorch#171622, seen with torch 2.11) breaks its compiled backward; add --conv_forms "
+        "up0=rewritten (the same maths as a stride-1 convolution), or drop --channels_last or --enable_jit")
+    model = UNet([4, 8, 8], upsample=upsample)
+    for spec, blockers in (("native", ["up0"]), ("padded", ["up0"]), ("up0=rewritten", []), ("rewritten", []),
+                           ("rewritten,up0=padded", ["up0"])):
+        model.set_conv_forms(spec)
+        assert compile_channels_last_blockers(model, 8) == blockers, spec
+    model.set_conv_forms("native")
+    assert compile_channels_last_blockers(model, 16) == []  # a 2^3 bottom: nothing ambiguous
+    state = build_training(params, DistInfo(device=torch.device("cpu")))  # the CPU compiles it (Inductor's C++)
+    assert state.memory_format == torch.channels_last_3d and state.train_model is not state.model
+
+
+def test_cudnn_benchmark_limit_is_a_checked_speed_knob(tiny_params):
+    assert tiny_params().cudnn_benchmark_limit == 10  # PyTorch's own default
+    assert tiny_params(cudnn_benchmark_limit=0).cudnn_benchmark_limit == 0
+    with pytest.raises(ConfigError, match="cudnn_benchmark_limit"):
+        tiny_params(cudnn_benchmark_limit=-1)

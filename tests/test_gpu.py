@@ -1,5 +1,6 @@
 """What only a CUDA GPU can check: graph capture and replay, the capturable optimizer's schedule, resuming
-a graph run, the rewritten convolution forms in a graph, the GPU-resident loader, the pinned prefetcher, cuDNN
+a graph run, the rewritten convolution forms in a graph, torch.compile with channels-last (what the refusal of
+pytorch#171622 lets through, and a canary of the bug), the GPU-resident loader, the pinned prefetcher, cuDNN
 kernels for bf16 3D convolutions, MFU and peak memory, and the collectives and DDP on NCCL (a one-rank group).
 
     python -m pytest -q tests/test_gpu.py     # on a GPU machine: about a minute; every test skips elsewhere
@@ -25,6 +26,7 @@ from utils import training
 import train_graph
 from benchmarks import kernel_probe
 from conftest import TINY_OVERRIDES
+from networks.UNet import UNet, loss_func
 from utils import metrics
 from utils.checkpoint import restore_training_state, snapshot_training_state
 from utils.config import DEFAULT_YAML, load_config
@@ -46,10 +48,12 @@ SLEEP_CYCLES = 10_000_000  # torch.cuda._sleep: about 5 ms at 2 GHz, far longer 
 def global_flags_restored():
     """build_training and the kernel probe set process-wide flags; later tests in this process get theirs back."""
     saved = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+             torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark_limit)
     yield
     torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved[:3]
     torch.use_deterministic_algorithms(saved[3], warn_only=saved[4])
+    torch.backends.cudnn.benchmark_limit = saved[5]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
 
@@ -136,6 +140,62 @@ def test_rewritten_convolutions_capture_in_a_graph_and_give_the_native_gradients
         assert want.norm() > 0 and (got - want).norm() < 5e-2 * want.norm(), ((got - want).norm().item(),
                                                                              want.norm().item())
     assert torch.equal(flat_weights(native.model), flat_weights(forms.model))  # lr 0: nothing moved, no NaN
+
+
+# --- torch.compile with channels-last (pytorch#171622) ---------------------------------------------
+def random_batches(size, count=3, seed=0):
+    """``count`` (input, target) batches of 4 random size^3 crops on the GPU, channels-last."""
+    generator = torch.Generator(device=CUDA).manual_seed(seed)
+    return [tuple((2 * torch.rand(4, channels, size, size, size, device=CUDA, generator=generator) - 1)
+                  .contiguous(memory_format=torch.channels_last_3d) for channels in (4, 5)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("channels, size, forms", [([8, 16, 16], 8, "up0=rewritten"), ([8, 16, 16], 16, "native")],
+                         ids=["1^3 bottom, up0 rewritten", "2^3 bottom, native"])
+def test_compile_with_channels_last_trains_like_eager_where_build_training_allows_it(tiny_params, channels, size,
+                                                                                      forms):
+    """What utils/training.py's compile_channels_last_blockers lets through: no native transposed convolution on a
+    1^3 input. The compiled channels-last step must run (Inductor's stride checks pass) and give the eager model's
+    loss and gradients (fp32, TF32 off, lr 0 so every batch compares at the same weights). If this fails, the
+    refusal must cover more than that layer: say so in the README and widen the rule."""
+    settings = {**TINY_CUDA, "model_channels": channels, "data_size": size, "channels_last": True, "conv_forms": forms,
+                "cudnn_benchmark_limit": 0}
+    info = init_distributed("cuda")
+    eager = training.build_training(tiny_params(**settings), info)
+    assert torch.backends.cudnn.benchmark_limit == 0  # the key reaches cuDNN's autotuner
+    compiled = training.build_training(tiny_params(**settings, enable_jit=True), info)
+    assert compiled.train_model is not compiled.model
+    eager.set_lr(0.0)
+    compiled.set_lr(0.0)
+    for inp, tar in random_batches(size):
+        want_loss = training.eager_step(eager, inp, tar).item()
+        got_loss = training.eager_step(compiled, inp, tar).item()
+        assert got_loss == pytest.approx(want_loss, rel=1e-4)
+        want = torch.cat([p.grad.flatten() for p in eager.model.parameters()])
+        got = torch.cat([p.grad.flatten() for p in compiled.model.parameters()])
+        assert (got - want).norm() < 1e-4 * want.norm(), ((got - want).norm().item(), want.norm().item())
+
+
+def test_pytorch_171622_still_breaks_a_native_transposed_conv_on_one_voxel():
+    """The canary of the refusal: torch.compile of a channels-last U-Net whose up0 runs natively on the 1^3 bottom
+    fails in its backward with Inductor's stride check. When a torch release fixes it (pytorch PR #177175 changed
+    the meta strides of convolution_backward in March 2026), this test fails: then compile_channels_last_blockers
+    can return nothing for that torch version, and the README's note goes."""
+    torch.manual_seed(0)
+    model = UNet([8, 16, 16]).to(CUDA, memory_format=torch.channels_last_3d)
+    compiled = torch.compile(model)
+    (inp, tar), = random_batches(8, count=1)
+    try:
+        loss_func(compiled(inp), tar).backward()
+        torch.cuda.synchronize()
+    except Exception as err:  # Inductor's assert_size_stride, possibly wrapped by the compiler
+        assert "stride" in str(err), f"failed, but not as pytorch#171622 does: {type(err).__name__}: {err}"
+    else:
+        pytest.fail(f"pytorch#171622 no longer reproduces with torch {torch.__version__}: lift the refusal for this "
+                    f"version (utils/training.py, compile_channels_last_blockers) and re-run the ladder's "
+                    f"compile_channels_last rung with native forms")
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])

@@ -37,7 +37,8 @@ def test_small_mode_runs_every_cpu_part_and_skips_the_gpu_parts(tmp_path):
     assert name.startswith("fast inmem") and all(benchy[mode] > 0 for mode in ("IO", "SYNTHETIC", "FULL"))
     # Every GPU-only part reports itself skipped, with the reason, and prints a status line.
     for skipped in ("cuDNN for every convolution", "benchmark mode, GPU-resident loader", "train_graph.py vs train.py",
-                    "cuDNN kernels in the trace; copy/compute overlap"):
+                    "cuDNN kernels in the trace; copy/compute overlap",
+                    "more levers: compile + channels-last, every cuDNN engine"):
         assert checks[skipped]["status"] == "SKIP" and checks[skipped]["detail"] == "no GPU", skipped
         assert f"SKIP {skipped}: no GPU" in result.stdout
     assert checks["profiler trace of the window"]["status"] == "PASS"
@@ -80,3 +81,25 @@ def test_the_checkpoint_stall_is_parsed_from_train_pys_own_log_lines():
                       "INFO " + stall_message("end of epoch 1", 160, 0.045, 0.0004)])
     assert gpu_suite.checkpoint_stalls(text) == [("periodic", 0.031, 0.0), ("periodic", 1.732, 1.701),
                                                  ("end of epoch 1", 0.045, 0.0)]
+
+
+def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
+    """Part i's bookkeeping, on the CPU with the tiny ladder in place of the full one: the compile + channels-last
+    rung needs CUDA, so its run is a FAIL naming why; every cuDNN engine's run is compared with the eager rung."""
+    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560)
+    suite.cuda = True  # as on a GPU: the part runs
+    monkeypatch.setattr(gpu_suite, "LADDER_TIMING", ["--tiny", "--loss_steps", "1", "--warmup_steps", "0",
+                                                     "--windows", "1", "--steps_per_window", "1"])
+    suite.levers()
+    checks = {c["name"]: c for c in suite.checks}
+    assert checks["levers: compile runs"]["status"] == "FAIL"
+    assert "not run: {'compile_channels_last': \"the rung measures Inductor's GPU kernels" in checks[
+        "levers: compile runs"]["detail"]
+    assert checks["levers: all_engines runs"]["status"] == "PASS"
+    levers = suite.results["levers"]
+    assert set(levers["samples_per_s"]["compile"]) == set(levers["samples_per_s"]["all_engines"]) == {"channels_last"}
+    assert set(levers["vs_eager_channels_last"]) == {"all_cudnn_engines"}
+    assert checks[f"compute-only throughput >= {gpu_suite.COMPUTE_GOAL} samples/s with compile or every cuDNN "
+                  f"engine"]["kind"] == "goal"
+    assert "## More levers" in gpu_suite.markdown(suite.results)
+    suite.finish()

@@ -189,8 +189,8 @@ def test_ladder_tiny_runs_on_cpu_and_skips_cuda_rungs(tmp_path):
     assert report["environment"]["device"] == "cpu" and report["setup"]["batch_size"] == 2
     rows = {row["name"]: row for row in report["rungs"]}
     assert list(rows) == [rung.name for rung in ladder.RUNGS]
-    assert {name for name, row in rows.items() if row["status"] == "skipped"} == {"tf32", "fp16", "compile",
-                                                                                  "cuda_graph", "cuda_graph_compile"}
+    assert {name for name, row in rows.items() if row["status"] == "skipped"} == {
+        "tf32", "fp16", "compile", "cuda_graph", "cuda_graph_compile", "compile_channels_last"}
     assert rows["cuda_graph"]["reason"] == "CUDA graphs need a CUDA GPU"
     # Skipped rungs' settings are not carried up: no compile on CPU.
     assert rows["channels_last"]["settings"] == "bf16, fused Adam, channels-last"
@@ -225,6 +225,27 @@ def test_ladder_runs_every_rung_in_the_conv_forms_it_is_given(tmp_path):
     with pytest.raises(SystemExit, match="ladder.py: conv_forms item 'up7=padded': this model has no "
                                          "layer 'up7'"):
         ladder.main(fast + ["--conv_forms", "up7=padded", "--out", str(tmp_path / "bad.json")])
+
+
+def test_a_rung_run_alone_has_the_rungs_above_it_and_a_refused_rung_is_skipped(tmp_path, monkeypatch):
+    """--rungs channels_last measures what the table calls + channels-last (bf16 and fused Adam from the rungs
+    above it); --cudnn_benchmark_limit reaches every rung; a combination build_training refuses (compile with
+    channels-last and a native up0 on CUDA) is a skipped row with the refusal, not a failure."""
+    out = tmp_path / "alone.json"
+    fast = ["--tiny", "--loss_steps", "1", "--warmup_steps", "0", "--windows", "1", "--steps_per_window", "1",
+            "--out", str(out)]
+    assert ladder.main(fast + ["--rungs", "channels_last", "--cudnn_benchmark_limit", "0"]) == 0
+    report = json.loads(out.read_text())
+    assert report["setup"]["cudnn_benchmark_limit"] == 0
+    [row] = report["rungs"]
+    assert row["status"] == "ok" and row["settings"] == "bf16, fused Adam, channels-last, cudnn_benchmark_limit=0"
+
+    def refuse(rung, params, device, batch, args):
+        raise ConfigError("enable_jit and channels_last together fail on CUDA ...")
+    monkeypatch.setattr(ladder, "run_rung", refuse)
+    assert ladder.main(fast + ["--rungs", "fp32"]) == 0
+    [row] = json.loads(out.read_text())["rungs"]
+    assert row["status"] == "skipped" and row["reason"] == "refused: enable_jit and channels_last together fail on CUDA ..."
 
 
 def test_ladder_model_size_flags(tmp_path):

@@ -78,25 +78,46 @@ def build_optimizer(model, params, device, capturable=False):
     return torch.optim.Adam(model.parameters(), lr=lr), f"torch Adam ({implementation})"
 
 
+def compile_channels_last_blockers(model, crop_size):
+    """The layers that stop torch.compile + channels-last on CUDA: transposed convolutions run natively (not in the
+    ``rewritten`` form) on a 1^3 input, the bottom of the U-Net (up0 of the reference model on 64^3 crops).
+
+    The compiled backward of such a layer fails Inductor's stride check (pytorch#171622, seen with torch 2.11): a
+    channels-last (N, C, 1, 1, 1) tensor is also a contiguous one, Inductor may lay it out either way, and cuDNN's
+    transposed-convolution backward takes the weight gradient's layout from its input and output gradient
+    (ATen's ConvShared.cpp), while Inductor predicts it from the input and the channels-last weight. The
+    ``rewritten`` form pads the input to 3^3 and runs a stride-1 convolution instead, with no ambiguous layout.
+    Reasoned from the source, not yet run on a GPU: tests/test_gpu.py checks both sides of the rule there.
+    """
+    edges = model.conv_input_sizes(crop_size)
+    return [name for name, module in model.conv_layers()
+            if module.transposed and module.form != "rewritten" and edges[name] == 1]
+
+
 def build_training(params, info, capturable=False, run_dir=None):
     device = info.device
+    torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
+    model = build_model(params)
+    model.set_conv_forms(params.conv_forms)  # same parameters in every form; load_config checked the value
+    blockers = compile_channels_last_blockers(model, params.data_size)
+    if params.enable_jit and params.channels_last and device.type == "cuda" and blockers:
+        raise ConfigError(
+            f"enable_jit and channels_last together fail on CUDA for a transposed convolution on a 1^3 input "
+            f"({', '.join(blockers)}): a PyTorch Inductor bug (pytorch#171622, seen with torch 2.11) breaks its compiled "
+            f"backward; add --conv_forms {','.join(f'{name}=rewritten' for name in blockers)} (the same maths as a "
+            f"stride-1 convolution), or drop --channels_last or --enable_jit")
     if params.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
         torch.use_deterministic_algorithms(True)
     if device.type == "cuda":
         # pick the fastest conv algorithms for the fixed crop shape (some are not bit-reproducible)
         torch.backends.cudnn.benchmark = not params.deterministic
+        # cuDNN engines timed per new convolution shape (PyTorch's default 10; 0: every engine that fits)
+        torch.backends.cudnn.benchmark_limit = params.cudnn_benchmark_limit
         torch.backends.cuda.matmul.allow_tf32 = params.enable_tf32
         torch.backends.cudnn.allow_tf32 = params.enable_tf32
-    if params.enable_jit and params.channels_last and device.type == "cuda":
-        raise ConfigError("enable_jit and channels_last together fail on CUDA: a PyTorch Inductor bug (pytorch#171622, "
-                          "seen with torch 2.11) breaks the compiled backward of a channels-last ConvTranspose3d; "
-                          "Inductor already lays out the convolutions it compiles channels-last, so add "
-                          "--no-channels_last (or --no-enable_jit to keep channels-last without compiling)")
-    torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
-    model = build_model(params).to(device, memory_format=memory_format)
-    model.set_conv_forms(params.conv_forms)  # same parameters in every form; load_config checked the value
+    model = model.to(device, memory_format=memory_format)
     optimizer, optimizer_name = build_optimizer(model, params, device, capturable)
     train_model, ddp_description = wrap_ddp(model, params, info)
     loss_fn = loss_func
