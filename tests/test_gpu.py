@@ -3,7 +3,7 @@ a graph run, the rewritten convolution forms in a graph, torch.compile with chan
 pytorch#171622 lets through, and a canary of the bug), the GPU-resident loader, the pinned prefetcher, cuDNN
 kernels for bf16 3D convolutions, MFU and peak memory, and the collectives and DDP on NCCL (a one-rank group).
 
-    python -m pytest -q tests/test_gpu.py     # on a GPU machine: about a minute; every test skips elsewhere
+    python -m pytest -q tests/test_gpu.py     # on a GPU machine: a minute or two; every test skips elsewhere
 
 Tiny models (model_channels [8, 16], 16^3 crops, batch 4) on the 24^3 / 16^3 files of conftest.py,
 except the MFU test, which runs the reference U-Net at batch 2 on 64^3 crops. Comparisons that
@@ -54,6 +54,7 @@ def global_flags_restored():
     torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved[:3]
     torch.use_deterministic_algorithms(saved[3], warn_only=saved[4])
     torch.backends.cudnn.benchmark_limit = saved[5]
+    torch._dynamo.reset()  # a later compile starts fresh (no cached graphs, no shapes already marked dynamic)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
 
@@ -157,7 +158,8 @@ def test_compile_with_channels_last_trains_like_eager_where_build_training_allow
     """What utils/training.py's compile_channels_last_blockers lets through: no native transposed convolution on a
     1^3 input. The compiled channels-last step must run (Inductor's stride checks pass) and give the eager model's
     loss and gradients (fp32, TF32 off, lr 0 so every batch compares at the same weights). If this fails, the
-    refusal must cover more than that layer: say so in the README and widen the rule."""
+    refusal must cover more than that layer: say so in the README and widen the rule. (Every cuDNN engine is timed
+    here, so eager and compiled convolutions may run different algorithms: a 1e-3 tolerance, as for graphs.)"""
     settings = {**TINY_CUDA, "model_channels": channels, "data_size": size, "channels_last": True, "conv_forms": forms,
                 "cudnn_benchmark_limit": 0}
     info = init_distributed("cuda")
@@ -173,7 +175,7 @@ def test_compile_with_channels_last_trains_like_eager_where_build_training_allow
         assert got_loss == pytest.approx(want_loss, rel=1e-4)
         want = torch.cat([p.grad.flatten() for p in eager.model.parameters()])
         got = torch.cat([p.grad.flatten() for p in compiled.model.parameters()])
-        assert (got - want).norm() < 1e-4 * want.norm(), ((got - want).norm().item(), want.norm().item())
+        assert (got - want).norm() < 1e-3 * want.norm(), ((got - want).norm().item(), want.norm().item())
 
 
 def test_pytorch_171622_still_breaks_a_native_transposed_conv_on_one_voxel():
@@ -191,9 +193,10 @@ def test_pytorch_171622_still_breaks_a_native_transposed_conv_on_one_voxel():
     except Exception as err:  # Inductor's assert_size_stride, possibly wrapped by the compiler
         assert "stride" in str(err), f"failed, but not as pytorch#171622 does: {type(err).__name__}: {err}"
     else:
-        pytest.fail(f"pytorch#171622 no longer reproduces with torch {torch.__version__}: lift the refusal for this "
-                    f"version (utils/training.py, compile_channels_last_blockers) and re-run the ladder's "
-                    f"compile_channels_last rung with native forms")
+        pytest.fail(f"pytorch#171622 no longer reproduces on this small model with torch {torch.__version__}: try "
+                    f"`python benchmarks/ladder.py --rungs compile_channels_last` with the refusal lifted "
+                    f"(utils/training.py, compile_channels_last_blockers); if the full model runs, lift it for "
+                    f"this torch version")
     finally:
         torch._dynamo.reset()
 

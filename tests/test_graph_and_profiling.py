@@ -234,7 +234,11 @@ def test_a_rung_run_alone_has_the_rungs_above_it_and_a_refused_rung_is_skipped(t
     out = tmp_path / "alone.json"
     fast = ["--tiny", "--loss_steps", "1", "--warmup_steps", "0", "--windows", "1", "--steps_per_window", "1",
             "--out", str(out)]
-    assert ladder.main(fast + ["--rungs", "channels_last", "--cudnn_benchmark_limit", "0"]) == 0
+    limit = torch.backends.cudnn.benchmark_limit
+    try:
+        assert ladder.main(fast + ["--rungs", "channels_last", "--cudnn_benchmark_limit", "0"]) == 0
+    finally:  # on a GPU machine the rung set it for the process
+        torch.backends.cudnn.benchmark_limit = limit
     report = json.loads(out.read_text())
     assert report["setup"]["cudnn_benchmark_limit"] == 0
     [row] = report["rungs"]
