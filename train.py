@@ -108,7 +108,8 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     active = [f"amp_mode={params.amp_mode}"] + [name for name in (
         "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
     if info.device.type == "cuda":
-        active += [f"tf32={'on' if params.enable_tf32 else 'off'}", f"cudnn_benchmark_limit={params.cudnn_benchmark_limit}"]
+        active += [f"tf32={'on' if params.enable_tf32 else 'off'}",
+                   f"cudnn_benchmark_limit={params.cudnn_benchmark_limit}"]
     loader = getattr(train_loader, "description", f"straightforward {params.data_loader_config}: per-sample crops, "
                                                    f"{params.num_data_workers} worker processes, default collate")
     logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")

@@ -232,8 +232,8 @@ SCHEMA = {
     "conv_forms": Key(_str, "how the stride-2 convolutions are computed: native, rewritten, padded, or per layer "
                             "NAME=FORM items (networks/conv_forms.py); same maths, speed and rounding differ"),
     "enable_tf32": Key(_bool, "TF32 matmuls and convolutions on GPU"),
-    "cudnn_benchmark_limit": Key(_non_negative_int, "cuDNN engines timed per new convolution shape when autotuning "
-                                                    "(PyTorch's default 10; 0: every engine that fits, a longer start)"),
+    "cudnn_benchmark_limit": Key(_non_negative_int, "cuDNN engines timed per new convolution shape when "
+                                                    "autotuning (PyTorch's default 10; 0: all that fit, slower start)"),
     "device": Key(_choice("auto", "cuda", "cpu"), "auto: the rank's GPU when CUDA is visible, else the CPU"),
     "enable_benchy": Key(_bool, "benchmark mode"),
     "benchy": Key(_section(BENCHY_SCHEMA), "benchmark-mode trials"),

@@ -103,8 +103,8 @@ def build_training(params, info, capturable=False, run_dir=None):
     if params.enable_jit and params.channels_last and device.type == "cuda" and blockers:
         raise ConfigError(
             f"enable_jit and channels_last together fail on CUDA for a transposed convolution on a 1^3 input "
-            f"({', '.join(blockers)}): a PyTorch Inductor bug (pytorch#171622, seen with torch 2.11) breaks its compiled "
-            f"backward; add --conv_forms {','.join(f'{name}=rewritten' for name in blockers)} (the same maths as a "
+            f"({', '.join(blockers)}): a PyTorch Inductor bug (pytorch#171622, seen with torch 2.11) breaks its "
+            f"compiled backward; add --conv_forms {','.join(f'{name}=rewritten' for name in blockers)} (the same maths as a "
             f"stride-1 convolution), or drop --channels_last or --enable_jit")
     if params.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
