@@ -23,6 +23,11 @@ nn.ConvTranspose3d with a ``form`` attribute), so training can run any layer in 
 key ``conv_forms`` (``UNet.set_conv_forms``; grammar in ``parse_conv_forms``). Forms change speed and
 bf16 rounding only, so they may change on resume. ``benchmarks/conv_variants.py`` measures which is
 fastest and prints the value to pass.
+
+Under torch.compile the forms need static spatial sizes: Inductor (torch 2.13, CPU) fails to lower them
+("ValueRangeError: Invalid ranges") once a second crop size in the same process makes those dimensions
+dynamic. Training compiles one crop size (a changing batch size is fine), and the ladder resets
+torch._dynamo between rungs.
 """
 import itertools
 

@@ -151,17 +151,18 @@ def random_batches(size, count=3, seed=0):
                   .contiguous(memory_format=torch.channels_last_3d) for channels in (4, 5)) for _ in range(count)]
 
 
-@pytest.mark.parametrize("channels, size, forms", [([8, 16, 16], 8, "up0=rewritten"), ([8, 16, 16], 16, "native")],
-                         ids=["1^3 bottom, up0 rewritten", "2^3 bottom, native"])
-def test_compile_with_channels_last_trains_like_eager_where_build_training_allows_it(tiny_params, channels, size,
-                                                                                      forms):
+@pytest.mark.parametrize("size, forms, upsample", [(8, "up0=rewritten", "transposed"), (16, "native", "transposed"),
+                                                   (8, "up0=rewritten", "transposed_blur")],
+                         ids=["1^3 bottom, up0 rewritten", "2^3 bottom, native", "1^3 bottom, blurred, up0 rewritten"])
+def test_compile_with_channels_last_trains_like_eager_where_build_training_allows_it(tiny_params, size, forms,
+                                                                                      upsample):
     """What utils/training.py's compile_channels_last_blockers lets through: no native transposed convolution on a
     1^3 input. The compiled channels-last step must run (Inductor's stride checks pass) and give the eager model's
     loss and gradients (fp32, TF32 off, lr 0 so every batch compares at the same weights). If this fails, the
     refusal must cover more than that layer: say so in the README and widen the rule. (Every cuDNN engine is timed
     here, so eager and compiled convolutions may run different algorithms: a 1e-3 tolerance, as for graphs.)"""
-    settings = {**TINY_CUDA, "model_channels": channels, "data_size": size, "channels_last": True, "conv_forms": forms,
-                "cudnn_benchmark_limit": 0}
+    settings = {**TINY_CUDA, "model_channels": [8, 16, 16], "data_size": size, "channels_last": True,
+                "conv_forms": forms, "upsample": upsample, "cudnn_benchmark_limit": 0}
     info = init_distributed("cuda")
     eager = training.build_training(tiny_params(**settings), info)
     assert torch.backends.cudnn.benchmark_limit == 0  # the key reaches cuDNN's autotuner
