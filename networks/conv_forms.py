@@ -24,10 +24,11 @@ key ``conv_forms`` (``UNet.set_conv_forms``; grammar in ``parse_conv_forms``). F
 bf16 rounding only, so they may change on resume. ``benchmarks/conv_variants.py`` measures which is
 fastest and prints the value to pass.
 
-Under torch.compile the forms need static spatial sizes: Inductor (torch 2.13, CPU) fails to lower them
-("ValueRangeError: Invalid ranges") once a second crop size in the same process makes those dimensions
-dynamic. Training compiles one crop size (a changing batch size is fine), and the ladder resets
-torch._dynamo between rungs.
+Under torch.compile with torch 2.13, the padded convolutions of the rewritten forms need static spatial
+sizes: Inductor fails to lower a convolution after a pad ("ValueRangeError: Invalid ranges [0:-1]", a 2.13
+regression, pytorch#188422; torch 2.11 compiles it) once a second crop size in the same process makes
+those dimensions dynamic. Training compiles one crop size (a changing batch size is fine), and the
+ladder resets torch._dynamo between rungs.
 """
 import itertools
 
