@@ -549,9 +549,9 @@ class Suite:
         self.results["levers"] = {"conv_forms": "up0=rewritten", "samples_per_s": rates,
                                   "vs_eager_channels_last": ratios}
         self.log(f"against the eager channels-last rung: {ratios or 'nothing to compare'}")
-        levers = [rates.get("compile", {}).get("compile_channels_last"),
-                  rates.get("all_engines", {}).get("channels_last")]
-        best = max([rate for rate in levers if rate], default=None)  # the levers, not the eager baseline
+        lever_rates = [rates.get("compile", {}).get("compile_channels_last"),
+                       rates.get("all_engines", {}).get("channels_last")]
+        best = max([rate for rate in lever_rates if rate], default=None)  # the levers, not the eager baseline
         if best is not None:
             self.check(f"compute-only throughput >= {COMPUTE_GOAL} samples/s with compile or every cuDNN engine",
                        best >= COMPUTE_GOAL, f"best {best:.0f} samples/s; vs eager channels-last: {ratios}",

@@ -37,8 +37,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 FORMS = ("native", "rewritten", "padded")
-
-
 CHANNELS_LAST = torch.channels_last_3d
 
 
@@ -110,7 +108,8 @@ class _InterleavePhases(torch.autograd.Function):
     def forward(ctx, phases, memory_format):
         b, c8, s1 = phases.shape[0], phases.shape[1], phases.shape[2]
         ctx.phases_shape = phases.shape
-        ctx.phases_format = CHANNELS_LAST if phases.is_contiguous(memory_format=CHANNELS_LAST) else torch.contiguous_format
+        channels_last = phases.is_contiguous(memory_format=CHANNELS_LAST)
+        ctx.phases_format = CHANNELS_LAST if channels_last else torch.contiguous_format
         out = torch.empty((b, c8 // 8, 2 * (s1 - 1), 2 * (s1 - 1), 2 * (s1 - 1)), dtype=phases.dtype,
                           device=phases.device, memory_format=memory_format)
         for target, source in _phase_pairs(out, phases):

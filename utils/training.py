@@ -99,13 +99,15 @@ def build_training(params, info, capturable=False, run_dir=None):
     torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     model = build_model(params)
     model.set_conv_forms(params.conv_forms)  # same parameters in every form; load_config checked the value
-    blockers = compile_channels_last_blockers(model, params.data_size)
-    if params.enable_jit and params.channels_last and device.type == "cuda" and blockers:
+    blockers = (compile_channels_last_blockers(model, params.data_size)
+                if params.enable_jit and params.channels_last and device.type == "cuda" else [])
+    if blockers:
+        forms = ",".join(f"{name}=rewritten" for name in blockers)
         raise ConfigError(
             f"enable_jit and channels_last together fail on CUDA for a transposed convolution on a 1^3 input "
             f"({', '.join(blockers)}): a PyTorch Inductor bug (pytorch#171622, seen with torch 2.11) breaks its "
-            f"compiled backward; add --conv_forms {','.join(f'{name}=rewritten' for name in blockers)} (the same maths as a "
-            f"stride-1 convolution), or drop --channels_last or --enable_jit")
+            f"compiled backward; add --conv_forms {forms} (the same maths as a stride-1 convolution), or drop "
+            f"--channels_last or --enable_jit")
     if params.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
         torch.use_deterministic_algorithms(True)
