@@ -56,12 +56,14 @@ def load_run(run_dir):
     return scalars
 
 
-def _plain_log_ticks(ax):
-    """Tick labels 0.05, not 5x10^-2; minor ticks labelled only when the axis spans under a decade."""
+def plain_log_ticks(ax):
+    """Tick labels 0.05, not 5x10^-2, on a log y axis (call it after plotting). Minor ticks are all labelled
+    when the axis spans under a decade, only the 2s and 5s under two decades, none beyond."""
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     ax.yaxis.set_major_formatter(plain)
     low, high = ax.get_ylim()
-    ax.yaxis.set_minor_formatter(plain if high / low < 10 else NullFormatter())
+    twos_and_fives = FuncFormatter(lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else "")
+    ax.yaxis.set_minor_formatter(plain if high / low < 10 else twos_and_fives if high / low < 100 else NullFormatter())
 
 
 def _x(points, walltime):
@@ -79,7 +81,7 @@ def loss_figure(runs, walltime=False):
                 ax.plot(_x(scalars[tag], walltime), scalars[tag][2], style, color=f"C{color}", marker=".",
                         label=f"{label} {tag.split('/')[1]}")
     ax.set_yscale("log")
-    _plain_log_ticks(ax)
+    plain_log_ticks(ax)
     ax.set_xlabel("wall-clock time since the run's first event [min]" if walltime else "global step")
     ax.set_ylabel("L1 loss")
     ax.grid(True, which="both", alpha=0.3)
@@ -105,7 +107,7 @@ def science_figure(runs, walltime=False):
     for ax, tag in zip(axes, L1_TAGS):
         ax.set_title(f"validation {tag}")
         ax.set_yscale("log")
-        _plain_log_ticks(ax)
+        plain_log_ticks(ax)
     axes[0].set_ylabel("L1 (normalised units)")
     axes[3].set_ylabel("L1 (normalised units)")
     axes[5].set_title("T-rho fit: gamma (T ~ rho^(gamma - 1))")
