@@ -52,6 +52,9 @@ from utils.lr_schedule import initial_lr  # noqa: E402
 from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks  # noqa: E402
 
 SCALINGS = ("none", "sqrt", "linear")
+# train.py flags the study sets for every run (the run folder it reads back depends on them)
+STUDY_FLAGS = ("--config", "--expdir", "--run_num", "--global_batch_size", "--local_batch_size",
+               "--lr_schedule.scaling", "--num_epochs", "--seed")
 ARM = re.compile(r"^(\d+):(none|sqrt|linear):(\d+)(?::(\d+))?$")
 SCIENCE = {"gamma_pred": "T_rho/gamma_pred", "gamma_true": "T_rho/gamma_true",
            "flux_pdf_ks": "lyman_alpha/flux_pdf_ks"}
@@ -95,6 +98,10 @@ def parse_args(argv=None):
         parser.error("give either --arm (one or more, to train) or --runs (existing run directories)")
     if args.runs and args.train_args:
         parser.error("arguments after -- go to train.py, and --runs trains nothing")
+    owned = [a for a in args.train_args if a.split("=")[0] in STUDY_FLAGS]
+    if owned:
+        parser.error(f"{', '.join(owned)} after -- would override what the study sets for each run; use --arm, "
+                     f"--seeds, --config and --expdir instead")
     if len(set(args.seeds)) < len(args.seeds):
         parser.error("--seeds repeats a seed")
     return args

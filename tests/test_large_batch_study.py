@@ -29,7 +29,8 @@ def test_arms_parse_and_bad_ones_say_the_form():
             study.parse_arm(bad)
 
 
-@pytest.mark.parametrize("argv", [[], ["--arm", "8:none:1", "--runs", "x"], ["--runs", "x", "--", "--seed", "1"]])
+@pytest.mark.parametrize("argv", [[], ["--arm", "8:none:1", "--runs", "x"], ["--runs", "x", "--", "--seed", "1"],
+                                  ["--arm", "8:none:1", "--", "--num_epochs=2"], ["--arm", "8:none:1", "--seeds", "1", "1"]])
 def test_arms_or_runs_exactly_one_of_them(argv, capsys):
     with pytest.raises(SystemExit):
         study.parse_args(argv)
