@@ -166,6 +166,8 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
     log_startup(params, state, run_dir, steps_per_epoch, train_loader)
     checkpoints = CheckpointManager(state, run_dir)
     resumed_loss_sum = checkpoints.resume(resume_from)
+    if info.is_main:  # now that the checkpoint accepted this config, it is the run's record
+        save_config(params, run_dir / "config.yaml")
     if state.global_step >= num_steps:
         logger.info(f"This run already finished ({state.global_step} of {num_steps} steps); nothing to do. "
                     f"Use a new --run_num (or --resume never) to train again")
@@ -185,8 +187,9 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
             logger.info("Benchmark mode done; exiting (--benchy_continue trains afterwards)")
             return None
 
-    # purge_step: TensorBoard drops what a killed run logged after the checkpoint we resume from.
-    writer = (EventWriter(run_dir / "logs", purge_step=state.global_step + 1 if state.global_step else None)
+    # purge_step: TensorBoard drops what a killed run logged after the checkpoint we resume from (all of it when
+    # there was none: an attempt killed before its first checkpoint left events of steps that will run again).
+    writer = (EventWriter(run_dir / "logs", purge_step=state.global_step + 1 if state.global_step else 0)
               if info.is_main else None)
     if state.global_step == 0:
         val_loss, science, example = validate(state, val_loader)
@@ -275,7 +278,10 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
             setup_logging(logger, run_dir, info)
             if note:
                 logger.info(note)
-            if info.is_main:
+            if info.is_main and not (run_dir / "config.yaml").exists():
+                # A new run's record at once (a rerun finds its folder even if this attempt fails early); an
+                # existing run's only once its checkpoint accepted this config (train), so a refused command
+                # leaves the record of the run it was refused by.
                 save_config(params, run_dir / "config.yaml")
             prepare_data(params, info, logger.info)
             state = build_training(params, info, capturable, run_dir)

@@ -1,8 +1,8 @@
 """Large-batch convergence study: train.py at several global batch sizes and learning-rate scalings, compared.
 
     # this machine, the quickstart model on the CPU: the demo in benchmarks/results/large_batch_cpu.md
-    python benchmarks/large_batch_study.py --out benchmarks/results/large_batch_cpu --seeds 0 1 \\
-        --arm 8:none:4 --arm 64:none:4 --arm 64:sqrt:4 --arm 64:linear:4 --arm 64:sqrt:16 \\
+    python benchmarks/large_batch_study.py --out benchmarks/results/large_batch_cpu --seeds 0 1 --target 0.0065 \\
+        --arm 8:none:4 --arm 64:none:4 --arm 64:sqrt:4 --arm 64:linear:4 --arm 64:sqrt:16 --arm 64:linear:16 \\
         -- --lr_schedule.warmup_steps 16
     # one 4-GPU node: batch 64 on one GPU against batch 256 on four (the bs64_opt / bs256_opt settings)
     python benchmarks/large_batch_study.py --config bs64_opt --arm 64:sqrt:10:1 --arm 256:sqrt:20:4
@@ -14,11 +14,14 @@ relative to the config's base_batch_size; utils/lr_schedule.py) and the number o
 (torchrun; default 1). Every arm trains --config once per seed (--seeds: weight init and crop stream), with
 the same crops per epoch (Nsamples), so arms differ only in how those crops are grouped into steps and in the
 learning rate. Arguments after ``--`` go to every train.py run (for example --lr_schedule.warmup_steps, which
-applies only where the rate is scaled up).
+applies only where the rate is scaled up). On a CPU, torchrun gives each of several ranks one thread
+(OMP_NUM_THREADS=1) while a one-rank arm uses every core: compare their minutes with that in mind.
 
 Each run is <expdir>/<config>/<RANKS>GPU/lb<BATCH>_<SCALING>_<EPOCHS>ep_s<SEED> (expdir: logs/ by default,
 where TensorBoard looks), all arms of one seed before the next seed. The same command continues its runs, so a
 killed study loses at most the steps since each run's last checkpoint; a finished run is read, not repeated.
+A folder that holds a run of other settings (another --config or other arguments after ``--``) is refused:
+use another --expdir.
 
 From each run's config.yaml and TensorBoard events (one validation per epoch) the study writes <out>.md (a
 table per run and one per arm, the median and range over its seeds), <out>.png (validation loss against
@@ -26,16 +29,14 @@ samples seen and against wall-clock time) and <out>.json:
   - the initial learning rate and the optimiser steps the schedule gives;
   - the final validation loss, and the first validation at or below the target loss (--target; default the
     highest final loss of all runs, a loss every run reached): its samples seen and wall-clock minutes;
-  - the median training throughput and the wall-clock time of the run (from its first TensorBoard event to
-    its last, validations included; a resumed run also counts the gap before it restarted);
+  - the median training throughput (samples/s of the whole job) and the wall-clock time of the run (from its
+    first TensorBoard event to its last validation; a resumed run also counts the gap before it restarted);
   - science metrics at the end (utils/science.py): the temperature-density slope gamma against the target's,
     and the Lyman-alpha flux PDF distance.
 """
 import argparse
 import json
 import math
-import os
-import platform
 import re
 import statistics
 import subprocess
@@ -48,14 +49,16 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from utils.lr_schedule import initial_lr  # noqa: E402
-from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks  # noqa: E402
+from benchmarks.scaling_study import machine_description  # noqa: E402
+from utils.lr_schedule import initial_lr, warmup_steps  # noqa: E402
+from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks, run_label  # noqa: E402
 
 SCALINGS = ("none", "sqrt", "linear")
 # train.py flags the study sets for every run (the run folder it reads back depends on them)
 STUDY_FLAGS = ("--config", "--expdir", "--run_num", "--global_batch_size", "--local_batch_size",
                "--lr_schedule.scaling", "--num_epochs", "--seed")
 ARM = re.compile(r"^(\d+):(none|sqrt|linear):(\d+)(?::(\d+))?$")
+ONE_LINE_ERROR = re.compile(r"\b(error|stopped): ")  # how train.py reports a user error or a stop (utils/cli.py)
 SCIENCE = {"gamma_pred": "T_rho/gamma_pred", "gamma_true": "T_rho/gamma_true",
            "flux_pdf_ks": "lyman_alpha/flux_pdf_ks"}
 
@@ -83,7 +86,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n", 1)[1])
     parser.add_argument("--arm", type=parse_arm, action="append", default=[], metavar="BATCH:SCALING:EPOCHS[:RANKS]",
-                        help="one training setting (repeat the flag); the first is the baseline of the table")
+                        help="one training setting (repeat the flag; the tables keep this order)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per arm and seed")
     parser.add_argument("--runs", type=Path, nargs="+", metavar="RUN_DIR",
                         help="tabulate these train.py run directories instead of training arms")
@@ -122,12 +125,21 @@ def train_arm(args, arm, seed):
     run_dir = args.expdir / args.config / f"{ranks}GPU" / name
     print(f"[{name}, {ranks} rank(s)] {' '.join(command[1:] if ranks == 1 else command)}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # The folder name says the arm and the seed, not the rest: a folder of other settings is refused, not mixed in.
+    settings = {"config": args.config, "arm": arm, "seed": seed, "train_args": args.train_args}
+    record = run_dir / "study_settings.json"
+    if record.exists() and json.loads(record.read_text()) != settings:
+        raise StudyError(f"{run_dir} holds a run of other settings ({record.read_text().strip()}); use another "
+                         f"--expdir, or delete that folder to train it again")
+    record.write_text(json.dumps(settings))
     output_file = run_dir / "study_output.txt"
     with open(output_file, "a") as output:  # appended: a continued run keeps the earlier attempts' output
         result = subprocess.run(command, cwd=REPO_ROOT, stdout=output, stderr=subprocess.STDOUT)
     if result.returncode != 0:
-        tail = output_file.read_text().strip().splitlines()[-1:] or ["(no output)"]
-        raise StudyError(f"{name} exited with {result.returncode}: {tail[0]} (whole output: {output_file})")
+        lines = output_file.read_text().strip().splitlines() or ["(no output)"]
+        # train.py's one line; under torchrun it is followed by torchrun's own report of the failed rank
+        reason = next((line for line in reversed(lines) if ONE_LINE_ERROR.search(line)), lines[-1])
+        raise StudyError(f"{name} exited with {result.returncode}: {reason.strip()} (whole output: {output_file})")
     return run_dir
 
 
@@ -154,11 +166,12 @@ def summarise(run_dir):
     schedule = config["lr_schedule"]
     steps, minutes, losses = scalars["Loss/valid"]
     rates = scalars.get("Perf/samples_per_sec", (None, None, []))[2]
-    row = {"run": "/".join(Path(run_dir).resolve().parts[-3:]), "config": config.get("config_name"),
+    planned = config["num_epochs"] * (config["Nsamples"] // batch)  # utils/lr_schedule.total_steps
+    row = {"run": run_label(run_dir), "config": config.get("config_name"),
            "ranks": ranks_of(run_dir), "seed": config["seed"], "global_batch": batch, "base_batch": base,
            "scaling": schedule["scaling"], "initial_lr": initial_lr(schedule, batch, base),
-           "warmup_steps": schedule["warmup_steps"] if batch > base and schedule["scaling"] != "none" else 0,
-           "epochs": config["num_epochs"], "planned_steps": config["num_epochs"] * (config["Nsamples"] // batch),
+           "warmup_steps": warmup_steps(schedule, batch, base, planned),
+           "epochs": config["num_epochs"], "planned_steps": planned,
            "steps": int(steps[-1]), "samples_seen": int(steps[-1]) * batch,
            "final_val_loss": float(losses[-1]), "best_val_loss": float(min(losses)),
            "wall_minutes": float(minutes[-1]),
@@ -265,15 +278,6 @@ def plot(rows, target, title, path):
     fig.savefig(path, dpi=100)
 
 
-def machine_description():
-    import torch
-    if torch.cuda.is_available():
-        device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    else:
-        device = f"CPU only ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
-    return f"{platform.node()}: {device}; torch {torch.__version__}"
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.arm:
@@ -291,6 +295,9 @@ def main(argv=None):
     else:
         rows = [summarise(run_dir) for run_dir in args.runs]
         note = "Runs made elsewhere, read from their config.yaml and TensorBoard events."
+    if len({row["config"] for row in rows}) > 1:  # one arm is one setting of one config
+        for row in rows:
+            row["arm"] = f"{row['config']}: {row['arm']}"
     target = args.target if args.target is not None else max(row["final_val_loss"] for row in rows)
     reach_target(rows, target)
     arms = by_arm(rows)

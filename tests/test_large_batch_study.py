@@ -29,12 +29,15 @@ def test_arms_parse_and_bad_ones_say_the_form():
             study.parse_arm(bad)
 
 
-@pytest.mark.parametrize("argv", [[], ["--arm", "8:none:1", "--runs", "x"], ["--runs", "x", "--", "--seed", "1"],
-                                  ["--arm", "8:none:1", "--", "--num_epochs=2"], ["--arm", "8:none:1", "--seeds", "1", "1"]])
-def test_arms_or_runs_exactly_one_of_them(argv, capsys):
+@pytest.mark.parametrize("argv, message", [
+    ([], "give either --arm"), (["--arm", "8:none:1", "--runs", "x"], "give either --arm"),
+    (["--runs", "x", "--", "--lr_schedule.start_lr", "1"], "--runs trains nothing"),
+    (["--arm", "8:none:1", "--", "--num_epochs=2", "--seed", "1"], "--num_epochs=2, --seed after -- would override"),
+    (["--arm", "8:none:1", "--seeds", "1", "1"], "--seeds repeats a seed")])
+def test_bad_command_lines_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
         study.parse_args(argv)
-    assert "error:" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def fake_run(run_dir, batch, scaling, epochs, val_points, rates=(100.0, 120.0, 110.0), seed=0):
@@ -74,8 +77,10 @@ def test_table_from_run_folders_reads_schedule_losses_and_the_target(tmp_path):
     assert (second["planned_steps"], second["steps"], second["samples_seen"]) == (128, 96, 6144)
     assert (first["final_val_loss"], first["best_val_loss"]) == (pytest.approx(0.010), pytest.approx(0.010))
     assert first["target_samples"] == 4096 and second["target_samples"] == 6144  # 0.02 > 0.012 >= 0.010
-    assert first["target_minutes"] == pytest.approx(2.0, abs=0.02)
-    assert second["target_minutes"] == pytest.approx(1.5, abs=0.02) == second["wall_minutes"]
+    # minutes count from the run's first event (the writer opening), a moment before the step-0 validation
+    assert first["target_minutes"] - first["curve"]["minutes"][0] == pytest.approx(119 / 60, abs=1e-4)
+    assert second["target_minutes"] - second["curve"]["minutes"][0] == pytest.approx(89 / 60, abs=1e-4)
+    assert second["wall_minutes"] == second["target_minutes"]
     assert first["samples_per_s"] == pytest.approx(110.0)  # median of the epochs
     assert first["gamma_pred"] is None  # no science scalars in these runs
     text = out.with_suffix(".md").read_text()
@@ -84,9 +89,9 @@ def test_table_from_run_folders_reads_schedule_losses_and_the_target(tmp_path):
     assert "Not finished (fewer steps than planned): quickstart/4GPU/b." in text
     assert out.with_suffix(".png").stat().st_size > 10_000
 
-    study.main(["--runs", str(small), str(large), "--out", str(out), "--target", "0.0199"])
+    study.main(["--runs", str(small), str(large), "--out", str(out), "--target", "0.025"])
     first, second = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert first["target_samples"] == 4096 and second["target_samples"] == 4096  # 0.015 at step 64
+    assert first["target_samples"] == 2048 and second["target_samples"] == 4096  # 0.02 at step 256; 0.015 at 64
     study.main(["--runs", str(small), str(large), "--out", str(out), "--target", "0.001"])
     first, _ = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert first["target_samples"] is None and "| n/a | n/a |" in out.with_suffix(".md").read_text()
@@ -122,22 +127,23 @@ def test_a_folder_that_is_no_run_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_arms_train_continue_and_read_back(tiny_argv, tmp_path):
-    """Two real arms on the tiny files: the schedule and the losses in the table are train.py's own; running
-    the same study again trains nothing more; a failing arm stops the study with train.py's error."""
+    """Two real arms on the tiny files, the second on 2 ranks: the schedule and the losses in the table are
+    train.py's own; running the same study again trains nothing more; a folder of other settings is refused; a
+    failing arm stops the study with train.py's own one line, also under torchrun."""
     yaml_args = tiny_argv[:2]  # --yaml_config PATH; the study names --config and --expdir itself
     expdir, out = tmp_path / "runs", tmp_path / "out"
     command = [sys.executable, "benchmarks/large_batch_study.py", "--config", "tiny", "--expdir", str(expdir),
-               "--out", str(out), "--arm", "4:none:2", "--arm", "8:sqrt:3", "--", *yaml_args,
+               "--out", str(out), "--arm", "4:none:2", "--arm", "8:sqrt:3:2", "--", *yaml_args,
                "--lr_schedule.warmup_steps", "2"]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    # tiny: Nsamples 32, base batch 4, quickstart's start_lr 2e-3
-    assert [(r["global_batch"], r["scaling"], r["steps"], r["warmup_steps"]) for r in rows] == [(4, "none", 16, 0),
-                                                                                               (8, "sqrt", 12, 2)]
+    # tiny: Nsamples 32, base batch 4, quickstart's start_lr 2e-3; the second arm on 2 ranks (torchrun, gloo)
+    assert [(r["global_batch"], r["scaling"], r["steps"], r["warmup_steps"], r["ranks"]) for r in rows] == [
+        (4, "none", 16, 0, 1), (8, "sqrt", 12, 2, 2)]
     assert rows[1]["initial_lr"] == pytest.approx(2e-3 * math.sqrt(2))
-    for row, name in zip(rows, ("lb4_none_2ep_s0", "lb8_sqrt_3ep_s0")):
-        log = (expdir / "tiny" / "1GPU" / name / "out.log").read_text()
+    for row, folder in zip(rows, ("1GPU/lb4_none_2ep_s0", "2GPU/lb8_sqrt_3ep_s0")):
+        log = (expdir / "tiny" / folder / "out.log").read_text()
         assert row["final_val_loss"] == pytest.approx(float(re.findall(r"Avg val loss=([\d.]+)", log)[-1]), abs=1e-6)
         assert len(row["curve"]["val_loss"]) == 1 + len(re.findall(r"Time taken for epoch", log))  # + step 0
 
@@ -145,9 +151,14 @@ def test_arms_train_continue_and_read_back(tiny_argv, tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert json.loads(out.with_suffix(".json").read_text())["rows"] == rows  # read, not trained again
 
-    failing = command[:command.index("--arm")] + ["--arm", "4:none:1", "--", *yaml_args,
+    other = command[:command.index("--")] + ["--", *yaml_args, "--lr_schedule.warmup_steps", "3"]
+    result = subprocess.run(other, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and "lb4_none_2ep_s0 holds a run of other settings" in result.stderr, result.stderr
+
+    # under torchrun: the reason is the ranks' one line, not torchrun's report that follows it
+    failing = command[:command.index("--arm")] + ["--arm", "4:none:1:2", "--", *yaml_args,
                                                    "--model_channels", "4", "8", "16", "32"]
     result = subprocess.run(failing, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1
-    assert re.match(r"error: lb4_none_1ep_s0 exited with \d+: .*data_size 8 must be divisible .*\(whole output: ",
-                    result.stderr), result.stderr
+    assert re.match(r"error: lb4_none_1ep_s0 exited with \d+: error: data_size 8 must be divisible by 2\^4 .*"
+                    r"\(whole output: ", result.stderr), result.stderr

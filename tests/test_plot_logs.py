@@ -97,3 +97,20 @@ def test_errors_are_one_line(tmp_path, two_runs):
     writer.close()
     with pytest.raises(SystemExit, match="has no Loss/train or Loss/valid scalars yet"):
         plot_logs.main([str(only_lr)])
+
+
+@pytest.mark.parametrize("low, high, labelled", [
+    (0.011, 0.09, ["0.02", "0.03", "0.04", "0.05", "0.06", "0.07", "0.08", "0.09"]),  # under a decade: every one
+    (0.005, 0.09, ["0.005", "0.02", "0.05"]),                                         # under two: the 2s and 5s
+    (0.0005, 0.9, [])])                                                                # more: none
+def test_log_axis_minor_labels_thin_out_with_the_span(low, high, labelled):
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    ax.set_yscale("log")
+    ax.set_ylim(low, high)
+    plot_logs.plain_log_ticks(ax)
+    ticks = [t for t in ax.yaxis.get_minorticklocs() if low <= t <= high]
+    labels = [ax.yaxis.get_minor_formatter()(t, i) for i, t in enumerate(ticks)]
+    assert [label for label in labels if label] == labelled
+    assert ax.yaxis.get_major_formatter()(0.01, 0) == "0.01"

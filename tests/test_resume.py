@@ -138,10 +138,34 @@ def test_a_finished_run_is_not_trained_again(tiny_argv, tmp_path, reference):
 
 
 def test_resume_with_a_run_changing_config_is_refused(tiny_argv, tmp_path, reference):
+    record = run_dir(tmp_path, "reference") / "config.yaml"
+    before = record.read_text()
     result = run(command(tiny_argv, "reference", extra=["--global_batch_size", "8"]))
     assert result.returncode == 2
     assert "was written with a different config: global_batch_size 4 -> 8" in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert record.read_text() == before  # the refused command did not overwrite the run's record
+
+
+def test_events_of_an_attempt_killed_before_its_first_checkpoint_are_dropped(tiny_argv, tmp_path):
+    """Without a checkpoint the run starts at step 0 again: TensorBoard must not keep the dead attempt's points
+    beside the new ones (duplicate steps, another run's losses)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    logs = run_dir(tmp_path, "dead") / "logs"
+    dead = SummaryWriter(str(logs))
+    for step, value in ((0, 123.0), (16, 456.0)):
+        dead.add_scalar("Loss/valid", value, step)
+    dead.close()
+    time.sleep(1.1)  # event files are named by the second they were opened in, and read in name order
+    result = run(command(tiny_argv, "dead"))
+    assert result.returncode == 0, result.stderr
+    events = EventAccumulator(str(logs))
+    events.Reload()
+    points = [(p.step, p.value) for p in events.Scalars("Loss/valid")]
+    assert [step for step, _ in points] == [0, 16, 32], points
+    assert not {123.0, 456.0} & {value for _, value in points}, points
 
 
 def test_nan_loss_stops_and_names_the_step_and_the_last_good_checkpoint(tiny_argv, tmp_path):

@@ -15,11 +15,16 @@ def initial_lr(schedule, global_batch_size, base_batch_size):
     return schedule["start_lr"] * scale
 
 
+def warmup_steps(schedule, global_batch_size, base_batch_size, total_steps):
+    """Steps of linear warm-up: ``warmup_steps`` where the rate is scaled up, else 0; at most the whole run."""
+    scaled_up = global_batch_size > base_batch_size and schedule["scaling"] != "none"
+    return min(schedule["warmup_steps"] if scaled_up else 0, total_steps)
+
+
 def learning_rate(step, schedule, global_batch_size, base_batch_size, total_steps):
     """Learning rate for optimiser step ``step`` (0-based) of a run of ``total_steps`` steps."""
     init_lr, end_lr = initial_lr(schedule, global_batch_size, base_batch_size), schedule["end_lr"]
-    warmup = schedule["warmup_steps"] if global_batch_size > base_batch_size and schedule["scaling"] != "none" else 0
-    warmup = min(warmup, total_steps)
+    warmup = warmup_steps(schedule, global_batch_size, base_batch_size, total_steps)
     if step < warmup:
         return init_lr * step / warmup
     progress = (step - warmup) / max(1, total_steps - warmup)
