@@ -481,8 +481,7 @@ class Suite:
             code, output = result.returncode, result.stdout + result.stderr
             summary = last_line(output)
         except subprocess.TimeoutExpired as err:
-            code, output = None, "".join(part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
-                                         for part in (err.stdout, err.stderr))
+            code, output = None, timeout_output(err)
             summary = f"killed after {timeout:.0f} s; run it alone with `python benchmarks/gpu_suite.py OUT --parts g`"
         (self.out / "pytest.log").write_text(output)
         self.results["tests"] = {"command": "python -m pytest -q tests/test_gpu.py", "exit_code": code,
@@ -530,8 +529,7 @@ class Suite:
             try:
                 result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
             except subprocess.TimeoutExpired as err:
-                self.log_file.write("".join(part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
-                                            for part in (err.stdout, err.stderr)))
+                self.log_file.write(timeout_output(err))
                 self.check(f"levers: {name} runs", False, f"killed after {timeout:.0f} s; run it alone with "
                                                           f"`python {' '.join(command[1:-2])}`")
                 continue
@@ -576,6 +574,12 @@ def release_memory():
 def _importable(name):
     import importlib.util
     return importlib.util.find_spec(name) is not None
+
+
+def timeout_output(err):
+    """What a subprocess killed by its timeout had printed (TimeoutExpired keeps bytes or None, even with text=True)."""
+    return "".join(part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
+                   for part in (err.stdout, err.stderr))
 
 
 def last_line(output):

@@ -236,19 +236,13 @@ class UNet(nn.Module):
 
     def flops_per_sample(self, crop_size):
         """Multiply-adds x 2 of one forward pass on a crop_size^3 sample (convolutions only)."""
-        flops, size = 0, crop_size
-        for block in self.down:
-            conv = block[0]
-            size //= 2
-            flops += 2 * conv.in_channels * conv.out_channels * 64 * size ** 3
-        for block in list(self.up) + [self.conv_last]:
-            conv = block[0] if isinstance(block, nn.Sequential) else block
-            # A stride-2 transposed conv does kernel^3 / 8 = 8 MACs per output element per pair; so do
-            # resize_conv and linear_conv, run as one (their weight transform, a small matmul per forward
-            # pass, is not counted), and transposed_blur (its blur is 12 additions/multiplications per value).
-            flops += 2 * conv.in_channels * conv.out_channels * 64 * size ** 3
-            size *= 2
-        return flops
+        # A stride-2 conv does kernel^3 = 64 MACs per output element and channel pair; a stride-2 transposed conv
+        # does 64 per input element (kernel^3 / 8 per output element), and so do resize_conv and linear_conv, run
+        # as one (their weight transform, a small matmul per forward pass, is not counted), and transposed_blur
+        # (its blur is 12 additions/multiplications per value).
+        edges = self.conv_input_sizes(crop_size)
+        return sum(2 * conv.in_channels * conv.out_channels * 64 * (edges[name] // (1 if conv.transposed else 2)) ** 3
+                   for name, conv in self.conv_layers())
 
     def describe(self, crop_size):
         """'upsample=..., leaky_relu_slope=..., N parameters, X GFLOP/sample forward': the start-up log's facts."""
