@@ -236,7 +236,10 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
     """Restore the optimizer's moments and hyperparameters but keep its implementation (fused, foreach, ...).
 
     ``Optimizer.load_state_dict`` alone would also restore the saved implementation flags, silently
-    undoing a changed ``enable_fused``.
+    undoing a changed ``enable_fused``. It also keeps the moments' saved memory layout: after a resume that
+    switched ``channels_last`` they would not match the parameters', which CUDA's fused Adam refuses ("must
+    have same dtype, device, and layout") and the CPU's silently pairs up element by memory position. So
+    every moment takes its parameter's layout here.
     """
     saved_groups, groups = state_dict["param_groups"], optimizer.param_groups
     if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
@@ -259,6 +262,10 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
     optimizer.load_state_dict({**state_dict, "param_groups": merged})
     for group, lr in zip(optimizer.param_groups, lrs):  # load_state_dict deep-copies: put the very tensor back
         group["lr"] = lr
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)  # param's strides, same values
 
 
 def rng_state(device=None):
