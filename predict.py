@@ -88,6 +88,7 @@ def main(argv=None):
     print(f"{checkpoint} (step {step}): U-Net {params.model_channels} full_scale={params.full_scale} on {device}, "
           f"amp_mode={args.amp_mode}; {box}^3 box in {num_tiles} tiles of {tile}^3, overlap {overlap} "
           f"({num_tiles * tile ** 3 / box ** 3:.2f}x the box's compute)")
+    settings = lyman_alpha_settings(params, input_path) if args.lyman_alpha else None
 
     partial = output.with_name(f".{output.name}.tmp{os.getpid()}")  # renamed when complete: no half-written output
     try:
@@ -103,7 +104,6 @@ def main(argv=None):
             truth = source.get("Hydro")
             if truth is not None and truth.shape != hydro.shape:
                 truth = None  # not this box's truth: nothing to compare with
-            settings = lyman_alpha_settings(params, input_path) if args.lyman_alpha else None
             science = WholeBoxScience(box, truth, settings, args.lya_stride or max(1, box // 64), device)
             for x0, x1, slab in predict_slabs(model, source["Nbody"], tile, overlap, args.batch_size, device,
                                               args.amp_mode, progress=True):

@@ -9,7 +9,6 @@ Config precedence: base values < named config < flags given on the command line 
 Runs write ``out.log``, ``config.yaml`` and TensorBoard ``logs/`` to
 ``expdir/<config>/<N>GPU/<run_num>/``.
 """
-import argparse
 import gc
 import logging
 import os
@@ -23,9 +22,9 @@ from utils import metrics
 from utils.benchy import run_benchmark
 from utils.checkpoint import list_checkpoints
 from utils.checkpoint_manager import CheckpointManager
-from utils.cli import run as run_cli
+from utils.cli import OneLineParser, run as run_cli
 from utils.config import DEFAULT_YAML, add_config_arguments, config_overrides_from_args, load_config, save_config
-from utils.data import get_data_loader
+from utils.data import get_data_loader, lacks_normalisation
 from utils.data.prepare import prepare_data
 from utils.distributed import all_reduce_sum, cleanup, env_world_size, init_distributed, peer_lost
 from utils.errors import ConfigError
@@ -54,7 +53,7 @@ def parse_args(argv=None):
 
     No abbreviations: a misspelt flag stops the run instead of silently matching another.
     """
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = OneLineParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--yaml_config", default=str(DEFAULT_YAML), help="YAML file of named configs "
                         "(default: config/UNet.yaml)")
     parser.add_argument("--config", default="base", help="named config in the YAML file (default: base)")
@@ -114,6 +113,12 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
                                                    f"{params.num_data_workers} worker processes, default collate")
     logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")
     logger.info(f"Data loader: {loader}")
+    if params.data_loader_config != "synthetic" and info.is_main:
+        for path in dict.fromkeys((params.train_path, params.val_path)):
+            if lacks_normalisation(path):
+                logger.warning(f"WARNING: {path} stores no normalisation constants (not a utils/make_dataset.py file): "
+                               "the physical-unit metrics assume utils/units.py's, rho/mean = exp(14 x), "
+                               "v = 500 x km/s, T = 10^(4.5 + 2.5 x) K")
     if params.noddp and info.enabled:
         logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "
                        "communication and is NOT real training.")

@@ -13,10 +13,14 @@ import yaml  # noqa: E402
 from utils.config import DEFAULT_YAML, load_config  # noqa: E402
 
 
-def write_random_box(path, box, seed=0, in_channels=4, out_channels=5):
-    """A small HDF5 file in the real layout with smooth-ish random values in (-1, 1)."""
+def write_random_box(path, box, seed=0, in_channels=4, out_channels=5, attrs=True):
+    """A small HDF5 file in the real layout with smooth-ish random values in (-1, 1); ``attrs``: with the units
+    utils/make_dataset.py stores (normalisation constants, cell size), as the generator's files have them."""
+    from utils.units import DEFAULT_CELL_SIZE, physical_attrs
     rng = np.random.default_rng(seed)
     with h5py.File(path, "w") as f:
+        if attrs:
+            f.attrs.update(physical_attrs(), cell_size_mpc_h=DEFAULT_CELL_SIZE)
         f["Nbody"] = rng.uniform(-0.9, 0.9, (in_channels, box, box, box)).astype(np.float32)
         f["Hydro"] = rng.uniform(-0.9, 0.9, (out_channels, box, box, box)).astype(np.float32)
     return path

@@ -66,6 +66,30 @@ def test_wrong_box_in_file(tiny_argv, tmp_path, capsys):
     assert code == 2 and "holds a 32^3 box but the config's box_size says 24" in err
 
 
+def test_file_without_units_needs_a_cell_size_and_is_flagged(tiny_argv, tmp_path, capsys):
+    """A file made elsewhere (no make_dataset attributes): the Lyman-alpha statistics refuse to guess its cell size;
+    given one, the run trains and its log says the physical units are assumed."""
+    val = write_random_box(tmp_path / "foreign_val.h5", 16, seed=2, attrs=False)
+    code, err = run_train_cli(tiny_argv + ["--val_path", str(val)], capsys)
+    assert code == 2 and f"{val} does not say its cell size (no cell_size_mpc_h attribute" in err
+    assert "give --lyman_alpha.cell_size_mpc_h" in err and "--no-lyman_alpha.enabled" in err
+    assert train.main(tiny_argv + ["--val_path", str(val), "--num_epochs", "1",
+                                   "--lyman_alpha.cell_size_mpc_h", "0.02"]) is not None
+    log = next((tmp_path / "runs").rglob("out.log")).read_text()
+    assert f"WARNING: {val} stores no normalisation constants" in log and "v = 500 x km/s" in log
+    assert log.count("stores no normalisation constants") == 1   # the training file has them
+
+
+def test_file_normalised_otherwise(tiny_argv, tmp_path, capsys):
+    import h5py
+    path = write_random_box(tmp_path / "other.h5", 24, seed=1)
+    with h5py.File(path, "a") as f:
+        f.attrs["velocity_scale"] = 1000.0
+    code, err = run_train_cli(tiny_argv + ["--train_path", str(path)], capsys)
+    assert code == 2 and "was normalised with other constants than utils/units.py's (velocity_scale 1000 there, " \
+        "500 here)" in err
+
+
 def test_run_directory_not_writable(tiny_argv, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the run directory should go")

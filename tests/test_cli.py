@@ -63,7 +63,9 @@ def test_an_alias_that_contradicts_its_key_is_refused():
 def test_abbreviations_are_errors_not_guesses(typo, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train.parse_args(typo)
-    assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "unrecognized arguments" in err
+    assert len(err.splitlines()) == 1 and "--help` lists the flags" in err   # one line, not the 50-line usage
 
 
 def test_expdir_precedence_config_then_environment_then_flag(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import utils.make_dataset as md
 from utils import lyman_alpha as lya
 from utils import science, science_plots, units
 from utils.config import load_config
+from utils.errors import DataError
 from utils.distributed import DistInfo, cleanup, init_distributed
 
 SETTINGS = lya.LymanAlphaSettings(skewer_stride=2, skewer_axes=3)
@@ -185,9 +186,16 @@ def test_settings_from_config_and_files(tmp_path):
     settings = science.lyman_alpha_settings(params, data_path=path)
     assert settings.cell_size == 0.5 and settings.mean_flux == 0.7 and settings.redshift == 3.0
     assert science.lyman_alpha_settings(params, data_path=tmp_path / "missing.h5").cell_size == units.DEFAULT_CELL_SIZE
+    foreign = tmp_path / "foreign.h5"          # not a make_dataset file: no guess of its cell size
+    h5py.File(foreign, "w").close()
+    with pytest.raises(DataError, match=r"foreign.h5 does not say its cell size .* give --lyman_alpha.cell_size_mpc_h"):
+        science.lyman_alpha_settings(params, data_path=foreign)
+    synthetic = load_config("quickstart", overrides={"data_loader_config": "synthetic"})
+    assert science.lyman_alpha_settings(synthetic, data_path=foreign).cell_size == units.DEFAULT_CELL_SIZE
     fixed = load_config("quickstart", overrides={"lyman_alpha.cell_size_mpc_h": 0.25, "lyman_alpha.redshift": 2.0,
                                                  "lyman_alpha.hubble_km_s_mpc_h": 200.0})
     settings = science.lyman_alpha_settings(fixed, data_path=path)
+    assert science.lyman_alpha_settings(fixed, data_path=foreign).cell_size == 0.25      # the config's value wins
     assert settings.cell_size == 0.25 and settings.velocity_per_cell == pytest.approx(200 * 0.25 / 3)
     assert science.lyman_alpha_settings(load_config("quickstart", overrides={"lyman_alpha.enabled": False})) is None
 

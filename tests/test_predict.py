@@ -19,6 +19,7 @@ from conftest import REPO_ROOT
 from networks.UNet import UNet, build_model
 from utils.checkpoint import plain_state_dict, save_checkpoint
 from utils.config import load_config
+from utils.errors import DataError
 from utils.make_dataset import make_dataset
 from utils.units import physical_attrs
 
@@ -36,10 +37,10 @@ def nbody(box, seed=0, channels=4):
 
 
 def write_nbody(path, volume, attrs=None):
-    """An input file as a user has it: Nbody only, no Hydro."""
+    """An input file as a user has it: Nbody only, no Hydro; ``attrs`` default to a generated file's units."""
     with h5py.File(path, "w") as f:
         f["Nbody"] = volume
-        f.attrs.update(attrs or {})
+        f.attrs.update({**physical_attrs(), "cell_size_mpc_h": 0.1} if attrs is None else attrs)
     return path
 
 
@@ -143,7 +144,7 @@ def test_bf16_autocast_stays_close_to_fp32(model):
 
 def test_cli_end_to_end(run_dir, model, tmp_path):
     volume = nbody(16)
-    source = write_nbody(tmp_path / "nbody.h5", volume, physical_attrs())
+    source = write_nbody(tmp_path / "nbody.h5", volume)
     output = tmp_path / "out" / "hydro.h5"
     result = subprocess.run([sys.executable, str(REPO_ROOT / "predict.py"), "--checkpoint", str(run_dir),
                              "--input", str(source), "--output", str(output), "--batch_size", "3", "--device", "cpu"],
@@ -195,6 +196,10 @@ def test_whole_box_l1_and_lyman_alpha_against_the_inputs_hydro(run_dir, model, t
 
 
 def test_without_a_truth_only_the_predictions_own_flux_statistics(run_dir, tmp_path, capsys):
+    foreign = write_nbody(tmp_path / "foreign.h5", nbody(16), attrs={})   # no cell size: no flux statistics
+    with pytest.raises(DataError, match=r"foreign.h5 does not say its cell size .* pass --no-lyman_alpha"):
+        predict.main(["--checkpoint", str(run_dir), "--input", str(foreign), "--output", str(tmp_path / "x.h5"),
+                      "--device", "cpu"])
     source = write_nbody(tmp_path / "nbody.h5", nbody(16))
     output = tmp_path / "hydro.h5"
     predict.main(["--checkpoint", str(run_dir), "--input", str(source), "--output", str(output), "--device", "cpu"])

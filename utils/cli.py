@@ -1,9 +1,18 @@
 """One exit-code convention for the project's commands (train.py, train_graph.py, predict.py, the science
 report, the generator): a :class:`~utils.errors.ReportedError` ends the process with one line and its exit
 code (utils/errors.py); anything else is a bug and keeps its traceback."""
+import argparse
 import sys
 
 from utils.errors import ReportedError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, the reason and where the flags are listed, instead of the usage block
+    (train.py's lists a flag per config key: some 50 lines above the one that matters). Exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (`python {self.prog} --help` lists the flags)\n")
 
 
 def run(entry, *args):

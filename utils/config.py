@@ -2,7 +2,7 @@
 
 Precedence is one path, applied in this order and nowhere else:
 
-    base values  <  named config (``--config=NAME``)  <  command-line flags that were given
+    base values  <  named config (``--config=NAME``)  <  $EXPDIR (expdir only)  <  command-line flags that were given
 
 A flag that was not given is ``None`` and changes nothing, so a config that turns an optimisation
 on is never silently turned off by an absent flag (a defect of the reference tutorial).
@@ -181,7 +181,8 @@ LYMAN_ALPHA_SCHEMA = {
     "hubble_km_s_mpc_h": (_optional(_positive_float), "H(z) in km/s per Mpc/h; null: 100 sqrt(omega_m (1+z)^3 + 1 - "
                                                       "omega_m)"),
     "cell_size_mpc_h": (_optional(_positive_float), "comoving cell size in Mpc/h; null: the validation file's "
-                                                    "cell_size_mpc_h attribute, else the generator's 20/256"),
+                                                    "cell_size_mpc_h attribute (an error where it has none; "
+                                                    "synthetic data: 20/256)"),
     "mean_flux": (_open_fraction, "mean transmitted flux the true field is normalised to"),
     "skewer_stride": (_positive_int, "validation skewers: every n-th cell along both transverse axes of a crop"),
     "skewer_axes": (_one_or_three, "skewers along the first spatial axis (1) or along all three (3)"),

@@ -27,7 +27,7 @@ from networks.UNet import build_model
 from utils import lyman_alpha as lya
 from utils.checkpoint import latest_valid_checkpoint, load_checkpoint, load_model_state
 from utils.config import Params
-from utils.data import read_volume_shapes
+from utils.data import check_normalisation, read_volume_shapes
 from utils.errors import CheckpointError, ConfigError, DataError
 
 # Config keys build_model and the default tile need; older or foreign checkpoints may lack them.
@@ -71,6 +71,7 @@ def check_input(path, in_channels):
         raise DataError(f"input file {path} does not exist; give an HDF5 file with dataset 'Nbody' "
                         f"({in_channels}, N, N, N), e.g. one written by `python -m utils.make_dataset`")
     shape = read_volume_shapes(path, {"Nbody": in_channels}, hint=" for this checkpoint")["Nbody"]
+    check_normalisation(path)
     return shape[1]
 
 
@@ -210,6 +211,8 @@ class WholeBoxScience:
 
 
 def lyman_alpha_settings(params, input_path):
-    """The checkpoint config's Lyman-alpha settings (defaults for older checkpoints), cell size from the input."""
+    """The checkpoint config's Lyman-alpha settings (defaults for older checkpoints); a null cell size is the
+    input's (``lyman_alpha.cell_size_for``: an input that does not store one is a DataError)."""
     section = {**LYMAN_ALPHA_DEFAULTS, **(params.get("lyman_alpha") or {})}
-    return lya.LymanAlphaSettings.from_config(section, lya.cell_size_of(input_path))
+    remedy = "pass --no-lyman_alpha, or use a checkpoint whose config sets lyman_alpha.cell_size_mpc_h"
+    return lya.LymanAlphaSettings.from_config(section, lya.cell_size_for(section, input_path, remedy))

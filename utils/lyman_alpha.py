@@ -16,9 +16,10 @@ field has the chosen mean flux <exp(-A tau_true)> = mean_flux (0.7 at z = 3, rou
 observed); the prediction gets the same A, so an error in its density or temperature shows up as a
 wrong mean flux, as it would in an analysis.
 
-Units are the stored fields' (utils/units.py): cells of ``cell_size`` comoving Mpc/h (20/256
-by default), velocities in km/s, temperature in K. H(z) = 100 sqrt(omega_m (1+z)^3 + 1 - omega_m) km/s
-per Mpc/h (flat LCDM) unless given, a = 1/(1+z); at z = 3 a default cell is dv = 8.71 km/s.
+Units are the stored fields' (utils/units.py): cells of ``cell_size`` comoving Mpc/h (the config's
+``cell_size_mpc_h``, else the data file's attribute of that name: ``cell_size_for``), velocities in
+km/s, temperature in K. H(z) = 100 sqrt(omega_m (1+z)^3 + 1 - omega_m) km/s per Mpc/h (flat LCDM)
+unless given, a = 1/(1+z); at z = 3 a generated box's cell (20/256 Mpc/h) is dv = 8.71 km/s.
 
 Statistics, for prediction and truth:
 - the flux PDF (50 bins on [0, 1]) and two distances between the predicted and true PDF: the
@@ -53,6 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from utils.errors import DataError
 from utils.units import DEFAULT_CELL_SIZE, denormalize_density, denormalize_temperature, denormalize_velocity
 
 BOLTZMANN = 1.380649e-23          # J / K
@@ -112,14 +114,26 @@ class LymanAlphaSettings:
                    skewer_stride=section["skewer_stride"], skewer_axes=section["skewer_axes"])
 
 
-def cell_size_of(path):
-    """The ``cell_size_mpc_h`` attribute of a generated HDF5 file, or None (missing file or attribute)."""
+def cell_size_for(section, path, remedy):
+    """Comoving Mpc/h per cell: the ``lyman_alpha`` section's ``cell_size_mpc_h``, else the HDF5 file ``path``'s.
+
+    A file of utils/make_dataset.py stores its cell size as the attribute ``cell_size_mpc_h``. A file made
+    elsewhere (the reference's Nyx boxes) does not, and a guess would shift every velocity-space scale of
+    the flux statistics (thermal widths, peculiar-velocity shifts, P1D's k) by the ratio of the true to the
+    guessed cell: that is a DataError whose message ends with ``remedy``. None when the file cannot be opened
+    (whatever reads its data reports that).
+    """
+    if section["cell_size_mpc_h"] is not None:
+        return section["cell_size_mpc_h"]
     try:
         with h5py.File(path, "r") as f:
             value = f.attrs.get("cell_size_mpc_h")
     except OSError:
         return None
-    return float(value) if value is not None else None
+    if value is None:
+        raise DataError(f"{path} does not say its cell size (no cell_size_mpc_h attribute: it was not written by "
+                        f"utils/make_dataset.py), which the Lyman-alpha statistics need; {remedy}")
+    return float(value)
 
 
 # --- skewers and optical depth -------------------------------------------------------------------------------

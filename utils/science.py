@@ -61,7 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from utils.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_of
+from utils.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_for
 from utils.units import (DENSITY_LOG_SCALE, HYDRO_CHANNELS, TEMPERATURE_LOG10_OFFSET, TEMPERATURE_LOG10_SCALE,
                          to_physical)
 
@@ -302,13 +302,16 @@ def lyman_alpha_settings(params, data_path=None):
     """LymanAlphaSettings from a config's ``lyman_alpha`` section, or None when it is disabled.
 
     A null ``cell_size_mpc_h`` takes the ``cell_size_mpc_h`` attribute of ``data_path`` (default: the
-    config's validation file) when it has one, else the generator's default 20/256 Mpc/h.
+    config's validation file); a file without one is a DataError (``cell_size_for``). Synthetic data has
+    no file: the generator's 20/256 Mpc/h.
     """
     section = params.lyman_alpha
     if not section["enabled"]:
         return None
     cell_size = None
-    if section["cell_size_mpc_h"] is None and params.data_loader_config != "synthetic":
+    if params.data_loader_config != "synthetic":
         from utils.config import resolve_path
-        cell_size = cell_size_of(resolve_path(data_path or params.val_path))
+        cell_size = cell_size_for(section, resolve_path(data_path or params.val_path),
+                                  "give --lyman_alpha.cell_size_mpc_h (comoving Mpc/h per cell: the box's length "
+                                  "over its cells per side), or switch them off with --no-lyman_alpha.enabled")
     return LymanAlphaSettings.from_config(section, cell_size)

@@ -38,6 +38,7 @@ from utils.science import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, f
                            log_density_edges, log_temperature_edges)
 from utils.science_plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
 
+NO_CELL_SIZE = "the Lyman-alpha panels need a checkpoint whose config sets lyman_alpha.cell_size_mpc_h"
 FIELD_TITLES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
 NUM_SKEWER_EXAMPLES = 3
 
@@ -82,7 +83,7 @@ def load_from_run(source, input_path, device):
     run = checkpoint.parent.parent.name if checkpoint.parent.name == "checkpoints" else checkpoint.parent.name
     description = (f"run {run}, {checkpoint.name} (step {step}), U-Net {params.model_channels} upsample="
                    f"{params.get('upsample', 'transposed')}, on {path.name} ({box}^3)")
-    return prediction, truth, description, section, attrs.get("cell_size_mpc_h")
+    return prediction, truth, description, section, lya.cell_size_for(section, path, NO_CELL_SIZE)
 
 
 def load_from_prediction(source, truth_path):
@@ -99,7 +100,7 @@ def load_from_prediction(source, truth_path):
     if checkpoint is not None and Path(checkpoint).is_file():   # the units the model was validated with
         config = load_checkpoint(checkpoint)["config"]
         section.update((config.get("lyman_alpha") or {}) if isinstance(config, dict) else {})
-    return prediction, truth, description, section, truth_attrs.get("cell_size_mpc_h")
+    return prediction, truth, description, section, lya.cell_size_for(section, truth_path, NO_CELL_SIZE)
 
 
 def measure(prediction, truth, settings, stride, device="cpu"):

@@ -19,7 +19,8 @@ share one scale; every stored value lies in (-1, 1), matching the model's tanh o
 
 each clipped to [-CLIP, CLIP]. :func:`to_physical` (and the per-field ``denormalize_*``) map back
 to rho/mean, km/s and K, for numpy arrays or torch tensors. :func:`physical_attrs` is what every
-generated file stores of these constants as HDF5 attributes.
+generated file stores of these constants as HDF5 attributes; :func:`normalisation_mismatches` compares a
+file's with them (utils/data/files.py refuses a file normalised otherwise).
 """
 import numpy as np
 
@@ -112,6 +113,18 @@ def to_physical(x, kind, channel_axis=0):
         index = (slice(None),) * axis + (c,)
         out[index] = func(x[index])
     return out
+
+
+NORMALISATION_ATTRS = ("density_log_scale", "density_floor", "velocity_scale", "temperature_log10_offset",
+                       "temperature_log10_scale", "clip")
+
+
+def normalisation_mismatches(attrs):
+    """[(name, stored, this code's)] for each constant of NORMALISATION_ATTRS that ``attrs`` (a data file's HDF5
+    attributes) stores with another value than this module's. A file storing none of them is not checked."""
+    expected = physical_attrs()
+    return [(name, float(attrs[name]), expected[name]) for name in NORMALISATION_ATTRS
+            if name in attrs and not np.isclose(float(attrs[name]), expected[name], rtol=1e-6, atol=0)]
 
 
 def physical_attrs():

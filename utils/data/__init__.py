@@ -16,7 +16,8 @@ Layers (a module imports only from the layers below it, never from this package'
 
 - ``spec``: ``SplitSpec`` (a split's settings, read from the config once), ``sample_plan``, the
   ``ShardedSampler`` and its ``BatchPlan``s, ``PlannedLoader`` (the batch loaders' ``len``);
-  ``files``: ``read_volume_shapes``, ``check_data_file`` (errors are ``utils.errors.DataError``);
+  ``files``: ``read_volume_shapes``, ``check_data_file``, ``check_normalisation``, ``lacks_normalisation``
+  (errors are ``utils.errors.DataError``);
 - ``torch_loader``: ``RandomCropDataset``, ``RandomRotator``, the straightforward ``DataLoader``;
   ``gpu``: the GPU-resident loader; ``dali``: the NVIDIA DALI pipeline (optional extra);
 - ``fast``: the fast CPU loader (threads, reusable pinned batches, ``DevicePrefetcher``);
@@ -25,12 +26,12 @@ Layers (a module imports only from the layers below it, never from this package'
 ``prepare`` (``prepare_data``, ``missing_data_message``) makes or checks the data files before a run.
 """
 from utils.data.factory import get_data_loader
-from utils.data.files import check_data_file, read_volume_shapes
+from utils.data.files import check_data_file, check_normalisation, lacks_normalisation, read_volume_shapes
 from utils.data.spec import (SPLITS, VECTOR_CHANNELS, BatchPlan, ShardedSampler, SplitSpec, build_sampler,
                              sample_plan)
 from utils.data.torch_loader import RandomCropDataset, RandomRotator
 from utils.errors import DataError
 
 __all__ = ["SPLITS", "VECTOR_CHANNELS", "BatchPlan", "DataError", "RandomCropDataset", "RandomRotator",
-           "ShardedSampler", "SplitSpec", "build_sampler", "check_data_file", "get_data_loader",
-           "read_volume_shapes", "sample_plan"]
+           "ShardedSampler", "SplitSpec", "build_sampler", "check_data_file", "check_normalisation",
+           "get_data_loader", "lacks_normalisation", "read_volume_shapes", "sample_plan"]

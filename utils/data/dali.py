@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from utils import symmetry
+from utils.data.files import check_normalisation
 from utils.data.spec import VECTOR_CHANNELS, PlannedLoader, SplitSpec, build_sampler
 from utils.errors import DataError
 from utils.make_dataset import npy_paths
@@ -233,6 +234,8 @@ def get_dali_loader(params, split, rank=0, world_size=1, device=torch.device("cp
     """The DALI loader factory: ``(loader, sampler)`` with the contract of ``get_data_loader``."""
     _import_dali()
     spec = SplitSpec.from_params(params, split, rank, world_size, mode="dali-lowmem")
+    if spec.path.exists():   # twins alone are fine; an .h5 beside them must be normalised as utils/units.py says
+        check_normalisation(spec.path)
     data_file, label_file = npy_paths(spec.path)  # no keys of their own: the .npy twins of train/val_path
     check_npy_file(data_file, spec.box, spec.in_channels, spec.path)
     check_npy_file(label_file, spec.box, spec.out_channels, spec.path)

@@ -2,13 +2,15 @@
 
 A split's file holds two float32 datasets over the same periodic N^3 box: ``Nbody`` (4, N, N, N),
 the N-body (dark matter) input, and ``Hydro`` (5, N, N, N), the hydro (gas) target; channels 1-3
-of both are velocity components. Every failure is a ``DataError`` (utils/errors.py) whose message
-says what is wrong and what to do. Imports nothing of the data package.
+of both are velocity components. A file that stores normalisation constants (HDF5 attributes, as
+utils/make_dataset.py writes them) must store utils/units.py's. Every failure is a ``DataError``
+(utils/errors.py) whose message says what is wrong and what to do. Imports nothing of the data package.
 """
 import h5py
 
 from utils.config import resolve_path
 from utils.errors import DataError
+from utils.units import NORMALISATION_ATTRS, normalisation_mismatches
 
 
 def read_volume_shapes(path, channels, hint=""):
@@ -53,4 +55,26 @@ def check_data_file(path, box, in_channels, out_channels):
     if shapes["Nbody"][1] != box:
         raise DataError(f"{path} holds a {shapes['Nbody'][1]}^3 box but the config's box_size says {box}; "
                         f"set box_size to match the files")
+    check_normalisation(path)
     return path
+
+
+def check_normalisation(path):
+    """DataError, one line, when HDF5 file ``path`` stores normalisation constants other than utils/units.py's."""
+    with h5py.File(path, "r") as f:
+        wrong = normalisation_mismatches(f.attrs)
+    if wrong:
+        raise DataError(f"{path} was normalised with other constants than utils/units.py's ("
+                        + ", ".join(f"{name} {stored:g} there, {ours:g} here" for name, stored, ours in wrong)
+                        + "): the physical-unit metrics would misread it; renormalise the file or make the two agree")
+
+
+def lacks_normalisation(path):
+    """Whether HDF5 file ``path`` stores no normalisation constants (utils/make_dataset.py's files store them; a file
+    made elsewhere may not, and its physical-unit metrics then assume utils/units.py's). False without a file
+    (DALI can read the .npy twins alone)."""
+    path = resolve_path(path)
+    if not path.exists():
+        return False
+    with h5py.File(path, "r") as f:
+        return not any(name in f.attrs for name in NORMALISATION_ATTRS)
