@@ -38,7 +38,8 @@ numbers measure compute alone (the tutorial's SYNTHETIC trial), not data loading
   MFU = 3 x forward FLOPs per sample x samples/s / the device's peak for the rung's math mode.
 
 Prints a markdown table and writes it (``.md``) and the raw numbers (``.json``: device, versions,
-per-window rates) to ``--out``, default ``benchmarks/results/<device>.json``. A rung that fails is
+per-window rates) to ``--out``, default ``benchmarks/results/<device>.json`` (with ``--tiny`` the git-ignored
+``logs/ladder/<device>-tiny.json``: a smoke test is not a result). A rung that fails is
 reported as failed (traceback on stderr), the ladder goes on, and the exit code is 1. Without CUDA, rungs
 that need it are skipped with the reason, and their settings are not carried up.
 """
@@ -123,7 +124,8 @@ def parse_args(argv=None):
                         help="cuDNN engines timed per convolution shape in every rung (train.py's key; default 10, "
                              "0: all). cuDNN's choices last for the process: compare values in separate runs")
     parser.add_argument("--out", type=Path, help="results .json (a .md beside it); "
-                                                 "default benchmarks/results/<device>.json")
+                                                 "default benchmarks/results/<device>.json, or with --tiny "
+                                                 "logs/ladder/<device>-tiny.json")
     args = parser.parse_args(argv)
     for key, value in (TINY if args.tiny else FULL).items():
         if getattr(args, key, None) is None:
@@ -315,7 +317,9 @@ def markdown(report):
 
 def default_out(device_name, tiny):
     slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-    return REPO_ROOT / "benchmarks" / "results" / f"{slug}{'-tiny' if tiny else ''}.json"
+    if tiny:  # a smoke test, kept out of the committed results
+        return REPO_ROOT / "logs" / "ladder" / f"{slug}-tiny.json"
+    return REPO_ROOT / "benchmarks" / "results" / f"{slug}.json"
 
 
 def main(argv=None):

@@ -6,8 +6,8 @@
         -- --lr_schedule.warmup_steps 16
     # one 4-GPU node: batch 64 on one GPU against batch 256 on four (the bs64_opt / bs256_opt settings)
     python benchmarks/large_batch_study.py --config bs64_opt --arm 64:sqrt:10:1 --arm 256:sqrt:20:4
-    # tabulate runs made elsewhere, e.g. the Slurm runs of README section 11
-    python benchmarks/large_batch_study.py --runs logs/bs64_opt/4GPU/0 logs/bs512_opt/32GPU/0
+    # tabulate runs made elsewhere, e.g. the Slurm runs of README section 10
+    python benchmarks/large_batch_study.py --runs logs/bs64_opt/1GPU/0 logs/bs512_opt/32GPU/0
 
 An arm is BATCH:SCALING:EPOCHS[:RANKS]: the global batch, the learning-rate scaling (none, sqrt or linear,
 relative to the config's base_batch_size; utils/lr_schedule.py) and the number of epochs, on RANKS processes

@@ -1,10 +1,10 @@
 """Weak-scaling study of train.py: throughput at 1, 2, 4, ... ranks, with and without the gradient all-reduce.
 
     # this machine, torchrun, CPU (gloo): the demo in benchmarks/results/scaling_cpu_demo.md
-    python benchmarks/scaling_study.py --ranks 1 2 --steps 64 --repeats 3 --out benchmarks/results/scaling_cpu_demo \
-        -- --num_data_workers 0 --Nsamples_val 8
+    python benchmarks/scaling_study.py --ranks 1 2 --repeats 3 --metric benchy \\
+        --out benchmarks/results/scaling_cpu_demo -- --num_data_workers 0
     # inside a Slurm allocation, one task per GPU (e.g. salloc -N 8 --ntasks-per-node 4 --gpus-per-node 4 -c 32)
-    python benchmarks/scaling_study.py --launcher slurm --ranks 4 8 16 32 --config=bs64_opt --local_batch_size 64 \\
+    python benchmarks/scaling_study.py --launcher slurm --ranks 1 4 8 16 32 --config=bs64_opt --local_batch_size 64 \\
         --metric benchy -- --data_loader_config=inmem
 
 Every rank count N runs at the same local batch, so the global batch grows with N (weak scaling),
