@@ -180,6 +180,9 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
     step = make_step(state)
     flops_per_step = 3 * state.model.flops_per_sample(params.data_size) * params.global_batch_size
     peak = metrics.peak_flops(info.device, params.amp_mode, params.enable_tf32, params.peak_tflops)
+    if peak:
+        logger.info(f"MFU against a peak of {peak / 1e12:g} TFLOP/s per device (--peak_tflops, else the datasheet's "
+                    f"dense figure for this GPU and math mode in utils/metrics.py)")
     peak = peak * info.world_size if peak else None  # MFU of the whole job
 
     def lr_at(step_number):

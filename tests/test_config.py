@@ -73,6 +73,7 @@ def test_misspelt_key_is_named(tmp_path):
     ("amp_mode", "fp8", "'amp_mode' must be one of none, fp16, bf16"),
     ("full_scale", "yes", "'full_scale' must be true or false"),
     ("box_size", [1024], "'box_size' must be a list of 2 positive integers"),
+    ("seed", -1, "'seed' must be an integer >= 0"),   # numpy's SeedSequence would fail at the first batch
 ])
 def test_bad_values_are_named(tmp_path, key, value, expected):
     path = write_yaml(tmp_path, lambda c: c.update({key: value}))

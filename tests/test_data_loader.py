@@ -36,14 +36,16 @@ def test_plan_is_a_pure_function_of_seed_epoch_index():
 
 
 def test_same_stream_for_1_and_3_workers(tiny_params):
-    serial = collect(tiny_params(num_data_workers=0), epoch=1)
-    parallel = collect(tiny_params(num_data_workers=3), epoch=1)
+    # the straightforward loader's worker processes (tiny_params is quickstart's config: fast loader by default)
+    serial = collect(tiny_params(num_data_workers=0, fast_loader=False), epoch=1)
+    parallel = collect(tiny_params(num_data_workers=3, fast_loader=False), epoch=1)
     assert len(serial) == 32
     assert_same_stream(serial, parallel)
 
 
-def test_ranks_take_disjoint_shares_whose_union_is_the_single_rank_stream(tiny_params):
-    params = tiny_params()
+@pytest.mark.parametrize("fast", [False, True])
+def test_ranks_take_disjoint_shares_whose_union_is_the_single_rank_stream(tiny_params, fast):
+    params = tiny_params(fast_loader=fast)
     single = collect(params, epoch=2)
     rank0, rank1 = collect(params, 0, 2, epoch=2), collect(params, 1, 2, epoch=2)
     assert not set(rank0) & set(rank1)

@@ -33,7 +33,8 @@ def assert_same_batches(expected, actual):
 @pytest.mark.parametrize("workers", [0, 1, 2])
 def test_fast_loader_serves_the_straightforward_stream(tiny_params, mode, workers):
     params = tiny_params(data_loader_config=mode, num_data_workers=workers)
-    reference = tiny_params(data_loader_config=mode)  # the straightforward stream does not depend on workers
+    # the straightforward stream (which does not depend on workers); tiny_params is quickstart's, fast by default
+    reference = tiny_params(data_loader_config=mode, fast_loader=False)
     for split in ("train", "val"):
         single, single_indices = batches(get_fast_loader, params, split)
         assert_same_batches(batches(get_data_loader, reference, split)[0], single)
@@ -68,12 +69,25 @@ def test_the_gpu_resident_loader_lays_out_channels_last_batches_in_its_gather(ti
         assert tar.is_contiguous(memory_format=torch.channels_last_3d)
 
 
+@pytest.mark.parametrize("mode", ["inmem", "lowmem"])
+def test_a_float64_file_gives_float32_batches_in_every_loader(tiny_params, tmp_path, mode):
+    path = tmp_path / "float64.h5"
+    with h5py.File(tiny_params().train_path) as source, h5py.File(path, "w") as f:
+        for key in ("Nbody", "Hydro"):
+            f[key] = source[key][...].astype(np.float64)
+    straightforward = batches(get_data_loader, tiny_params(train_path=str(path), data_loader_config=mode,
+                                                           fast_loader=False))[0]
+    assert all(t.dtype == torch.float32 for batch in straightforward for t in batch)
+    assert_same_batches(straightforward, batches(get_fast_loader, tiny_params(train_path=str(path),
+                                                                                data_loader_config=mode))[0])
+
+
 def test_chunked_compressed_file_is_read_through_h5py(tiny_params, tmp_path):
     path = tmp_path / "chunked.h5"
     with h5py.File(tiny_params().train_path) as source, h5py.File(path, "w") as f:
         for key in ("Nbody", "Hydro"):
             f.create_dataset(key, data=source[key][...], chunks=(1, 8, 8, 8), compression="gzip")
-    reference = tiny_params(train_path=str(path), data_loader_config="lowmem")
+    reference = tiny_params(train_path=str(path), data_loader_config="lowmem", fast_loader=False)
     params = tiny_params(train_path=str(path), data_loader_config="lowmem", num_data_workers=2)
     loader, _ = get_fast_loader(params, "train")
     assert "h5py" in loader.description

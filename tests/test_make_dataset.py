@@ -192,6 +192,9 @@ def test_npy_only_writes_the_twins_of_an_existing_file(tmp_path, capsys):
         md.main(["--out", str(out), "--npy_only", "--seed", "3"])
     assert exit_info.value.code == 2
     assert "--npy_only copies the existing file; it takes no generation flags (--seed)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        md.main(["--out", str(tmp_path / "negative.h5"), "--seed", "-1"])
+    assert exit_info.value.code == 2 and "--seed must be >= 0" in capsys.readouterr().err
 
 
 def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):

@@ -37,13 +37,6 @@ def _choice(*options):
     return check
 
 
-@_flag(type=int)
-def _int(value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError("an integer")
-    return value
-
-
 def _int_at_least(minimum, description):
     @_flag(type=int)
     def check(value):
@@ -146,8 +139,8 @@ BENCHY_SCHEMA = {
     "continue_training": (_bool, "train normally after the trials instead of exiting"),
 }
 GENERATE_DATA_SCHEMA = {
-    "train_seed": (_int, "seed of the generated training box"),
-    "val_seed": (_int, "seed of the generated validation box"),
+    "train_seed": (_non_negative_int, "seed of the generated training box"),
+    "val_seed": (_non_negative_int, "seed of the generated validation box"),
 }
 
 
@@ -224,7 +217,7 @@ SCHEMA = {
     "num_epochs": Key(_positive_int, "training epochs", RUN),
     "Nsamples": Key(_positive_int, "random crops per training epoch", RUN),
     "Nsamples_val": Key(_positive_int, "crops per validation pass", RUN),
-    "seed": Key(_int, "seed of weight init and of the crop/augmentation stream", RUN),
+    "seed": Key(_non_negative_int, "seed of weight init and of the crop/augmentation stream", RUN),
     "amp_mode": Key(_choice("none", "fp16", "bf16"), "mixed precision"),
     "enable_fused": Key(_bool, "fused Adam"),
     "enable_apex": Key(_bool, "apex FusedAdam when importable"),

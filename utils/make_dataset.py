@@ -984,6 +984,8 @@ def main(argv=None):
         parser.error(f"--box must be >= 2, got {args.box}")
     if args.slab is not None and args.slab < 1:
         parser.error(f"--slab must be >= 1, got {args.slab}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0 (numpy's generators take no negative seeds), got {args.seed}")
 
     targets = [Path(args.out)] + (list(npy_paths(args.out)) if args.npy else [])
     refuse_existing(targets, args.force, "overwrite")

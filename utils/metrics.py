@@ -1,16 +1,21 @@
 """Throughput, data-wait share, MFU and peak memory: the numbers the tutorial teaches people to read."""
 import resource
+import sys
 import time
 from contextlib import contextmanager
 
 import torch
 
-# Dense peak TFLOP/s by device-name fragment and math mode (datasheet values, no sparsity).
+# Dense peak TFLOP/s by device-name fragment and math mode (datasheet values, no sparsity). The first fragment
+# found in torch.cuda.get_device_name wins, so the specific variants come before their family.
 PEAK_TFLOPS = {
     "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
-    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},  # SXM
-    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-    "V100": {"fp32": 15.7, "tf32": 15.7, "bf16": 15.7, "fp16": 125.0},
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
+    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},  # SXM ("NVIDIA H100 80GB HBM3")
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},  # SXM and PCIe alike
+    "V100-PCIE": {"fp32": 14.0, "tf32": 14.0, "bf16": 14.0, "fp16": 112.0},
+    "V100": {"fp32": 15.7, "tf32": 15.7, "bf16": 15.7, "fp16": 125.0},  # SXM2
 }
 
 
@@ -32,7 +37,9 @@ def peak_memory(device):
     """(GB, kind): the device's peak allocated memory on GPU, the process's peak RSS on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9, "GPU allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, "host RSS"  # ru_maxrss is in KiB
+    # ru_maxrss: KiB on Linux, bytes on macOS; this process only (not the straightforward loader's workers)
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9, "host RSS"
 
 
 class StepMeter:

@@ -64,8 +64,8 @@ class RandomCropDataset(Dataset):
         else:
             self.path = check_data_file(spec.path, self.box, spec.in_channels, spec.out_channels)
             if self.mode == "inmem":
-                with h5py.File(self.path, "r") as f:
-                    self.inp, self.tar = f["Nbody"][...], f["Hydro"][...]
+                with h5py.File(self.path, "r") as f:  # float32 whatever the file holds, as every loader gives
+                    self.inp, self.tar = (f[key][...].astype(np.float32, copy=False) for key in ("Nbody", "Hydro"))
             elif self.mode != "lowmem":
                 raise DataError(f"unknown data_loader_config '{self.mode}'")
         spec.check_crop_fits()
@@ -95,7 +95,8 @@ class RandomCropDataset(Dataset):
     def __getitem__(self, key):
         epoch, index = key
         (inp, tar), element = self.read_crop(epoch, index)
-        return torch.from_numpy(self.rotator(inp, element)), torch.from_numpy(self.rotator(tar, element))
+        return tuple(torch.from_numpy(np.asarray(self.rotator(volume, element), dtype=np.float32))
+                     for volume in (inp, tar))
 
     def __getstate__(self):
         state = self.__dict__.copy()
