@@ -30,7 +30,7 @@ from utils.distributed import all_reduce_sum, cleanup, env_world_size, init_dist
 from utils.errors import ConfigError
 from utils.lr_schedule import learning_rate, total_steps
 from utils.run_control import StartupSignals
-from utils.run_dir import make_run_dir
+from utils.run_dir import make_run_dir, resume_on_restart
 from utils.run_log import EventWriter, setup_logging
 from utils.science import format_summary
 from utils.science_plots import write_tensorboard
@@ -281,11 +281,13 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
         info = init_distributed(params.device)
         state, finished = None, False
         try:
-            run_dir, note = make_run_dir(args.run_num, args.resume, params, info)
+            resume, restart_note = resume_on_restart(args.resume)
+            run_dir, note = make_run_dir(args.run_num, resume, params, info)
             signals.checkpoint = lambda: next(iter(list_checkpoints(run_dir / "checkpoints")), None)
             setup_logging(logger, run_dir, info)
-            if note:
-                logger.info(note)
+            for line in (restart_note, note):
+                if line:
+                    logger.info(line)
             if info.is_main and not (run_dir / "config.yaml").exists():
                 # A new run's record at once (a rerun finds its folder even if this attempt fails early); an
                 # existing run's only once its checkpoint accepted this config (train), so a refused command
@@ -293,7 +295,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                 save_config(params, run_dir / "config.yaml")
             prepare_data(params, info, logger.info)
             state = build_training(params, info, capturable, run_dir)
-            result = train(params, state, run_dir, make_step, args.resume)
+            result = train(params, state, run_dir, make_step, resume)
             finished = True
             return result
         except RuntimeError as err:  # a peer rank went away: one line here too, its own log says why

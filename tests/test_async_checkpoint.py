@@ -195,11 +195,11 @@ def test_wall_clock_interval():
 def test_agree_carries_the_checkpoint_flag_on_one_process():
     control = RunControl(SimpleNamespace(device=torch.device("cpu"), enabled=False))
     try:
-        assert control.agree() == (False, None, False)
-        assert control.agree(checkpoint_due=True) == (False, None, True)
+        assert control.agree() == (False, None, False, False)
+        assert control.agree(checkpoint_due=True) == (False, None, True, False)
         control.track(torch.tensor(float("nan")), 4)
         control.signal_name = "SIGUSR1"
-        assert control.agree() == (True, 4, False)
+        assert control.agree() == (True, 4, False, False)
     finally:
         control.close()
 
@@ -294,3 +294,64 @@ def test_cuda_snapshot_uses_reused_pinned_buffers_and_ignores_later_steps(tmp_pa
     writer.close()
     assert reserved == buffers[0] == buffers[1] and all(buffer.is_pinned() for buffer in writer._pinned.values())
     assert len(writer._pinned) > len(expected)  # the optimizer's moments too
+
+
+FAILING_RANK0 = """
+import errno, os, sys
+sys.path.insert(0, {repo!r})
+if os.environ["RANK"] == "0":  # rank 0's disk fills up after the first checkpoint (file + directory fsync)
+    real_fsync, calls = os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+    os.fsync = fsync
+import train
+train.cli(lambda: train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [False, True], ids=["periodic", "preemption"])
+def test_a_failed_write_under_ddp_stops_every_rank_with_exit_2(tiny_argv, tmp_path, stop):
+    """Rank 0's write fails (disk full): every rank ends with one line and exit code 2, none waits in a collective
+    (NCCL: 10 minutes, then SIGABRT), and a failed preemption checkpoint does not exit 3 (which requeues)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from conftest import REPO_ROOT
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "failing_rank0.py"
+    script.write_text(FAILING_RANK0.format(repo=str(REPO_ROOT)))
+    argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "2"]
+    if stop:  # a SIGUSR1 at step 3 on rank 1: the preemption checkpoint at the next log step fails
+        argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "2",
+                            "--log_every_n_steps", "4"]
+    processes = []
+    for rank in (0, 1):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
+        processes.append(subprocess.Popen([sys.executable, str(script)] + argv, env=env, cwd=REPO_ROOT,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    if stop:
+        import signal
+        deadline = time.monotonic() + 120
+        log = tmp_path / "runs" / "tiny" / "2GPU" / "0" / "out.log"
+        while not (log.exists() and "at step 2" in log.read_text()):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+            time.sleep(0.01)
+        processes[1].send_signal(signal.SIGUSR1)
+    results = [p.communicate(timeout=180) for p in processes]
+    errors = [err.strip().splitlines() for _, err in results]
+    assert [p.returncode for p in processes] == [2, 2], errors
+    assert errors[0][-1].startswith("error: disk full while writing checkpoint"), errors[0]
+    assert errors[1][-1] == "error: rank 0 could not write a checkpoint (its error line says why); this rank " \
+                            "stops with it", errors[1]
+    assert not any("Traceback" in err for _, err in results), results
+    log = (tmp_path / "runs" / "tiny" / "2GPU" / "0" / "out.log").read_text()
+    assert ("Checkpoint (preemption) at step 4" in log) is stop, log

@@ -153,6 +153,28 @@ def test_resume_never_in_a_named_run_starts_a_clean_history(tiny_argv, tmp_path)
     assert "moved to" in (run_dir / "out.log").read_text()
 
 
+@pytest.mark.parametrize("counter", ["SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"])
+def test_a_restarted_job_continues_its_attempt_whatever_resume_said(tiny_argv, tmp_path, monkeypatch, counter):
+    """A requeue repeats the command: --resume never must not start over (and be requeued) on every attempt."""
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    first = tiny_argv + ["--resume", "never"]
+    train.main(first)                                  # an earlier run of the same command: folder 0
+    assert train.main(first) is not None              # the first attempt: folder 1, trains
+    monkeypatch.setenv(counter, "1")
+    assert train.main(first) is None                  # the restart: folder 1 again, finished, nothing to do
+    assert run_folders(tmp_path) == ["0", "1"]
+    log = (tmp_path / "runs" / "tiny" / "1GPU" / "1" / "out.log").read_text()
+    assert f"a restart of this job ({counter}=1): --resume never applied to its first attempt" in log
+    assert "This run already finished" in log
+    named = tiny_argv + ["--run_num", "mine", "--resume", "never"]
+    monkeypatch.setenv(counter, "0")
+    train.main(named)
+    monkeypatch.setenv(counter, "2")
+    train.main(named)                                 # continues 'mine': nothing archived, nothing retrained
+    assert not any(p.name.startswith("previous-") for p in (tmp_path / "runs" / "tiny" / "1GPU" / "mine").iterdir())
+
+
 # --- stop signals from the first second ---------------------------------------------------------
 @pytest.mark.parametrize("when", ["before any checkpoint", "after a checkpoint"])
 def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_argv, capsys, monkeypatch, when):

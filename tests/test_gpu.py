@@ -483,7 +483,7 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
         assert all_reduce_sum([1.5, 2.0], info) == [1.5, 2.0]
         control = RunControl(info)
         try:
-            assert control.agree(checkpoint_due=True) == (False, None, True)
+            assert control.agree(checkpoint_due=True) == (False, None, True, False)
         finally:
             control.close()
         with pytest.raises(ValueError, match="no optical depths"):

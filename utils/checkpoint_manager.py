@@ -13,7 +13,9 @@ Rank 0 writes in the background (utils/checkpoint.AsyncCheckpointer): the loop s
 to host memory. Between epoch ends a checkpoint is written when the wall-clock interval (rank 0's
 clock) or the step interval is due, or at once when a stop signal arrived. Under DDP the clock and
 signals are acted on at log steps, where every rank agrees on them (one small all-reduce); a single
-process checks every step.
+process checks every step. A failed write (full disk, quota) stops every rank together with exit code 2:
+rank 0 with the error, the others naming it, at the next point where they agree; none is left waiting in
+a collective, and a failed preemption checkpoint does not exit 3 (which would requeue the job).
 """
 import logging
 import sys
@@ -47,6 +49,7 @@ class CheckpointManager:
         self.writer = None     # rank 0's AsyncCheckpointer, made on first use (that starts its clock)
         self.tensorboard = None  # where the stall statistics go at the end
         self.stop = False      # a stop signal seen at the end of an epoch
+        self.failed_write = None  # rank 0's CheckpointError of a background write, until the ranks agree on it
 
     # --- resume -----------------------------------------------------------------------------------
     def resume(self, resume_from="auto"):
@@ -100,16 +103,24 @@ class CheckpointManager:
         state, params, control = self.state, self.state.params, self.control
         control.track(loss, state.global_step - 1)
         background = self._background_writer()  # rank 0's; None elsewhere
-        if background is not None:
-            background.poll()  # logs a finished background write, raises a failed one
+        distributed = state.info.enabled
+        if background is not None and self.failed_write is None:
+            try:
+                background.poll()  # logs a finished background write, raises a failed one
+            except CheckpointError as err:
+                if not distributed:
+                    raise
+                self.failed_write = err  # every rank stops at the next agreement
         if last_in_epoch:
             return
         by_steps = params.checkpoint_every_n_steps > 0 and state.global_step % params.checkpoint_every_n_steps == 0
         by_clock = background is not None and background.due()  # a clock read, no sync
-        distributed = state.info.enabled
         act_now = not distributed and (by_clock or control.stop_requested_locally)
         if by_steps or act_now or (distributed and state.global_step % params.log_every_n_steps == 0):
-            stop, bad_step, clock_due = control.agree(checkpoint_due=by_clock)
+            stop, bad_step, clock_due, failed = control.agree(checkpoint_due=by_clock,
+                                                              write_failed=self.failed_write is not None)
+            if failed:
+                self._raise_write_failure()
             if bad_step is not None:
                 self._raise_nonfinite(bad_step)
             if stop or by_steps or clock_due:
@@ -121,7 +132,9 @@ class CheckpointManager:
     def end_of_epoch(self):
         """At the end of an epoch, before validation: stop on a non-finite loss; returns whether a stop
         signal arrived (then save_epoch checkpoints and raises Preempted)."""
-        stop, bad_step, _ = self.control.agree()
+        stop, bad_step, _, failed = self.control.agree(write_failed=self.failed_write is not None)
+        if failed:
+            self._raise_write_failure()
         if bad_step is not None:
             self._raise_nonfinite(bad_step)
         self.stop = stop
@@ -136,9 +149,12 @@ class CheckpointManager:
                             f"{epoch + 1}; rerun the same command to continue")
 
     def __exit__(self, *exc):
-        """However the loop ends: hand the signal handlers back; a write still in flight lands (or fails)."""
-        self.control.close()
-        failed = self.close(self.tensorboard)
+        """However the loop ends: a write still in flight lands (or fails), then the signal handlers go back
+        (in that order: a signal meanwhile only sets a flag, and cannot turn a failed write into a stop)."""
+        try:
+            failed = self.close(self.tensorboard)
+        finally:
+            self.control.close()
         if failed is not None and exc[1] is None:
             raise failed
         return False
@@ -166,28 +182,45 @@ class CheckpointManager:
         started = time.perf_counter()  # the stall: everything the training loop waits for here
         # The epoch's loss so far, summed over ranks: the resumed rank 0 carries it for everyone.
         loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
+        failed = None
         if state.info.is_main:
             writer = self._background_writer()
-            stall = writer.save(self.payload(loss_sum), state.global_step, state.params.keep_checkpoints, reason,
-                                started)
-            logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
+            try:  # waits for the previous write first, and raises its error
+                stall = writer.save(self.payload(loss_sum), state.global_step, state.params.keep_checkpoints, reason,
+                                    started)
+                logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
+            except CheckpointError as err:
+                failed = err
+        self._fail_together(failed)
         if wait:
             self.wait()
 
     def wait(self):
         """Rank 0 waits for its write in flight and logs it; under DDP nobody goes on (exits, reads) before
-        that. A failed write is raised (its one-line CheckpointError) on rank 0 after the barrier, so the
-        other ranks are not left waiting in it."""
+        that. A failed write stops every rank (``_fail_together``)."""
         failed = None
         if self.writer is not None:
             try:
                 self.writer.wait()
             except CheckpointError as err:
                 failed = err
+        self._fail_together(failed)
+
+    def _fail_together(self, failed):
+        """Raise ``failed`` (rank 0's CheckpointError, or an earlier background one) on every rank: one
+        all-reduce under DDP, which is also the barrier nobody passes before rank 0's write is settled."""
+        failed = failed or self.failed_write
         if self.state.info.enabled:
-            dist.barrier()
-        if failed is not None:
+            if all_reduce_sum([float(failed is not None)], self.state.info)[0]:
+                self.failed_write = failed
+                self._raise_write_failure()
+        elif failed is not None:
             raise failed
+
+    def _raise_write_failure(self):
+        """The agreed failure of a checkpoint write: rank 0's own error, on the other ranks one naming it."""
+        raise self.failed_write or CheckpointError(
+            "rank 0 could not write a checkpoint (its error line says why); this rank stops with it")
 
     def close(self, tensorboard=None):
         """Wait for a write still in flight, report it and the stall statistics (TensorBoard

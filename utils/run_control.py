@@ -68,16 +68,18 @@ class RunControl:
         bad = ~torch.isfinite(loss) & (self.first_bad_step < 0)
         self.first_bad_step = torch.where(bad, step, self.first_bad_step)
 
-    def agree(self, checkpoint_due=False):
-        """(stop, first_bad_step or None, checkpoint_due), the same on every rank: stop if any rank got a
-        signal, checkpoint if any rank (in train.py only rank 0 looks at the clock) says one is due.
-        A host sync (and a collective under DDP)."""
-        # One MAX all-reduce for all three: the flags, and minus the bad step (so MAX finds the earliest).
+    def agree(self, checkpoint_due=False, write_failed=False):
+        """(stop, first_bad_step or None, checkpoint_due, write_failed), the same on every rank: stop if any
+        rank got a signal, checkpoint if any rank (in train.py only rank 0 looks at the clock) says one is due,
+        and whether a rank's (rank 0's) background checkpoint write failed. A host sync (and a collective
+        under DDP)."""
+        # One MAX all-reduce for all four: the flags, and minus the bad step (so MAX finds the earliest).
         none = -(2 ** 62)
         negated_bad = torch.where(self.first_bad_step >= 0, -self.first_bad_step, none)
-        local = torch.tensor([int(self.stop_requested_locally), int(bool(checkpoint_due))], device=self.info.device)
+        local = torch.tensor([int(self.stop_requested_locally), int(bool(checkpoint_due)), int(bool(write_failed))],
+                             device=self.info.device)
         flags = torch.cat([local, negated_bad.view(1)])
         if self.info.enabled:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, due, negated = flags.tolist()
-        return bool(stop), (None if negated == none else -negated), bool(due)
+        stop, due, failed, negated = flags.tolist()
+        return bool(stop), (None if negated == none else -negated), bool(due), bool(failed)

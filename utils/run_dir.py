@@ -3,8 +3,10 @@
 One rule for every command: rerunning a command continues its run (the folder whose config.yaml matches);
 anything else -- a benchmark, a profile, another flag -- is a run of its own in the next free number and
 never collides with an earlier one. ``--resume never`` starts over, in a new folder unless ``--run_num``
-names one, where the earlier run's files move to ``previous-<time>/``.
+names one, where the earlier run's files move to ``previous-<time>/``. A restart of the same job (a Slurm
+requeue, a torchrun restart) continues its attempt whatever ``--resume`` said (``resume_on_restart``).
 """
+import os
 import time
 
 import torch.distributed as dist
@@ -12,6 +14,26 @@ import yaml
 
 from utils.config import SCHEMA, resolve_path
 from utils.errors import ConfigError
+
+
+RESTART_COUNTERS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")  # > 0 in a requeued job / restarted worker
+
+
+def resume_on_restart(resume, environ=os.environ):
+    """(resume, note): ``auto`` in a restarted job, else ``resume`` as given.
+
+    A requeued Slurm job and a restarted torchrun worker repeat the first attempt's command. With
+    ``--resume never`` every attempt would start over (in a new folder, or archiving the last attempt's work),
+    with ``--resume PATH`` go back to PATH and prune the checkpoints made since: work lost on every
+    preemption, and the job requeued for ever. A restart continues the attempt before it instead.
+    """
+    counts = {name: environ.get(name, "") for name in RESTART_COUNTERS}
+    restarted = {name: count for name, count in counts.items() if count.isdigit() and int(count) > 0}
+    if resume == "auto" or not restarted:
+        return resume, None
+    which = ", ".join(f"{name}={count}" for name, count in restarted.items())
+    return "auto", (f"a restart of this job ({which}): --resume {resume} applied to its first attempt; this one "
+                    f"continues the attempt before it (--resume auto)")
 
 
 def same_command(run_dir, params):
