@@ -7,8 +7,9 @@
 #   LOCAL_RANK  rank on this node (picks the GPU)     <- SLURM_LOCALID
 #   WORLD_SIZE  tasks in the job step                 <- SLURM_NTASKS
 #   MASTER_ADDR host of rank 0: first node of the step (block distribution puts rank 0 there)
-#   MASTER_PORT 29500 unless already set (MASTER_PORT=29611 sbatch ...): change it when two jobs
-#               can share a node, or they collide on the rendezvous port.
+#   MASTER_PORT unless already set (MASTER_PORT=29611 sbatch ...): 20000 + job id % 10000, so two jobs
+#               sharing a node (a shared QOS) do not collide on the rendezvous port; 29500 without a job id.
+#               Below Linux's ephemeral range (32768-60999), where outgoing connections take their ports.
 #   CUDA_VISIBLE_DEVICES  reversed (0,1,2,3 -> 3,2,1,0) when REVERSE_GPUS=1 (submit_pm.sh on GPU
 #               nodes): on Perlmutter local rank 0's cores are nearest GPU 3. Done here, in the task,
 #               because srun sets each task's CUDA_VISIBLE_DEVICES itself.
@@ -32,7 +33,7 @@ else
     MASTER_ADDR=${SLURM_LAUNCH_NODE_IPADDR:-$(hostname)}
 fi
 export MASTER_ADDR
-export MASTER_PORT=${MASTER_PORT:-29500}
+export MASTER_PORT=${MASTER_PORT:-$(( 20000 + ${SLURM_JOB_ID:-9500} % 10000 ))}
 if [[ ${REVERSE_GPUS:-0} == 1 && -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
     IFS=, read -ra _gpus <<<"$CUDA_VISIBLE_DEVICES"
     _reversed=()

@@ -116,13 +116,14 @@ launch=(srun --unbuffered --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
 # shell would die of SIGUSR1. The command travels as "$@" so arguments with spaces stay intact.
 set -x
 rc=0
-"${launch[@]}" "${container[@]}" bash -c 'source export_DDP_vars.sh && exec "$@"' task \
+"${launch[@]}" "${container[@]}" bash -c 'source ./export_DDP_vars.sh && exec "$@"' task \
     "${profiler[@]}" python train.py "${train_args[@]}" || rc=$?
 set +x
 
 if (( rc == 3 )); then
     echo "submit_pm.sh: train.py wrote a checkpoint after SIGUSR1; requeueing job $SLURM_JOB_ID"
     # Ends this script; the job restarts later with the same arguments and resumes.
-    scontrol requeue "$SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" || echo "submit_pm.sh: scontrol requeue failed; resubmit the same command" \
+        "to continue from the checkpoint" >&2
 fi
 exit "$rc"

@@ -279,10 +279,10 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
         if check is not None:
             check(params, world_size)
         info = init_distributed(params.device)
-        state, finished = None, False
+        state, finished, lock = None, False, None
         try:
             resume, restart_note = resume_on_restart(args.resume)
-            run_dir, note = make_run_dir(args.run_num, resume, params, info)
+            run_dir, note, lock = make_run_dir(args.run_num, resume, params, info)
             signals.checkpoint = lambda: next(iter(list_checkpoints(run_dir / "checkpoints")), None)
             setup_logging(logger, run_dir, info)
             for line in (restart_note, note):
@@ -309,6 +309,8 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
             state = None
             gc.collect()
             cleanup(info, finished)
+            if lock is not None:
+                lock.release()
     finally:
         signals.close()
 

@@ -44,6 +44,17 @@ def test_global_batch_not_divisible_by_world_size(tiny_argv, capsys, monkeypatch
     assert code == 2 and "global batch size 4 is not divisible by the world size 3" in err
 
 
+def test_a_half_set_up_launch_environment_is_one_line(tiny_argv, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    code, err = run_train_cli(tiny_argv, capsys)
+    assert code == 2 and "WORLD_SIZE=2 but MASTER_ADDR, MASTER_PORT not set; launch with torchrun" in err
+    monkeypatch.setenv("RANK", "one")
+    code, err = run_train_cli(tiny_argv, capsys)
+    assert code == 2 and "environment variable RANK='one' is not an integer" in err
+
+
 def test_crop_larger_than_box(tiny_argv, capsys):
     edit(tiny_argv[1], "data_size: 8", "data_size: 32")
     code, err = run_train_cli(tiny_argv, capsys)

@@ -9,7 +9,7 @@ import yaml
 
 import train
 import utils.config
-from conftest import run_train_cli
+from conftest import REPO_ROOT, run_train_cli
 from utils.config import SCHEMA, ConfigError, load_config
 
 
@@ -97,7 +97,7 @@ def test_a_full_disk_writing_config_yaml_is_one_line(tiny_argv, tmp_path, capsys
     code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and "cannot write" in err and "config.yaml (ENOSPC: No space left on device)" in err
     run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "0"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["out.log"]  # no config.yaml, no temporary file
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "out.log"]  # no config.yaml, no temporary file
 
 
 # --- the run-folder rule ------------------------------------------------------------------------
@@ -121,6 +121,17 @@ def test_the_same_command_continues_and_another_command_starts_a_new_run(tiny_ar
     assert (run_dir / "2" / "out.log").read_text().count("This run already finished") == 1
     train.main(tiny_argv + ["--run_num", "mine"])  # a name you choose is used as it is
     assert run_folders(tmp_path) == ["0", "1", "2", "mine"]
+
+
+def test_a_rerun_on_another_gpu_count_says_where_the_run_is(tiny_argv, tmp_path):
+    runs = tmp_path / "runs" / "tiny"
+    train.main(tiny_argv)
+    (runs / "2GPU").mkdir()
+    (runs / "1GPU" / "0").rename(runs / "2GPU" / "0")       # as if this command had run on 2 GPUs
+    train.main(tiny_argv)                                   # on 1: a run of its own, which says so
+    log = (runs / "1GPU" / "0" / "out.log").read_text()
+    assert f"a new run on 1 rank(s), although this command also ran in {runs / '2GPU' / '0'} (run folders are " \
+        f"per GPU count)" in log
 
 
 def test_a_run_made_before_a_speed_knob_existed_is_still_the_same_command(tmp_path):
@@ -173,6 +184,51 @@ def test_a_restarted_job_continues_its_attempt_whatever_resume_said(tiny_argv, t
     monkeypatch.setenv(counter, "2")
     train.main(named)                                 # continues 'mine': nothing archived, nothing retrained
     assert not any(p.name.startswith("previous-") for p in (tmp_path / "runs" / "tiny" / "1GPU" / "mine").iterdir())
+
+
+def test_a_run_folder_in_use_is_refused_in_one_line(tiny_argv, tmp_path, capsys):
+    """Two processes in one run folder would delete each other's checkpoints: the second stops, naming the first."""
+    from utils.run_dir import RunLock
+    run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "0"
+    run_dir.mkdir(parents=True)
+    holder = RunLock(run_dir)        # another run holding the folder (flock: per open file, so in-process too)
+    argv = tiny_argv + ["--run_num", "0"]
+    try:
+        code, err = run_train_cli(argv, capsys)
+        assert code == 2 and f"run directory {run_dir} is in use by process {os.getpid()} on " in err
+        assert "give this one another --run_num" in err
+    finally:
+        holder.release()
+    assert train.main(argv) is not None             # free again: the run goes ahead
+    assert train.main(argv) is None                 # and its lock was released at the end
+
+
+@pytest.mark.slow
+def test_a_run_folder_in_use_stops_every_ddp_rank(tiny_argv, tmp_path):
+    """Rank 0's start-up error reaches the other ranks (broadcast), instead of leaving them in a collective."""
+    import socket
+    import subprocess
+    import sys
+    from utils.run_dir import RunLock
+    run_dir = tmp_path / "runs" / "tiny" / "2GPU" / "0"
+    run_dir.mkdir(parents=True)
+    holder = RunLock(run_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        ranks = [subprocess.Popen(
+            [sys.executable, str(REPO_ROOT / "train.py")] + tiny_argv + ["--run_num", "0"],
+            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                 "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"},
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        errors = [process.communicate(timeout=120)[1].strip().splitlines() for process in ranks]
+    finally:
+        holder.release()
+    assert [process.returncode for process in ranks] == [2, 2], errors
+    assert errors[0] == [f"error: run directory {run_dir} is in use by process {os.getpid()} on "
+                         f"{socket.gethostname()}; let that run end, or give this one another --run_num"], errors
+    assert errors[1] == [errors[0][0].replace("error: ", "error: rank 0: ")], errors
 
 
 # --- stop signals from the first second ---------------------------------------------------------

@@ -187,7 +187,9 @@ TASK_ENV = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLU
 @pytest.mark.skipif(not shutil.which("scontrol"), reason="needs the Slurm client (scontrol)")
 def test_export_ddp_vars_takes_master_from_the_first_node():
     result = source_export_ddp_vars(TASK_ENV, os.environ["PATH"])
-    assert result.stdout.split() == ["5", "1", "8", "nid001002", "29500"], result.stderr
+    assert result.stdout.split() == ["5", "1", "8", "nid001002", "29500"], result.stderr  # no job id: 29500
+    result = source_export_ddp_vars({**TASK_ENV, "SLURM_JOB_ID": "4321987"}, os.environ["PATH"])
+    assert result.stdout.split()[-1] == "21987", result.stderr  # a port per job: shared nodes do not collide
 
 
 def test_export_ddp_vars_without_scontrol_uses_the_launch_node(tmp_path):

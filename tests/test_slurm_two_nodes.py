@@ -129,7 +129,7 @@ def test_one_task_per_node_and_master_addr_is_the_first_node(cluster, tmp_path):
     assert [(run["host"], run["own_addr"]) for run in runs] == [("node1", FIRST_NODE_ADDR), ("node2", "10.231.0.12")]
     for run in runs:
         assert run["env"]["WORLD_SIZE"] == "2" and run["env"]["LOCAL_RANK"] == "0"
-        assert (run["env"]["MASTER_ADDR"], run["env"]["MASTER_PORT"]) == ("node1", "29500")
+        assert (run["env"]["MASTER_ADDR"], run["env"]["MASTER_PORT"]) == ("node1", str(20000 + int(job_id) % 10000))
         assert run["master_addr"] == FIRST_NODE_ADDR  # resolves to the first node, from either node
         # Only the private subnet is reachable: one route, on the namespace's own veth; no default route.
         assert run["routes"] == [["eth0", "0000E70A"]], run["routes"]  # 10.231.0.0, little-endian hex

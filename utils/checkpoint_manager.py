@@ -191,6 +191,8 @@ class CheckpointManager:
                 logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
             except CheckpointError as err:
                 failed = err
+            if self.tensorboard is not None:  # events up to the checkpoint on disk: a resume purges only later ones
+                self.tensorboard.flush()
         self._fail_together(failed)
         if wait:
             self.wait()

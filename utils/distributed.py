@@ -39,7 +39,8 @@ def _env_int(name, default):
     try:
         return int(value)
     except ValueError:
-        raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer; the launcher (torchrun, "
+                          f"srun with export_DDP_vars.sh) sets it") from None
 
 
 def env_world_size():
@@ -76,8 +77,8 @@ def init_distributed(device_kind="auto"):
     if world_size > 1:
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
         if missing:
-            raise RuntimeError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with torchrun "
-                               f"or source export_DDP_vars.sh inside each Slurm task")
+            raise ConfigError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with torchrun "
+                              f"or source export_DDP_vars.sh inside each Slurm task")
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", world_size=world_size,
                                 rank=rank, device_id=device if device.type == "cuda" else None,
                                 **_rendezvous())

@@ -6,7 +6,9 @@ never collides with an earlier one. ``--resume never`` starts over, in a new fol
 names one, where the earlier run's files move to ``previous-<time>/``. A restart of the same job (a Slurm
 requeue, a torchrun restart) continues its attempt whatever ``--resume`` said (``resume_on_restart``).
 """
+import fcntl
 import os
+import socket
 import time
 
 import torch.distributed as dist
@@ -64,33 +66,96 @@ def choose_run_num(parent, params, fresh):
     return str(numbers[-1] + 1 if numbers else 0)
 
 
-def make_run_dir(run_num, resume, params, info):
-    """expdir/<config>/<N>GPU/<run_num>/, writable; rank 0 chooses run_num (unless given) and tells the others.
+def same_command_on_other_gpu_counts(parent, params):
+    """Run folders of this command under ``<config>/<M>GPU/`` for other M (``parent`` is this world size's):
+    the run folder is per GPU count, so a rerun on another count starts a new run instead of continuing."""
+    found = []
+    for sibling in sorted(parent.parent.glob("*GPU")):
+        if sibling != parent and sibling.is_dir():
+            found += [run for run in sorted(sibling.iterdir()) if run.is_dir() and same_command(run, params)]
+    return found
 
-    Returns (run directory, a note for the log or None)."""
+
+def make_run_dir(run_num, resume, params, info):
+    """expdir/<config>/<N>GPU/<run_num>/, writable and locked; rank 0 chooses run_num (unless given), prepares
+    the folder and tells the others the folder or its one-line error (every rank raises it: none is left
+    waiting in a collective).
+
+    Returns (run directory, a note for the log or None, rank 0's RunLock or None: release it at the end)."""
     parent = resolve_path(params.expdir) / params.config_name / f"{info.world_size}GPU"
-    choice, note = [run_num], None
-    if info.is_main and run_num is None:
-        try:
-            choice = [choose_run_num(parent, params, fresh=resume == "never")]
-        except OSError as err:
-            raise ConfigError(f"cannot read the run folders in {parent} ({err.strerror}); "
-                              f"choose another --expdir") from None
-    if info.enabled:
-        dist.broadcast_object_list(choice, src=0)
-    run_dir = parent / choice[0]
+    outcome, note, lock = [run_num, None], None, None
     if info.is_main:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            probe = run_dir / ".write_test"
-            probe.write_text("")
-            probe.unlink()
+            if run_num is None:
+                try:
+                    outcome[0] = choose_run_num(parent, params, fresh=resume == "never")
+                except OSError as err:
+                    raise ConfigError(f"cannot read the run folders in {parent} ({err.strerror}); "
+                                      f"choose another --expdir") from None
+            run_dir = parent / outcome[0]
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                probe = run_dir / ".write_test"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as err:
+                raise ConfigError(f"run directory {run_dir} is not writable ({err.strerror}); "
+                                  f"choose another with --expdir or $EXPDIR") from None
+            lock = RunLock(run_dir)
             if resume == "never":
                 note = archive_previous_run(run_dir)
-        except OSError as err:
-            raise ConfigError(f"run directory {run_dir} is not writable ({err.strerror}); "
-                              f"choose another with --expdir or $EXPDIR") from None
-    return run_dir, note
+            elif resume == "auto" and not (run_dir / "config.yaml").exists():
+                elsewhere = same_command_on_other_gpu_counts(parent, params)
+                if elsewhere:
+                    note = (f"a new run on {info.world_size} rank(s), although this command also ran in "
+                            f"{', '.join(map(str, elsewhere))} (run folders are per GPU count); to continue "
+                            f"that run instead, pass --resume with its newest checkpoint")
+            note = "; ".join(line for line in (lock.note, note) if line) or None
+        except ConfigError as err:
+            if lock is not None:
+                lock.release()
+            if not info.enabled:
+                raise
+            outcome[1] = str(err)
+    if info.enabled:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise ConfigError(outcome[1] if info.is_main else f"rank 0: {outcome[1]}")
+    return parent / outcome[0], note, lock
+
+
+class RunLock:
+    """Rank 0's exclusive lock on ``run_dir/.lock`` for the life of the run.
+
+    Two processes in one run folder (the same job submitted twice, a manual rerun beside a requeued job)
+    would delete each other's temporary checkpoint files and newer checkpoints and interleave their logs;
+    the second one stops with a one-line error naming the first instead. The kernel drops the lock when
+    the process ends, kill -9 included. A file system without flock (some Lustre and NFS mounts) runs
+    without it, and ``note`` says so.
+    """
+
+    def __init__(self, run_dir):
+        self.note = None
+        self.file = open(run_dir / ".lock", "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise ConfigError(f"run directory {run_dir} is in use by {holder}; let that run end, or give this "
+                              f"one another --run_num") from None
+        except OSError as err:  # no flock here: go on unlocked, and say so
+            self.note = f"run directory not locked ({err.strerror} on this file system): run one process per run"
+            return
+        self.file.truncate(0)
+        job = os.environ.get("SLURM_JOB_ID")
+        self.file.write(f"process {os.getpid()} on {socket.gethostname()}{f' (Slurm job {job})' if job else ''}\n")
+        self.file.flush()
+
+    def release(self):
+        if not self.file.closed:
+            self.file.close()  # closing the file drops the lock
 
 
 def archive_previous_run(run_dir):
