@@ -32,7 +32,7 @@ from utils.lr_schedule import learning_rate, total_steps
 from utils.run_control import StartupSignals
 from utils.run_dir import make_run_dir, resume_on_restart
 from utils.run_log import EventWriter, setup_logging
-from utils.science import format_summary
+from utils.science import format_summary, lyman_alpha_settings
 from utils.science_plots import write_tensorboard
 from utils.training import build_training, eager_step, mean_predictor_l1, validate
 
@@ -161,16 +161,17 @@ def log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time
             writer.add_scalar("Perf/MFU", summary["mfu"], step)
 
 
-def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
+def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resume_fallback=None):
     """The tutorial's loop: data, step, log, validate, checkpoint. Returns the final validation loss (None when
     there was nothing to train, or in benchmark mode)."""
     info = state.info
     train_loader, train_sampler = get_data_loader(params, "train", info.rank, info.world_size, info.device)
     val_loader, val_sampler = get_data_loader(params, "val", info.rank, info.world_size, info.device)
     steps_per_epoch, num_steps = train_sampler.steps_per_epoch, total_steps(params)
+    lyman_alpha_settings(params)  # a data file that does not say its cell size fails now, not after an epoch
     log_startup(params, state, run_dir, steps_per_epoch, train_loader)
     checkpoints = CheckpointManager(state, run_dir)
-    resumed_loss_sum = checkpoints.resume(resume_from)
+    resumed_loss_sum = checkpoints.resume(resume_from, resume_fallback)
     if info.is_main:  # now that the checkpoint accepted this config, it is the run's record
         save_config(params, run_dir / "config.yaml")
     if state.global_step >= num_steps:
@@ -245,8 +246,6 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto"):
                 logger.info(f"  Avg val loss={val_loss:.6f}")
                 logger.info(f"  Total validation time: {time.perf_counter() - val_start:.1f} sec")
                 log_validation(writer, state.global_step, val_loss, science, example, params)
-                if writer:
-                    writer.flush()
                 checkpoints.save_epoch(epoch, last=epoch + 1 == params.num_epochs)
                 resumed_loss_sum = 0.0
     finally:
@@ -281,7 +280,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
         info = init_distributed(params.device)
         state, finished, lock = None, False, None
         try:
-            resume, restart_note = resume_on_restart(args.resume)
+            resume, resume_fallback, restart_note = resume_on_restart(args.resume)
             run_dir, note, lock = make_run_dir(args.run_num, resume, params, info)
             signals.checkpoint = lambda: next(iter(list_checkpoints(run_dir / "checkpoints")), None)
             setup_logging(logger, run_dir, info)
@@ -295,7 +294,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                 save_config(params, run_dir / "config.yaml")
             prepare_data(params, info, logger.info)
             state = build_training(params, info, capturable, run_dir)
-            result = train(params, state, run_dir, make_step, resume)
+            result = train(params, state, run_dir, make_step, resume, resume_fallback)
             finished = True
             return result
         except RuntimeError as err:  # a peer rank went away: one line here too, its own log says why
@@ -308,9 +307,11 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
             # gloo's worker threads can abort the process (SIGABRT) after a successful run.
             state = None
             gc.collect()
-            cleanup(info, finished)
-            if lock is not None:
-                lock.release()
+            try:
+                cleanup(info, finished)
+            finally:
+                if lock is not None:
+                    lock.release()
     finally:
         signals.close()
 

@@ -86,7 +86,7 @@ def test_file_without_units_needs_a_cell_size_and_is_flagged(tiny_argv, tmp_path
     assert "give --lyman_alpha.cell_size_mpc_h" in err and "--no-lyman_alpha.enabled" in err
     assert train.main(tiny_argv + ["--val_path", str(val), "--num_epochs", "1",
                                    "--lyman_alpha.cell_size_mpc_h", "0.02"]) is not None
-    log = next((tmp_path / "runs").rglob("out.log")).read_text()
+    log = (tmp_path / "runs" / "tiny" / "1GPU" / "1" / "out.log").read_text()   # the second command's run
     assert f"WARNING: {val} stores no normalisation constants" in log and "v = 500 x km/s" in log
     assert log.count("stores no normalisation constants") == 1   # the training file has them
 

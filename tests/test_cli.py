@@ -186,6 +186,37 @@ def test_a_restarted_job_continues_its_attempt_whatever_resume_said(tiny_argv, t
     assert not any(p.name.startswith("previous-") for p in (tmp_path / "runs" / "tiny" / "1GPU" / "mine").iterdir())
 
 
+def test_a_restart_of_a_resume_path_run_before_its_first_checkpoint_starts_from_path(tiny_argv, tmp_path,
+                                                                                     monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    train.main(tiny_argv)
+    first = tmp_path / "runs" / "tiny" / "1GPU" / "0" / "checkpoints" / "ckpt_step00000008.pt"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")      # the attempt with --resume PATH died before a checkpoint
+    train.main(tiny_argv + ["--run_num", "b", "--resume", str(first)])
+    log = (tmp_path / "runs" / "tiny" / "1GPU" / "b" / "out.log").read_text()
+    assert f"from the run's newest checkpoint, else {first})" in log
+    assert f"Resumed from {first} at global step 8" in log    # not from scratch
+
+
+def test_going_back_to_a_checkpoint_drops_the_newer_ones_at_once(tiny_argv, tmp_path, monkeypatch):
+    """A restart before the first save of a run that went back must not jump forward into the abandoned ones."""
+    from utils.checkpoint_manager import CheckpointManager
+    train.main(tiny_argv)
+    checkpoints = tmp_path / "runs" / "tiny" / "1GPU" / "0" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt_step00000008.pt", "ckpt_step00000016.pt"]
+
+    class Killed(Exception):
+        pass
+
+    def killed(*args, **kwargs):
+        raise Killed
+    monkeypatch.setattr(CheckpointManager, "after_step", killed)    # dies at its first step after the resume
+    with pytest.raises(Killed):
+        train.main(tiny_argv + ["--resume", str(checkpoints / "ckpt_step00000008.pt")])
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt_step00000008.pt"]
+
+
 def test_a_run_folder_in_use_is_refused_in_one_line(tiny_argv, tmp_path, capsys):
     """Two processes in one run folder would delete each other's checkpoints: the second stops, naming the first."""
     from utils.run_dir import RunLock
@@ -219,8 +250,9 @@ def test_a_run_folder_in_use_stops_every_ddp_rank(tiny_argv, tmp_path):
     try:
         ranks = [subprocess.Popen(
             [sys.executable, str(REPO_ROOT / "train.py")] + tiny_argv + ["--run_num", "0"],
-            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-                 "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"},
+            env={**{k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}, "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                 "OMP_NUM_THREADS": "1"},
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         errors = [process.communicate(timeout=120)[1].strip().splitlines() for process in ranks]
     finally:

@@ -185,7 +185,8 @@ def test_settings_from_config_and_files(tmp_path):
         f.attrs["cell_size_mpc_h"] = 0.5
     settings = science.lyman_alpha_settings(params, data_path=path)
     assert settings.cell_size == 0.5 and settings.mean_flux == 0.7 and settings.redshift == 3.0
-    assert science.lyman_alpha_settings(params, data_path=tmp_path / "missing.h5").cell_size == units.DEFAULT_CELL_SIZE
+    with pytest.raises(DataError, match=r"cannot read the cell size of .*missing.h5 .* give --lyman_alpha.cell_size"):
+        science.lyman_alpha_settings(params, data_path=tmp_path / "missing.h5")      # DALI's twins alone, say
     foreign = tmp_path / "foreign.h5"          # not a make_dataset file: no guess of its cell size
     h5py.File(foreign, "w").close()
     with pytest.raises(DataError, match=r"foreign.h5 does not say its cell size .* give --lyman_alpha.cell_size_mpc_h"):

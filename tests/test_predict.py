@@ -226,7 +226,8 @@ def test_a_checkpoint_from_before_the_slope_and_upsample_keys_is_the_old_model(t
     volume = torch.from_numpy(nbody(8))[None]
     with torch.no_grad():
         assert torch.equal(model(volume), old.eval()(volume))
-    assert inference.lyman_alpha_settings(params, tmp_path / "none.h5").mean_flux == 0.7   # defaults for old configs
+    settings = inference.lyman_alpha_settings(params, write_nbody(tmp_path / "units.h5", nbody(8)))
+    assert settings.mean_flux == 0.7 and settings.cell_size == 0.1   # defaults for old configs, the file's cell
 
 
 def test_force_overwrites_and_a_checkpoint_file_is_accepted(run_dir, tmp_path):

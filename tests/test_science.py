@@ -214,11 +214,11 @@ def test_figures_and_tensorboard_logging(generated, tmp_path):
 
 def test_validation_metrics_follow_the_config(tmp_path):
     from utils.config import load_config
-    params = load_config("quickstart", overrides={"val_path": str(tmp_path / "absent.h5")})
+    params = load_config("quickstart", overrides={"data_loader_config": "synthetic"})
     metrics = science.ScienceMetrics.for_validation(params, "cpu")
     assert metrics.crop_size == 32 and not metrics.periodic
     assert metrics.flux.settings.skewer_stride == 8 and metrics.flux.settings.skewer_axes == 3
-    assert metrics.flux.settings.cell_size == units.DEFAULT_CELL_SIZE    # no file: the generator's 20/256 Mpc/h
+    assert metrics.flux.settings.cell_size == units.DEFAULT_CELL_SIZE    # synthetic, no file: the generator's 20/256
     off = load_config("quickstart", overrides={"lyman_alpha.enabled": False})
     assert science.ScienceMetrics.for_validation(off, "cpu").flux is None
 

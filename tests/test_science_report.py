@@ -89,3 +89,21 @@ def test_errors_are_one_line(pair, tmp_path, capsys):
         assert caught.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_truth_without_units_needs_the_cell_size(pair, tmp_path, capsys):
+    """A file made elsewhere does not say its cell size: a one-line error with the flag, then the flag works."""
+    _, hydro = pair
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f["Hydro"] = hydro
+    prediction = tmp_path / "prediction.h5"
+    with h5py.File(prediction, "w") as f:
+        f["Hydro"] = hydro * 0.97 + 0.005
+        f.attrs.update(input=str(foreign), step=12)
+    with pytest.raises(SystemExit) as caught:
+        science_report.cli([str(prediction), "--dpi", str(DPI)])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1
+    assert "foreign.h5 does not say its cell size" in err and "give it with --cell_size_mpc_h" in err
+    check_page(science_report.main([str(prediction), "--dpi", str(DPI), "--cell_size_mpc_h", "0.078125"]))

@@ -134,14 +134,23 @@ def save_checkpoint(directory, payload, step, keep_last):
             raise _write_error(os_error, path, previous) from err
         raise
     older = [old for old in existing if checkpoint_step(old) < step]
-    newer = [new for new in existing if checkpoint_step(new) > step]
-    for old in newer + older[keep_last - 1:]:
+    _remove([new for new in existing if checkpoint_step(new) > step] + older[keep_last - 1:], f"wrote {path} but")
+    return path
+
+
+def prune_newer(directory, step):
+    """Remove the checkpoints after ``step``: the run went back to it, and they belong to the abandoned timeline."""
+    _remove([path for path in list_checkpoints(directory) if checkpoint_step(path) > step], "going back to step "
+            f"{step}")
+
+
+def _remove(paths, context):
+    for old in paths:
         try:
             old.unlink()
         except OSError as err:
-            raise CheckpointError(f"wrote {path} but cannot remove the old checkpoint {old} ({err.strerror}); "
+            raise CheckpointError(f"{context} cannot remove the old checkpoint {old} ({err.strerror}); "
                                   f"check the directory's permissions") from None
-    return path
 
 
 def load_checkpoint(path, map_location="cpu"):

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, AsyncCheckpointer, check_compatible, config_differences,
                               latest_valid_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
-                              load_optimizer_state, plain_state_dict, rng_state, set_rng_state)
+                              load_optimizer_state, plain_state_dict, prune_newer, rng_state, set_rng_state)
 from utils.distributed import all_reduce_sum
-from utils.errors import CheckpointError, NonFiniteLoss, Preempted
+from utils.errors import CheckpointError, NonFiniteLoss, Preempted, ReportedError
 from utils.run_control import RunControl
 
 logger = logging.getLogger("train")
@@ -52,9 +52,11 @@ class CheckpointManager:
         self.failed_write = None  # rank 0's CheckpointError of a background write, until the ranks agree on it
 
     # --- resume -----------------------------------------------------------------------------------
-    def resume(self, resume_from="auto"):
+    def resume(self, resume_from="auto", fallback=None):
         """Load the newest valid checkpoint (or the path ``resume_from``; nothing for "never") into the
-        training state; returns the epoch's saved loss sum (rank 0; 0 elsewhere or when starting fresh)."""
+        training state; returns the epoch's saved loss sum (rank 0; 0 elsewhere or when starting fresh).
+        ``fallback``: the path to load when "auto" finds no checkpoint (a restart of a ``--resume PATH`` run
+        killed before its first checkpoint)."""
         state, info, params = self.state, self.state.info, self.state.params
         if resume_from == "never":
             return 0.0
@@ -63,9 +65,9 @@ class CheckpointManager:
             chosen = [str(found[0]) if found else None]
             if info.enabled:
                 dist.broadcast_object_list(chosen, src=0)  # every rank loads the file rank 0 chose
-            if chosen[0] is None:
+            if chosen[0] is None and fallback is None:
                 return 0.0
-            path = Path(chosen[0])
+            path = Path(chosen[0] or fallback).expanduser().resolve()
         else:
             path = Path(resume_from).expanduser().resolve()
         payload = load_checkpoint(path)
@@ -77,6 +79,10 @@ class CheckpointManager:
             state.scaler.load_state_dict(payload["scaler"])
         set_rng_state(payload["rng"])
         state.global_step = payload["step"]
+        if info.is_main and path.parent == self.directory.resolve():
+            # Going back in this run: its newer checkpoints are an abandoned timeline, which a restart before
+            # the first save (--resume auto) must not jump forward into.
+            prune_newer(self.directory, state.global_step)
         logger.info(f"Resumed from {path} at global step {state.global_step}"
                     + (f"; changed settings: {', '.join(f'{k} {a} -> {b}' for k, a, b in changed)}" if changed else ""))
         return payload["epoch_loss_sum"] if info.is_main else 0.0
@@ -120,6 +126,8 @@ class CheckpointManager:
             stop, bad_step, clock_due, failed = control.agree(checkpoint_due=by_clock,
                                                               write_failed=self.failed_write is not None)
             if failed:
+                if bad_step is not None:  # both at once: the write's error ends the run; the NaN is not lost
+                    logger.error(f"non-finite loss (NaN or Inf) at global step {bad_step + 1} too")
                 self._raise_write_failure()
             if bad_step is not None:
                 self._raise_nonfinite(bad_step)
@@ -134,6 +142,8 @@ class CheckpointManager:
         signal arrived (then save_epoch checkpoints and raises Preempted)."""
         stop, bad_step, _, failed = self.control.agree(write_failed=self.failed_write is not None)
         if failed:
+            if bad_step is not None:
+                logger.error(f"non-finite loss (NaN or Inf) at global step {bad_step + 1} too")
             self._raise_write_failure()
         if bad_step is not None:
             self._raise_nonfinite(bad_step)
@@ -189,19 +199,19 @@ class CheckpointManager:
                 stall = writer.save(self.payload(loss_sum), state.global_step, state.params.keep_checkpoints, reason,
                                     started)
                 logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
-            except CheckpointError as err:
+                if self.tensorboard is not None:  # events up to the checkpoint on disk: a resume purges later ones
+                    self.tensorboard.flush()
+            except ReportedError as err:  # the write, or the events file on the same full disk
                 failed = err
-            if self.tensorboard is not None:  # events up to the checkpoint on disk: a resume purges only later ones
-                self.tensorboard.flush()
-        self._fail_together(failed)
         if wait:
-            self.wait()
+            self.wait(failed)
+        else:
+            self._fail_together(failed)
 
-    def wait(self):
+    def wait(self, failed=None):
         """Rank 0 waits for its write in flight and logs it; under DDP nobody goes on (exits, reads) before
-        that. A failed write stops every rank (``_fail_together``)."""
-        failed = None
-        if self.writer is not None:
+        that. A failed write (or ``failed``, rank 0's error just before) stops every rank (``_fail_together``)."""
+        if self.writer is not None and failed is None:
             try:
                 self.writer.wait()
             except CheckpointError as err:
@@ -209,8 +219,8 @@ class CheckpointManager:
         self._fail_together(failed)
 
     def _fail_together(self, failed):
-        """Raise ``failed`` (rank 0's CheckpointError, or an earlier background one) on every rank: one
-        all-reduce under DDP, which is also the barrier nobody passes before rank 0's write is settled."""
+        """Raise ``failed`` (rank 0's error, or an earlier background one) on every rank: one all-reduce under
+        DDP, which is also the barrier nobody passes before rank 0's write is settled."""
         failed = failed or self.failed_write
         if self.state.info.enabled:
             if all_reduce_sum([float(failed is not None)], self.state.info)[0]:
@@ -220,7 +230,7 @@ class CheckpointManager:
             raise failed
 
     def _raise_write_failure(self):
-        """The agreed failure of a checkpoint write: rank 0's own error, on the other ranks one naming it."""
+        """The agreed failure of a checkpoint: rank 0's own error, on the other ranks one naming it."""
         raise self.failed_write or CheckpointError(
             "rank 0 could not write a checkpoint (its error line says why); this rank stops with it")
 

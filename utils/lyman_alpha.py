@@ -120,16 +120,18 @@ def cell_size_for(section, path, remedy):
     A file of utils/make_dataset.py stores its cell size as the attribute ``cell_size_mpc_h``. A file made
     elsewhere (the reference's Nyx boxes) does not, and a guess would shift every velocity-space scale of
     the flux statistics (thermal widths, peculiar-velocity shifts, P1D's k) by the ratio of the true to the
-    guessed cell: that is a DataError whose message ends with ``remedy``. None when the file cannot be opened
-    (whatever reads its data reports that).
+    guessed cell: that is a DataError whose message ends with ``remedy``, as is a file that cannot be read
+    (DALI's .npy copies alone, say).
     """
     if section["cell_size_mpc_h"] is not None:
         return section["cell_size_mpc_h"]
     try:
         with h5py.File(path, "r") as f:
             value = f.attrs.get("cell_size_mpc_h")
-    except OSError:
-        return None
+    except OSError as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"cannot read the cell size of {path} ({reason}), which the Lyman-alpha statistics need; "
+                        f"{remedy}") from None
     if value is None:
         raise DataError(f"{path} does not say its cell size (no cell_size_mpc_h attribute: it was not written by "
                         f"utils/make_dataset.py), which the Lyman-alpha statistics need; {remedy}")

@@ -22,20 +22,24 @@ RESTART_COUNTERS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")  # > 0 
 
 
 def resume_on_restart(resume, environ=os.environ):
-    """(resume, note): ``auto`` in a restarted job, else ``resume`` as given.
+    """(resume, fallback, note): in a restarted job ``auto``, with ``fallback`` the PATH of ``--resume PATH``
+    (loaded when the run folder has no checkpoint yet), else ``resume`` as given and no fallback.
 
     A requeued Slurm job and a restarted torchrun worker repeat the first attempt's command. With
     ``--resume never`` every attempt would start over (in a new folder, or archiving the last attempt's work),
     with ``--resume PATH`` go back to PATH and prune the checkpoints made since: work lost on every
-    preemption, and the job requeued for ever. A restart continues the attempt before it instead.
+    preemption, and the job requeued for ever. A restart continues the attempt before it instead: from the
+    run folder's newest checkpoint, else as the first attempt began (from PATH, or from scratch).
     """
     counts = {name: environ.get(name, "") for name in RESTART_COUNTERS}
     restarted = {name: count for name, count in counts.items() if count.isdigit() and int(count) > 0}
     if resume == "auto" or not restarted:
-        return resume, None
+        return resume, None, None
     which = ", ".join(f"{name}={count}" for name, count in restarted.items())
-    return "auto", (f"a restart of this job ({which}): --resume {resume} applied to its first attempt; this one "
-                    f"continues the attempt before it (--resume auto)")
+    fallback = None if resume == "never" else resume
+    return "auto", fallback, (f"a restart of this job ({which}): --resume {resume} applied to its first attempt; "
+                              f"this one continues the attempt before it (from the run's newest checkpoint"
+                              f"{', else ' + resume if fallback else ''})")
 
 
 def same_command(run_dir, params):
@@ -86,30 +90,20 @@ def make_run_dir(run_num, resume, params, info):
     outcome, note, lock = [run_num, None], None, None
     if info.is_main:
         try:
-            if run_num is None:
-                try:
-                    outcome[0] = choose_run_num(parent, params, fresh=resume == "never")
-                except OSError as err:
-                    raise ConfigError(f"cannot read the run folders in {parent} ({err.strerror}); "
-                                      f"choose another --expdir") from None
+            outcome[0], lock = _claim_run_dir(parent, run_num, resume, params)
             run_dir = parent / outcome[0]
             try:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                probe = run_dir / ".write_test"
-                probe.write_text("")
-                probe.unlink()
+                if resume == "never":
+                    note = archive_previous_run(run_dir)
+                elif resume == "auto" and not (run_dir / "config.yaml").exists():
+                    elsewhere = same_command_on_other_gpu_counts(parent, params)
+                    if elsewhere:
+                        note = (f"a new run on {info.world_size} rank(s), although this command also ran in "
+                                f"{', '.join(map(str, elsewhere))} (run folders are per GPU count); to continue "
+                                f"that run instead, pass --resume with its newest checkpoint")
             except OSError as err:
-                raise ConfigError(f"run directory {run_dir} is not writable ({err.strerror}); "
-                                  f"choose another with --expdir or $EXPDIR") from None
-            lock = RunLock(run_dir)
-            if resume == "never":
-                note = archive_previous_run(run_dir)
-            elif resume == "auto" and not (run_dir / "config.yaml").exists():
-                elsewhere = same_command_on_other_gpu_counts(parent, params)
-                if elsewhere:
-                    note = (f"a new run on {info.world_size} rank(s), although this command also ran in "
-                            f"{', '.join(map(str, elsewhere))} (run folders are per GPU count); to continue "
-                            f"that run instead, pass --resume with its newest checkpoint")
+                raise ConfigError(f"cannot prepare run directory {run_dir} ({err.strerror}: {err.filename}); "
+                                  f"check its permissions or choose another with --expdir") from None
             note = "; ".join(line for line in (lock.note, note) if line) or None
         except ConfigError as err:
             if lock is not None:
@@ -124,14 +118,46 @@ def make_run_dir(run_num, resume, params, info):
     return parent / outcome[0], note, lock
 
 
+def _claim_run_dir(parent, run_num, resume, params, attempts=8):
+    """(run_num, RunLock) of a created, writable, locked run folder. A number this function chose for a new run
+    that another process created and locked a moment earlier (two new runs started together) is skipped for
+    the next free one; a folder in use that the command named or continues is refused (RunDirInUse)."""
+    for attempt in range(attempts):
+        chosen = run_num
+        if chosen is None:
+            try:
+                chosen = choose_run_num(parent, params, fresh=resume == "never")
+            except OSError as err:
+                raise ConfigError(f"cannot read the run folders in {parent} ({err.strerror}); "
+                                  f"choose another --expdir") from None
+        run_dir = parent / chosen
+        new = not run_dir.exists()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe = run_dir / ".write_test"
+            probe.write_text("")
+            probe.unlink()
+            return chosen, RunLock(run_dir)
+        except RunDirInUse:
+            if run_num is not None or not new or attempt == attempts - 1:
+                raise
+        except OSError as err:
+            raise ConfigError(f"run directory {run_dir} is not writable ({err.strerror}); "
+                              f"choose another with --expdir or $EXPDIR") from None
+
+
+class RunDirInUse(ConfigError):
+    """Another process holds the run folder's lock."""
+
+
 class RunLock:
     """Rank 0's exclusive lock on ``run_dir/.lock`` for the life of the run.
 
     Two processes in one run folder (the same job submitted twice, a manual rerun beside a requeued job)
     would delete each other's temporary checkpoint files and newer checkpoints and interleave their logs;
     the second one stops with a one-line error naming the first instead. The kernel drops the lock when
-    the process ends, kill -9 included. A file system without flock (some Lustre and NFS mounts) runs
-    without it, and ``note`` says so.
+    the process and its forked loader workers have ended (after a kill -9 the workers notice within
+    seconds). A file system without flock (some Lustre and NFS mounts) runs without it, and ``note`` says so.
     """
 
     def __init__(self, run_dir):
@@ -143,7 +169,7 @@ class RunLock:
             self.file.seek(0)
             holder = self.file.read().strip() or "another process"
             self.file.close()
-            raise ConfigError(f"run directory {run_dir} is in use by {holder}; let that run end, or give this "
+            raise RunDirInUse(f"run directory {run_dir} is in use by {holder}; let that run end, or give this "
                               f"one another --run_num") from None
         except OSError as err:  # no flock here: go on unlocked, and say so
             self.note = f"run directory not locked ({err.strerror} on this file system): run one process per run"
@@ -155,7 +181,9 @@ class RunLock:
 
     def release(self):
         if not self.file.closed:
-            self.file.close()  # closing the file drops the lock
+            if self.note is None:
+                fcntl.flock(self.file, fcntl.LOCK_UN)  # for forked loader workers sharing the open file too
+            self.file.close()
 
 
 def archive_previous_run(run_dir):

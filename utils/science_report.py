@@ -33,12 +33,13 @@ from utils import lyman_alpha as lya
 from utils.cli import run as run_cli
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
+from utils.data import check_normalisation
 from utils.errors import DataError
 from utils.science import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
                            log_density_edges, log_temperature_edges)
 from utils.science_plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
 
-NO_CELL_SIZE = "the Lyman-alpha panels need a checkpoint whose config sets lyman_alpha.cell_size_mpc_h"
+NO_CELL_SIZE = "give it with --cell_size_mpc_h (comoving Mpc/h per cell: the box's length over its cells per side)"
 FIELD_TITLES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
 NUM_SKEWER_EXAMPLES = 3
 
@@ -52,6 +53,8 @@ def parse_args(argv=None):
     parser.add_argument("--truth", help="prediction mode: HDF5 file with the true Hydro (default: the prediction's "
                                         "input attribute)")
     parser.add_argument("--lya_stride", type=int, help="flux skewers at every n-th cell (default: N/64, at least 1)")
+    parser.add_argument("--cell_size_mpc_h", type=float, help="comoving Mpc/h per cell (default: the run config's "
+                                                              "lyman_alpha.cell_size_mpc_h, else the data file's)")
     parser.add_argument("--device", choices=["cuda", "cpu"], help="(default: cuda when available)")
     parser.add_argument("--dpi", type=int, default=100)
     return parser.parse_args(argv)
@@ -67,11 +70,20 @@ def _read_hydro(path, what):
         return f["Hydro"][...].astype(np.float32), dict(f.attrs)
 
 
-def load_from_run(source, input_path, device):
+def _units(section, path, cell_size):
+    """The Lyman-alpha section with ``cell_size`` (--cell_size_mpc_h) in it, and the cell size it gives for
+    ``path``; checked (with the file's normalisation) before any prediction is made."""
+    section = {**section, **({"cell_size_mpc_h": cell_size} if cell_size is not None else {})}
+    check_normalisation(path)
+    return section, lya.cell_size_for(section, path, NO_CELL_SIZE)
+
+
+def load_from_run(source, input_path, device, cell_size=None):
     """(prediction, truth, description, settings section, cell size) by predicting the box with the newest checkpoint."""
     model, params, checkpoint, step = inference.load_trained_model(source, device)
     path = Path(input_path) if input_path else resolve_path(params.val_path)
     truth, attrs = _read_hydro(path, "input")
+    section, cell = _units({**inference.LYMAN_ALPHA_DEFAULTS, **(params.get("lyman_alpha") or {})}, path, cell_size)
     with h5py.File(path, "r") as f:
         if "Nbody" not in f:
             raise DataError(f"input {path} has no dataset 'Nbody'")
@@ -79,14 +91,13 @@ def load_from_run(source, input_path, device):
     box, tile = nbody.shape[1], params.data_size
     inference.check_tiling(tile, 2 * (tile // 8), box, model.num_levels)
     prediction = inference.predict_array(model, nbody, tile, 2 * (tile // 8), device=device)
-    section = {**inference.LYMAN_ALPHA_DEFAULTS, **(params.get("lyman_alpha") or {})}
     run = checkpoint.parent.parent.name if checkpoint.parent.name == "checkpoints" else checkpoint.parent.name
     description = (f"run {run}, {checkpoint.name} (step {step}), U-Net {params.model_channels} upsample="
                    f"{params.get('upsample', 'transposed')}, on {path.name} ({box}^3)")
-    return prediction, truth, description, section, lya.cell_size_for(section, path, NO_CELL_SIZE)
+    return prediction, truth, description, section, cell
 
 
-def load_from_prediction(source, truth_path):
+def load_from_prediction(source, truth_path, cell_size=None):
     prediction, attrs = _read_hydro(source, "prediction")
     truth_path = truth_path or attrs.get("input")
     if truth_path is None:
@@ -100,7 +111,8 @@ def load_from_prediction(source, truth_path):
     if checkpoint is not None and Path(checkpoint).is_file():   # the units the model was validated with
         config = load_checkpoint(checkpoint)["config"]
         section.update((config.get("lyman_alpha") or {}) if isinstance(config, dict) else {})
-    return prediction, truth, description, section, lya.cell_size_for(section, truth_path, NO_CELL_SIZE)
+    section, cell = _units(section, truth_path, cell_size)
+    return prediction, truth, description, section, cell
 
 
 def measure(prediction, truth, settings, stride, device="cpu"):
@@ -238,10 +250,12 @@ def main(argv=None):
         raise DataError(f"{source} does not exist; give a run directory, a checkpoint or a predict.py output")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if source.is_file() and source.suffix in (".h5", ".hdf5"):
-        prediction, truth, description, section, cell_size = load_from_prediction(source, args.truth)
+        prediction, truth, description, section, cell_size = load_from_prediction(source, args.truth,
+                                                                                  args.cell_size_mpc_h)
         output = Path(args.output) if args.output else source.with_name(source.stem + "_report.png")
     else:
-        prediction, truth, description, section, cell_size = load_from_run(source, args.input, device)
+        prediction, truth, description, section, cell_size = load_from_run(source, args.input, device,
+                                                                           args.cell_size_mpc_h)
         run_dir = source if source.is_dir() else source.parent.parent
         output = Path(args.output) if args.output else run_dir / "science_report.png"
     box = prediction.shape[1]
