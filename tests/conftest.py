@@ -1,3 +1,5 @@
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -24,6 +26,21 @@ def write_random_box(path, box, seed=0, in_channels=4, out_channels=5, attrs=Tru
         f["Nbody"] = rng.uniform(-0.9, 0.9, (in_channels, box, box, box)).astype(np.float32)
         f["Hydro"] = rng.uniform(-0.9, 0.9, (out_channels, box, box, box)).astype(np.float32)
     return path
+
+
+def free_port():
+    """A TCP port free on this host now (for MASTER_PORT of a test's process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank, port, world_size=2, **extra):
+    """The environment of one rank of a local multi-process run launched like srun tasks (no torchrun), CPU
+    threads limited; without SLURM_JOB_ID, so a test's messages are the same inside a Slurm job."""
+    env = {key: value for key, value in os.environ.items() if key != "SLURM_JOB_ID"}
+    return {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1", **extra}
 
 
 def run_train_cli(argv, capsys):

@@ -318,15 +318,11 @@ train.cli(lambda: train.main(sys.argv[1:]))
 def test_a_failed_write_under_ddp_stops_every_rank_with_exit_2(tiny_argv, tmp_path, stop):
     """Rank 0's write fails (disk full): every rank ends with one line and exit code 2, none waits in a collective
     (NCCL: 10 minutes, then SIGABRT), and a failed preemption checkpoint does not exit 3 (which requeues)."""
-    import os
     import signal
-    import socket
     import subprocess
     import sys
-    from conftest import REPO_ROOT
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from conftest import REPO_ROOT, free_port, rank_env
+    port = free_port()
     script = tmp_path / "failing_rank0.py"
     script.write_text(FAILING_RANK0.format(repo=str(REPO_ROOT)))
     if stop:  # no checkpoint before the signal's; 256 steps per epoch, so the signal lands within the epoch
@@ -335,9 +331,7 @@ def test_a_failed_write_under_ddp_stops_every_rank_with_exit_2(tiny_argv, tmp_pa
         argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "2"]
     processes = []
     for rank in (0, 1):
-        env = {**{k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}, "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "OMP_NUM_THREADS": "1", "FAIL_AFTER": "0" if stop else "2"}
+        env = rank_env(rank, port, FAIL_AFTER="0" if stop else "2")
         processes.append(subprocess.Popen([sys.executable, str(script)] + argv, env=env, cwd=REPO_ROOT,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     log = tmp_path / "runs" / "tiny" / "2GPU" / "0" / "out.log"

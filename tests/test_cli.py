@@ -9,7 +9,7 @@ import yaml
 
 import train
 import utils.config
-from conftest import REPO_ROOT, run_train_cli
+from conftest import REPO_ROOT, free_port, rank_env, run_train_cli
 from utils.config import SCHEMA, ConfigError, load_config
 
 
@@ -244,15 +244,11 @@ def test_a_run_folder_in_use_stops_every_ddp_rank(tiny_argv, tmp_path):
     run_dir = tmp_path / "runs" / "tiny" / "2GPU" / "0"
     run_dir.mkdir(parents=True)
     holder = RunLock(run_dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     try:
         ranks = [subprocess.Popen(
             [sys.executable, str(REPO_ROOT / "train.py")] + tiny_argv + ["--run_num", "0"],
-            env={**{k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}, "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
-                 "OMP_NUM_THREADS": "1"},
+            env=rank_env(rank, port),
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         errors = [process.communicate(timeout=120)[1].strip().splitlines() for process in ranks]
     finally:

@@ -8,7 +8,6 @@ rank 0 generating the data while rank 1 waits for it in a barrier.
 """
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,10 @@ import time
 import pytest
 import yaml
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, free_port, rank_env
 from utils.config import DEFAULT_YAML
 
 pytestmark = pytest.mark.slow
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp_path):
@@ -34,8 +27,7 @@ def launch(tmp_path):
     (tmp_path / "signals.yaml").write_text(yaml.safe_dump({"signals": config}))
     port, ranks = free_port(), []
     for rank in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
+        env = rank_env(rank, port)
         out = open(tmp_path / f"rank{rank}.out", "w")
         err = open(tmp_path / f"rank{rank}.err", "w")
         ranks.append(subprocess.Popen([sys.executable, str(REPO_ROOT / "train.py"), "--yaml_config",

@@ -1,7 +1,6 @@
 """Lyman-alpha forest statistics (utils/lyman_alpha.py) against analytic cases, over ranks, and in TensorBoard."""
 import math
 import os
-import socket
 
 import h5py
 import numpy as np
@@ -17,6 +16,7 @@ from utils import science, science_plots, units
 from utils.config import load_config
 from utils.errors import DataError
 from utils.distributed import DistInfo, cleanup, init_distributed
+from conftest import free_port
 
 SETTINGS = lya.LymanAlphaSettings(skewer_stride=2, skewer_axes=3)
 
@@ -199,12 +199,6 @@ def test_settings_from_config_and_files(tmp_path):
     assert science.lyman_alpha_settings(fixed, data_path=foreign).cell_size == 0.25      # the config's value wins
     assert settings.cell_size == 0.25 and settings.velocity_per_cell == pytest.approx(200 * 0.25 / 3)
     assert science.lyman_alpha_settings(load_config("quickstart", overrides={"lyman_alpha.enabled": False})) is None
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ranks_worker(rank, port, prediction, target, out_dir):

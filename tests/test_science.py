@@ -2,7 +2,6 @@
 (utils/science_plots.py)."""
 import math
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from torch.utils.tensorboard import SummaryWriter
 import utils.make_dataset as md
 from utils import science, science_plots, units
 from utils.distributed import DistInfo, cleanup, init_distributed
+from conftest import free_port
 
 CROP = 16
 
@@ -135,12 +135,6 @@ def test_two_accumulators_sum_to_one_over_both_batches(generated):
     assert merged.keys() == expected.keys()
     for tag in expected:
         assert merged[tag] == pytest.approx(expected[tag], rel=1e-6), tag
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def all_reduce_worker(rank, port, prediction, target, out_dir):

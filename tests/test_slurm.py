@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from conftest import free_port
+
 pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,12 +52,6 @@ def slurm():
     yield
     if not was_up:
         subprocess.run(["bash", str(SETUP), "stop"], check=True, timeout=60)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_fields(job_id):

@@ -1,5 +1,4 @@
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from utils.config import load_config
 from utils.data import get_data_loader
 from utils.distributed import cleanup, init_distributed
 from utils.errors import ConfigError
+from conftest import free_port
 
 
 def test_one_step_lowers_the_loss_on_a_fixed_batch(tiny_params):
@@ -23,12 +23,6 @@ def test_one_step_lowers_the_loss_on_a_fixed_batch(tiny_params):
     for _ in range(4):
         after = training.eager_step(state, inp, tar).item()
     assert after < before
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ddp_worker(rank, world_size, port, runs, out_dir, num_steps):

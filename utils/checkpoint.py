@@ -37,7 +37,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from utils.config import SCHEMA, resolve_path
-from utils.errors import CheckpointError, os_error_in, storage_cause
+from utils.errors import CheckpointError, first_line, os_error_in, storage_cause
 
 CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")
 # Keys every payload must have for a run to continue from it.
@@ -169,12 +169,12 @@ def load_checkpoint(path, map_location="cpu"):
         try:
             payload = torch.load(f, map_location=map_location, weights_only=True)
         except Exception as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else "no details"
-            if first_line.startswith("Weights only load failed"):
+            reason = first_line(err, "no details")
+            if reason.startswith("Weights only load failed"):
                 raise CheckpointError(f"{path} holds Python objects other than tensors and plain data, which a "
                                       f"safe load refuses; save plain dicts (e.g. dict(params)) in checkpoints") from None
             raise CheckpointError(f"{path} is truncated or not a checkpoint ({type(err).__name__}: "
-                                  f"{first_line})") from None
+                                  f"{reason})") from None
     missing = [key for key in REQUIRED_KEYS if not isinstance(payload, dict) or key not in payload]
     if missing:
         raise CheckpointError(f"{path} is not a training checkpoint of this code (missing {', '.join(missing)})")
@@ -566,6 +566,6 @@ def _background_write_error(err, directory, step):
     except OSError:
         previous = None
     intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else "no details"
-    return CheckpointError(f"cannot write checkpoint {path} ({type(err).__name__}: {first_line}); {intact}; "
-                           f"check free space and that the directory is writable, or point --expdir elsewhere")
+    return CheckpointError(f"cannot write checkpoint {path} ({type(err).__name__}: {first_line(err, 'no details')}); "
+                           f"{intact}; check free space and that the directory is writable, or point --expdir "
+                           f"elsewhere")

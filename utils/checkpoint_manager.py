@@ -125,12 +125,7 @@ class CheckpointManager:
         if by_steps or act_now or (distributed and state.global_step % params.log_every_n_steps == 0):
             stop, bad_step, clock_due, failed = control.agree(checkpoint_due=by_clock,
                                                               write_failed=self.failed_write is not None)
-            if failed:
-                if bad_step is not None:  # both at once: the write's error ends the run; the NaN is not lost
-                    logger.error(f"non-finite loss (NaN or Inf) at global step {bad_step + 1} too")
-                self._raise_write_failure()
-            if bad_step is not None:
-                self._raise_nonfinite(bad_step)
+            self._stop_on_agreed_errors(failed, bad_step)
             if stop or by_steps or clock_due:
                 self.save(loss_sum, "preemption" if stop else "periodic", wait=stop)
             if stop:
@@ -141,12 +136,7 @@ class CheckpointManager:
         """At the end of an epoch, before validation: stop on a non-finite loss; returns whether a stop
         signal arrived (then save_epoch checkpoints and raises Preempted)."""
         stop, bad_step, _, failed = self.control.agree(write_failed=self.failed_write is not None)
-        if failed:
-            if bad_step is not None:
-                logger.error(f"non-finite loss (NaN or Inf) at global step {bad_step + 1} too")
-            self._raise_write_failure()
-        if bad_step is not None:
-            self._raise_nonfinite(bad_step)
+        self._stop_on_agreed_errors(failed, bad_step)
         self.stop = stop
         return stop
 
@@ -258,6 +248,16 @@ class CheckpointManager:
                 if writer.write_seconds:
                     tensorboard.add_scalar("Perf/checkpoint_write_s", max(writer.write_seconds), step)
         return failed
+
+    def _stop_on_agreed_errors(self, write_failed, bad_step):
+        """After an agreement: a failed write ends the run (a non-finite loss at the same time is logged, not
+        lost), else a non-finite loss does."""
+        if write_failed:
+            if bad_step is not None:
+                logger.error(f"non-finite loss (NaN or Inf) at global step {bad_step + 1} too")
+            self._raise_write_failure()
+        if bad_step is not None:
+            self._raise_nonfinite(bad_step)
 
     def _raise_nonfinite(self, bad_step):
         try:  # the last good checkpoint may still be on its way to disk: let it land first

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from utils.errors import ConfigError, PeerLost
+from utils.errors import ConfigError, PeerLost, first_line
 
 
 @dataclass
@@ -119,8 +119,8 @@ def peer_lost(err, info):
         "torch/distributed/" in frame.filename.replace("\\", "/") for frame in frames[-3:])
     if not from_collective:
         return None
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return PeerLost(f"rank {info.rank}: a collective failed because another rank stopped or crashed ({first_line[:160]}); "
+    return PeerLost(f"rank {info.rank}: a collective failed because another rank stopped or crashed "
+                    f"({first_line(err)[:160]}); "
                     f"its log says why; rerun the same command to continue from the last checkpoint")
 
 

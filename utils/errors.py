@@ -68,6 +68,13 @@ def os_error_in(err):
     return None
 
 
+def first_line(err, empty=None):
+    """The first line of ``err``'s message, for a one-line report; ``empty`` (default: the type's name) when it
+    has none."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else (empty or type(err).__name__)
+
+
 def storage_cause(err):
     """The cause of a failed write in a few words: "ENOSPC: No space left on device" for an OSError (also one
     wrapped in another exception, or one whose errno only HDF5's text carries), else the first line."""
@@ -78,5 +85,4 @@ def storage_cause(err):
         number = int(match.group(1)) if match else None
     if number:
         return f"{errno.errorcode.get(number, f'errno {number}')}: {os.strerror(number)}"
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else 'no details'}"
+    return f"{type(err).__name__}: {first_line(err, 'no details')}"

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from utils.errors import DataError
+from utils.errors import DataError, first_line
 from utils.units import DEFAULT_CELL_SIZE, denormalize_density, denormalize_temperature, denormalize_velocity
 
 BOLTZMANN = 1.380649e-23          # J / K
@@ -129,9 +129,8 @@ def cell_size_for(section, path, remedy):
         with h5py.File(path, "r") as f:
             value = f.attrs.get("cell_size_mpc_h")
     except OSError as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DataError(f"cannot read the cell size of {path} ({reason}), which the Lyman-alpha statistics need; "
-                        f"{remedy}") from None
+        raise DataError(f"cannot read the cell size of {path} ({first_line(err)}), which the Lyman-alpha "
+                        f"statistics need; {remedy}") from None
     if value is None:
         raise DataError(f"{path} does not say its cell size (no cell_size_mpc_h attribute: it was not written by "
                         f"utils/make_dataset.py), which the Lyman-alpha statistics need; {remedy}")

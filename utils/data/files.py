@@ -9,7 +9,7 @@ utils/make_dataset.py writes them) must store utils/units.py's. Every failure is
 import h5py
 
 from utils.config import resolve_path
-from utils.errors import DataError
+from utils.errors import DataError, first_line
 from utils.units import NORMALISATION_ATTRS, normalisation_mismatches
 
 
@@ -34,8 +34,7 @@ def read_volume_shapes(path, channels, hint=""):
                     raise DataError(f"{path}: dataset '{key}' is not a cubic box: shape {shape}")
                 shapes[key] = shape
     except OSError as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DataError(f"cannot read {path} as HDF5: {first_line}") from None
+        raise DataError(f"cannot read {path} as HDF5: {first_line(err)}") from None
     return shapes
 
 
