@@ -105,3 +105,23 @@ def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
         f"best {levers['samples_per_s']['all_engines']['channels_last']:.0f} samples/s")  # a lever, not the baseline
     assert "## More levers" in gpu_suite.markdown(suite.results)
     suite.finish()
+
+
+@pytest.mark.parametrize("forms", ["native", "rewritten", "padded", "down0=rewritten,last=rewritten", "up0=padded"])
+def test_part_i_keeps_the_given_forms_and_rewrites_up0(forms):
+    """Part i times compile + channels-last, which needs up0 rewritten on CUDA (pytorch#171622), in the forms of
+    --conv_forms otherwise."""
+    from networks.conv_forms import conv_layer_names, parse_conv_forms
+    names = conv_layer_names(6)
+    given, used = parse_conv_forms(forms, names), parse_conv_forms(gpu_suite.with_up0_rewritten(forms), names)
+    assert used == {**given, "up0": "rewritten"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_the_prefetch_probe_refuses_to_run_without_a_gpu(capsys):
+    from benchmarks import prefetch_probe
+    with pytest.raises(SystemExit) as exit_info:
+        prefetch_probe.main([])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: needs a CUDA GPU (the prefetcher is a passthrough on the CPU)")

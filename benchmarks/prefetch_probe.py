@@ -1,0 +1,134 @@
+"""Does the fast loader's DevicePrefetcher hide its host-to-device copies under compute? (CUDA only)
+
+    python benchmarks/prefetch_probe.py [--batch 64] [--crop 64] [--steps 12] [--compute_ms 60] [--out probe.json]
+
+Batches of the tutorial's size, in page-locked buffers made as utils/data/fast.py's FastLoader makes them,
+go through utils/data/fast.DevicePrefetcher while a fixed GPU "step" runs (a sleep kernel of
+``--compute_ms`` on the compute stream that reads the batch first): the loader is ahead by construction, so
+every copy could hide under the step before it. Three timings, each the median of three rounds:
+
+- compute only: the batches already on the GPU;
+- prefetched: DevicePrefetcher (copies on its side stream, a batch ahead);
+- serial: each batch copied on the compute stream just before its step (what a loader without a side stream
+  costs).
+
+hidden = (serial - prefetched) / (serial - compute only): 1 when the prefetcher hides every copy, 0 when it
+hides none. A torch.profiler trace of the prefetched loop adds each copy's kind (Pageable or Pinned), its
+stream and the share of its time under a kernel on another stream. The last line is PASS or FAIL (hidden
+>= 0.8).
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from utils.data.fast import DevicePrefetcher  # noqa: E402
+
+HIDDEN_GOAL = 0.8
+
+
+def host_batches(batch, crop, steps):
+    """``steps`` (inp, tar) CPU batches in two page-locked buffer pairs, as FastLoader hands them out."""
+    pairs = [tuple(torch.empty((batch, c, crop, crop, crop), dtype=torch.float32, pin_memory=True).numpy()
+                   for c in (4, 5)) for _ in range(2)]
+    for pair in pairs:
+        for array in pair:
+            array[...] = 1.0
+    return [tuple(torch.from_numpy(array[:batch]) for array in pairs[i % 2]) for i in range(steps)]
+
+
+def run_loop(batches, compute_cycles, mode, device):
+    """Wall time of the loop over ``batches``; ``mode`` is 'compute', 'prefetched' or 'serial'."""
+    if mode == "compute":
+        resident = [tuple(t.to(device) for t in batches[0])] * len(batches)
+        source = iter(resident)
+    elif mode == "prefetched":
+        source = iter(DevicePrefetcher(batches, device))
+    else:
+        source = ((inp.to(device, non_blocking=True), tar.to(device, non_blocking=True)) for inp, tar in batches)
+    torch.cuda.synchronize(device)
+    begin = time.perf_counter()
+    sink = torch.zeros((), device=device)
+    for inp, tar in source:
+        sink += inp[0, 0, 0, 0, 0] + tar[0, 0, 0, 0, 0]  # the step reads its batch, then computes
+        torch.cuda._sleep(compute_cycles)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - begin
+
+
+def cycles_for(ms, device):
+    """Clock cycles of torch.cuda._sleep that take about ``ms`` on ``device`` (measured)."""
+    probe = 10_000_000
+    torch.cuda._sleep(probe)  # warm-up
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * ms / start.elapsed_time(end))
+
+
+def traced_copies(batches, compute_cycles, device):
+    """[{name, stream, ms, hidden share}] of the host-to-device copies in a trace of the prefetched loop."""
+    from benchmarks.gpu_suite import copy_compute_overlap, trace_events
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run_loop(batches, compute_cycles, "prefetched", device)
+        prof.export_chrome_trace(str(path))
+        kernels, copies, _ = trace_events(path)
+    rows = [{"name": c.get("name"), "stream": c.get("args", {}).get("stream"), "ms": round(c["dur"] / 1e3, 3),
+             "hidden": copy_compute_overlap([c], kernels)} for c in copies]
+    kernel_streams = sorted({k.get("args", {}).get("stream") for k in kernels}, key=str)
+    return rows, kernel_streams, copy_compute_overlap(copies, kernels)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--crop", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--compute_ms", type=float, default=60.0, help="the GPU step's length (default 60 ms)")
+    parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the prefetcher is a passthrough on the CPU)")
+    device = torch.device("cuda")
+    batches = host_batches(args.batch, args.crop, args.steps)
+    pinned = all(t.is_pinned() for t in batches[0])
+    cycles = cycles_for(args.compute_ms, device)
+    run_loop(batches[:2], cycles, "prefetched", device)  # warm-up: allocations, the side stream
+    run_loop(batches[:2], cycles, "serial", device)
+    seconds = {mode: statistics.median(run_loop(batches, cycles, mode, device) for _ in range(3))
+               for mode in ("compute", "prefetched", "serial")}
+    copy_cost = seconds["serial"] - seconds["compute"]
+    hidden = (seconds["serial"] - seconds["prefetched"]) / copy_cost if copy_cost > 0 else None
+    copies, kernel_streams, traced_hidden = traced_copies(batches, cycles, device)
+    gb = sum(t.numel() * 4 for t in batches[0]) / 1e9
+    result = {"batch": args.batch, "crop": args.crop, "steps": args.steps, "compute_ms": args.compute_ms,
+              "batch_gb": round(gb, 3), "host_buffers_pinned": pinned,
+              "seconds": {k: round(v, 4) for k, v in seconds.items()},
+              "copy_ms_per_step": round(1e3 * copy_cost / args.steps, 2),
+              "hidden": None if hidden is None else round(hidden, 3), "traced_hidden": traced_hidden,
+              "kernel_streams": kernel_streams, "copies": copies[:8]}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    ok = hidden is not None and hidden >= HIDDEN_GOAL
+    print(f"{'PASS' if ok else 'FAIL'} prefetcher hides its copies: {100 * (hidden or 0):.0f}% of "
+          f"{1e3 * copy_cost / args.steps:.1f} ms per step hidden (goal {100 * HIDDEN_GOAL:.0f}%); host buffers "
+          f"pinned: {pinned}; {args.steps} steps of {args.compute_ms:.0f} ms, {gb:.2f} GB per batch")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
