@@ -10,7 +10,10 @@ Each rung adds one optimisation to the previous rung (bf16 replaces fp16):
     fp32 (TF32 off) -> TF32 -> AMP fp16 + GradScaler -> bf16 -> fused Adam -> torch.compile
     -> channels-last-3d -> CUDA graph of the whole step (train_graph.py)
 
-plus two side rungs: the CUDA graph of the compiled model, and torch.compile with channels-last-3d. A
+plus two side rungs: the CUDA graph of the compiled model, and torch.compile with channels-last-3d; and
+two last rungs that end at the ``*_opt`` configs' settings: channels-last with the convolution forms that
+measured fastest on an H100 (``down0=rewritten,last=rewritten``, compile off), then torch.compile on top
+(``up0`` rewritten too). These two set their own forms; ``--conv_forms`` sets every other rung's. A
 rung means the rungs above it plus its own change, also when ``--rungs`` runs it alone
 (``--rungs channels_last`` is bf16, fused Adam and channels-last).
 
@@ -80,6 +83,11 @@ class Rung:
     needs_cuda: str = ""                           # why the rung is skipped without CUDA ("" = runs anywhere)
 
 
+# The fastest --conv_forms of an eager bf16 channels-last step on an H100 (benchmarks/conv_variants.py, the GPU
+# suite's part h: 2249 against 1731 samples/s native; benchmarks/results/h100.md). up0 must be rewritten too
+# where compile meets channels-last on CUDA (pytorch#171622; utils/training.py).
+FASTEST_EAGER_FORMS = "down0=rewritten,last=rewritten"
+
 RUNGS = (
     Rung("fp32", "fp32 (TF32 off)", {"enable_tf32": False}),
     Rung("tf32", "TF32", {"enable_tf32": True}, needs_cuda="TF32 is a math mode of NVIDIA tensor cores"),
@@ -94,6 +102,12 @@ RUNGS = (
     Rung("cuda_graph_compile", "CUDA graph of the compiled model", {"channels_last": False, "enable_jit": True},
          graph=True, needs_cuda="CUDA graphs need a CUDA GPU"),
     Rung("compile_channels_last", "torch.compile with channels-last-3d", {"channels_last": True, "enable_jit": True},
+         needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
+    # The last two rungs end at the *_opt configs' settings (config/UNet.yaml).
+    Rung("conv_forms", "+ conv forms down0, last rewritten, compile off",
+         {"channels_last": True, "enable_jit": False, "conv_forms": FASTEST_EAGER_FORMS}),
+    Rung("compile_conv_forms", "+ torch.compile, up0 rewritten too (the *_opt configs)",
+         {"enable_jit": True, "conv_forms": f"{FASTEST_EAGER_FORMS},up0=rewritten"},
          needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
 )
 
@@ -119,7 +133,8 @@ def parse_args(argv=None):
     parser.add_argument("--rungs", help="comma-separated subset of: " + ", ".join(r.name for r in RUNGS))
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated batch")
     parser.add_argument("--conv_forms", default="native",
-                        help="the convolution forms of every rung (train.py's --conv_forms; networks/conv_forms.py)")
+                        help="the convolution forms of every rung but the last two, which set their own "
+                             "(train.py's --conv_forms; networks/conv_forms.py)")
     parser.add_argument("--cudnn_benchmark_limit", type=int,
                         help="cuDNN engines timed per convolution shape in every rung (train.py's key; default 10, "
                              "0: all). cuDNN's choices last for the process: compare values in separate runs")

@@ -190,11 +190,13 @@ def test_ladder_tiny_runs_on_cpu_and_skips_cuda_rungs(tmp_path):
     rows = {row["name"]: row for row in report["rungs"]}
     assert list(rows) == [rung.name for rung in ladder.RUNGS]
     assert {name for name, row in rows.items() if row["status"] == "skipped"} == {
-        "tf32", "fp16", "compile", "cuda_graph", "cuda_graph_compile", "compile_channels_last"}
+        "tf32", "fp16", "compile", "cuda_graph", "cuda_graph_compile", "compile_channels_last", "compile_conv_forms"}
     assert rows["cuda_graph"]["reason"] == "CUDA graphs need a CUDA GPU"
     # Skipped rungs' settings are not carried up: no compile on CPU.
     assert rows["channels_last"]["settings"] == "bf16, fused Adam, channels-last"
-    ran = [rows[name] for name in ("fp32", "bf16", "fused_adam", "channels_last")]
+    # The conv_forms rung sets its own forms (the *_opt configs' eager part), whatever --conv_forms says.
+    assert rows["conv_forms"]["settings"] == f"bf16, fused Adam, channels-last, conv_forms={ladder.FASTEST_EAGER_FORMS}"
+    ran = [rows[name] for name in ("fp32", "bf16", "fused_adam", "channels_last", "conv_forms")]
     assert all(row["status"] == "ok" and row["samples_per_sec"] > 0 for row in ran)
     assert rows["fp32"]["speedup"] == 1.0 and len(rows["fp32"]["window_samples_per_sec"]) == 2
     assert rows["fp32"]["loss_last"] < rows["fp32"]["loss_first"]  # it learns from the generated batch
