@@ -141,8 +141,11 @@ def log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps
 
 
 def log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time):
+    steady = summary.get("steady_samples_per_sec")
     logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, "
-                f"avg {summary['samples_per_sec']:.2f} samples/sec")
+                f"avg {summary['samples_per_sec']:.2f} samples/sec" + (
+                    "" if steady is None else f" ({steady:.2f} after the first log interval, which includes "
+                                              f"cuDNN autotuning and compiling)"))
     logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
                 f"MFU {metrics.format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
                 f"({summary['memory_kind']}" + ("" if summary["peak_memory_reserved_gb"] is None
@@ -210,10 +213,11 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
     profiler = state.profiler
     try:
         with checkpoints.running(writer):
-            for epoch in range(state.global_step // steps_per_epoch, params.num_epochs):
+            start_epoch = state.global_step // steps_per_epoch
+            for epoch in range(start_epoch, params.num_epochs):
                 first_step = state.global_step - epoch * steps_per_epoch  # > 0 only in a resumed epoch
                 train_sampler.set_epoch(epoch, first_step)
-                meter = metrics.StepMeter(info.device, state.global_step)
+                meter = metrics.StepMeter(info.device, state.global_step, warming_up=epoch == start_epoch)
                 step_losses = []  # device tensors of the steps since the last log line
                 loss_sum = torch.full((), resumed_loss_sum if first_step else 0.0, device=info.device)
                 epoch_start = time.perf_counter()

@@ -1,4 +1,6 @@
 import os
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -6,7 +8,7 @@ import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from utils import training
+from utils import metrics, training
 from utils.config import load_config
 from utils.data import get_data_loader
 from utils.distributed import cleanup, init_distributed
@@ -135,12 +137,34 @@ def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):
                  "Total validation time:", "for the mean predictor (ratio"):
         assert line in log
     assert f"Avg val loss={val_loss:.6f}" in log
+    # The process's first epoch adds its rate after the first log interval (compiling, autotuning); no other does.
+    assert re.search(r"Time taken for epoch 1 is [0-9.]+ sec, avg [0-9.]+ samples/sec \([0-9.]+ after the first "
+                     r"log interval, which includes cuDNN autotuning and compiling\)\n", log)
+    assert re.search(r"Time taken for epoch 2 is [0-9.]+ sec, avg [0-9.]+ samples/sec\n", log)
     assert (run_dir / "config.yaml").exists()
     scalars = read_scalars(run_dir / "logs")
     assert {"Loss/train", "Loss/valid", "Learning Rate", "Avg iters per sec"} <= set(scalars)
     assert scalars["Loss/valid"][0][0] == 0 and len(scalars["Loss/valid"]) == 3  # step 0 + 2 epochs
     assert [step for step, _ in scalars["Loss/train"]] == [2, 4]
     assert scalars["Loss/valid"][-1][1] == pytest.approx(val_loss, rel=1e-6)
+
+
+def test_the_first_epochs_steady_rate_leaves_out_its_first_log_interval(monkeypatch):
+    clock = iter([0.0, 30.0, 31.0, 32.0])  # epoch start; three log intervals of 10 steps, the first compiling
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    meter = metrics.StepMeter(torch.device("cpu"), warming_up=True)
+    for steps in (10, 20, 30):
+        meter.interval(steps, 64)
+    summary = meter.summary(32.0, 30, 64, 1.0, None)
+    assert summary["samples_per_sec"] == 30 * 64 / 32 and summary["steady_samples_per_sec"] == 20 * 64 / 2
+    clock = iter([0.0, 30.0, 32.0])
+    later = metrics.StepMeter(torch.device("cpu"))  # a later epoch: nothing to leave out
+    later.interval(10, 64), later.interval(20, 64)
+    assert later.summary(32.0, 20, 64, 1.0, None)["steady_samples_per_sec"] is None
+    clock = iter([0.0, 30.0])
+    single = metrics.StepMeter(torch.device("cpu"), warming_up=True)  # one interval: no rate after it
+    single.interval(10, 64)
+    assert single.summary(30.0, 10, 64, 1.0, None)["steady_samples_per_sec"] is None
 
 
 def test_user_files_that_do_not_exist_are_never_generated(tmp_path, capsys):

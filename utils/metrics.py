@@ -45,14 +45,20 @@ def peak_memory(device):
 class StepMeter:
     """Accumulates time spent waiting for data against wall time, per log interval and per epoch."""
 
-    def __init__(self, device, start_step=0):
-        """Start of an epoch: on a GPU the peak-memory counters restart here, so each epoch reports its own."""
+    def __init__(self, device, start_step=0, warming_up=False):
+        """Start of an epoch: on a GPU the peak-memory counters restart here, so each epoch reports its own.
+
+        ``warming_up``: the process's first epoch, whose first steps autotune cuDNN and compile (tens of
+        seconds on a GPU); its summary adds the rate after the first log interval (``steady_samples_per_sec``).
+        """
         self.device = device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.last_time = time.perf_counter()
         self.wait = self.last_wait = 0.0
         self.last_steps = start_step
+        self.warming_up = warming_up
+        self.after_first_interval = None  # (time, steps) at the end of the first log interval
 
     @contextmanager
     def waiting(self):
@@ -67,16 +73,22 @@ class StepMeter:
         elapsed = max(now - self.last_time, 1e-9)
         wait = self.wait - self.last_wait
         self.last_time, self.last_wait, self.last_steps = now, self.wait, steps
+        if self.after_first_interval is None:
+            self.after_first_interval = (now, steps)
         return {"steps_per_sec": steps_done / elapsed, "samples_per_sec": steps_done * samples_per_step / elapsed,
                 "wait_share": wait / elapsed}
 
     def summary(self, elapsed, steps, samples_per_step, flops_per_step, peak):
         samples_per_sec = steps * samples_per_step / elapsed
+        steady = None
+        if self.warming_up and self.after_first_interval is not None and self.last_steps > self.after_first_interval[1]:
+            since, first_steps = self.after_first_interval  # the last interval ends the epoch (train.py logs there)
+            steady = (self.last_steps - first_steps) * samples_per_step / max(self.last_time - since, 1e-9)
         memory, kind = peak_memory(self.device)
         # Reserved counts the caching allocator's pools too: a CUDA graph's memory is reserved, and its replays
         # allocate nothing, so for train_graph.py the allocated peak alone would understate it.
         reserved = torch.cuda.max_memory_reserved(self.device) / 1e9 if self.device.type == "cuda" else None
-        return {"samples_per_sec": samples_per_sec, "wait_share": self.wait / elapsed,
+        return {"samples_per_sec": samples_per_sec, "steady_samples_per_sec": steady, "wait_share": self.wait / elapsed,
                 "mfu": flops_per_step * steps / elapsed / peak if peak else None,
                 "peak_memory_gb": memory, "memory_kind": kind, "peak_memory_reserved_gb": reserved}
 
