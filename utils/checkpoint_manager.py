@@ -28,8 +28,12 @@ from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, AsyncCheckpointer, check_c
                               latest_valid_checkpoint, list_checkpoints, load_checkpoint, load_model_state,
                               load_optimizer_state, plain_state_dict, prune_newer, rng_state, set_rng_state)
 from utils.distributed import all_reduce_sum
-from utils.errors import CheckpointError, NonFiniteLoss, Preempted, ReportedError
+from utils.errors import CheckpointError, NonFiniteLoss, Preempted, ReportedError, StorageError
 from utils.run_control import RunControl
+from utils.run_log import PEER_FAILED, held_failure
+
+# What rank 0 failed to write, as the bits of RunControl.agree's write_failed (only rank 0 writes).
+CHECKPOINT_FAILED, LOG_FAILED = 1, 2
 
 logger = logging.getLogger("train")
 
@@ -123,8 +127,7 @@ class CheckpointManager:
         by_clock = background is not None and background.due()  # a clock read, no sync
         act_now = not distributed and (by_clock or control.stop_requested_locally)
         if by_steps or act_now or (distributed and state.global_step % params.log_every_n_steps == 0):
-            stop, bad_step, clock_due, failed = control.agree(checkpoint_due=by_clock,
-                                                              write_failed=self.failed_write is not None)
+            stop, bad_step, clock_due, failed = control.agree(checkpoint_due=by_clock, write_failed=self._failures())
             self._stop_on_agreed_errors(failed, bad_step)
             if stop or by_steps or clock_due:
                 self.save(loss_sum, "preemption" if stop else "periodic", wait=stop)
@@ -135,7 +138,7 @@ class CheckpointManager:
     def end_of_epoch(self):
         """At the end of an epoch, before validation: stop on a non-finite loss; returns whether a stop
         signal arrived (then save_epoch checkpoints and raises Preempted)."""
-        stop, bad_step, _, failed = self.control.agree(write_failed=self.failed_write is not None)
+        stop, bad_step, _, failed = self.control.agree(write_failed=self._failures())
         self._stop_on_agreed_errors(failed, bad_step)
         self.stop = stop
         return stop
@@ -209,20 +212,30 @@ class CheckpointManager:
         self._fail_together(failed)
 
     def _fail_together(self, failed):
-        """Raise ``failed`` (rank 0's error, or an earlier background one) on every rank: one all-reduce under
-        DDP, which is also the barrier nobody passes before rank 0's write is settled."""
-        failed = failed or self.failed_write
+        """Raise ``failed`` (rank 0's error, or an earlier background one, or a held failed log write) on every
+        rank: one all-reduce under DDP, which is also the barrier nobody passes before rank 0's write is settled."""
+        self.failed_write = failed = failed or self.failed_write
         if self.state.info.enabled:
-            if all_reduce_sum([float(failed is not None)], self.state.info)[0]:
-                self.failed_write = failed
-                self._raise_write_failure()
+            agreed = int(all_reduce_sum([float(self._failures())], self.state.info)[0])  # rank 0's alone
+            if agreed:
+                self._raise_write_failure(agreed)
         elif failed is not None:
             raise failed
 
-    def _raise_write_failure(self):
-        """The agreed failure of a checkpoint: rank 0's own error, on the other ranks one naming it."""
-        raise self.failed_write or CheckpointError(
-            "rank 0 could not write a checkpoint (its error line says why); this rank stops with it")
+    def _failures(self):
+        """This rank's failed writes, as CHECKPOINT_FAILED | LOG_FAILED bits."""
+        return (CHECKPOINT_FAILED if self.failed_write is not None else 0) | (LOG_FAILED if held_failure() else 0)
+
+    def _raise_write_failure(self, agreed):
+        """The agreed failure of a write (``agreed``: rank 0's CHECKPOINT_FAILED | LOG_FAILED bits): rank 0's own
+        error, on the other ranks one naming it."""
+        own = self.failed_write or held_failure()
+        if own is not None:
+            raise own
+        if agreed & CHECKPOINT_FAILED:
+            raise CheckpointError("rank 0 could not write a checkpoint (its error line says why); this rank stops "
+                                  "with it")
+        raise StorageError(PEER_FAILED)
 
     def close(self, tensorboard=None):
         """Wait for a write still in flight, report it and the stall statistics (TensorBoard
@@ -250,12 +263,12 @@ class CheckpointManager:
         return failed
 
     def _stop_on_agreed_errors(self, write_failed, bad_step):
-        """After an agreement: a failed write ends the run (a non-finite loss at the same time is logged, not
-        lost), else a non-finite loss does."""
+        """After an agreement: a failed write (``write_failed``: rank 0's CHECKPOINT_FAILED | LOG_FAILED bits) ends
+        the run (a non-finite loss at the same time is logged, not lost), else a non-finite loss does."""
         if write_failed:
             if bad_step is not None:
                 logger.error(f"non-finite loss (NaN or Inf) at global step {bad_step + 1} too")
-            self._raise_write_failure()
+            self._raise_write_failure(write_failed)
         if bad_step is not None:
             self._raise_nonfinite(bad_step)
 

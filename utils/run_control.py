@@ -71,15 +71,15 @@ class RunControl:
     def agree(self, checkpoint_due=False, write_failed=False):
         """(stop, first_bad_step or None, checkpoint_due, write_failed), the same on every rank: stop if any
         rank got a signal, checkpoint if any rank (in train.py only rank 0 looks at the clock) says one is due,
-        and whether a rank's (rank 0's) background checkpoint write failed. A host sync (and a collective
-        under DDP)."""
+        and rank 0's failed writes (``write_failed``: 0 for none, else flag bits, which the largest value of
+        any rank carries: in train.py only rank 0 writes). A host sync (and a collective under DDP)."""
         # One MAX all-reduce for all four: the flags, and minus the bad step (so MAX finds the earliest).
         none = -(2 ** 62)
         negated_bad = torch.where(self.first_bad_step >= 0, -self.first_bad_step, none)
-        local = torch.tensor([int(self.stop_requested_locally), int(bool(checkpoint_due)), int(bool(write_failed))],
+        local = torch.tensor([int(self.stop_requested_locally), int(bool(checkpoint_due)), int(write_failed)],
                              device=self.info.device)
         flags = torch.cat([local, negated_bad.view(1)])
         if self.info.enabled:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop, due, failed, negated = flags.tolist()
-        return bool(stop), (None if negated == none else -negated), bool(due), bool(failed)
+        return bool(stop), (None if negated == none else -negated), bool(due), int(failed)
