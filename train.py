@@ -31,7 +31,7 @@ from utils.errors import ConfigError
 from utils.lr_schedule import learning_rate, total_steps
 from utils.run_control import StartupSignals
 from utils.run_dir import make_run_dir, resume_on_restart
-from utils.run_log import EventWriter, setup_logging
+from utils.run_log import EventWriter, agree_on_held_failure, setup_logging
 from utils.science import format_summary, lyman_alpha_settings
 from utils.science_plots import write_tensorboard
 from utils.training import build_training, eager_step, mean_predictor_l1, validate
@@ -144,8 +144,7 @@ def log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time
     steady = summary.get("steady_samples_per_sec")
     logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, "
                 f"avg {summary['samples_per_sec']:.2f} samples/sec" + (
-                    "" if steady is None else f" ({steady:.2f} after the first log interval, which includes "
-                                              f"cuDNN autotuning and compiling)"))
+                    "" if steady is None else f" ({steady:.2f} after the first log interval)"))
     logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
                 f"MFU {metrics.format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
                 f"({summary['memory_kind']}" + ("" if summary["peak_memory_reserved_gb"] is None
@@ -201,8 +200,8 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
 
     # purge_step: TensorBoard drops what a killed run logged after the checkpoint we resume from (all of it when
     # there was none: an attempt killed before its first checkpoint left events of steps that will run again).
-    writer = (EventWriter(run_dir / "logs", purge_step=state.global_step + 1 if state.global_step else 0)
-              if info.is_main else None)
+    writer = (EventWriter(run_dir / "logs", hold=info.enabled,  # under DDP a failure stops all ranks together
+                          purge_step=state.global_step + 1 if state.global_step else 0) if info.is_main else None)
     if state.global_step == 0:
         val_loss, science, example = validate(state, val_loader)
         logger.info(f"Initial val loss={val_loss:.6f}")
@@ -299,6 +298,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
             prepare_data(params, info, logger.info)
             state = build_training(params, info, capturable, run_dir)
             result = train(params, state, run_dir, make_step, resume, resume_fallback)
+            agree_on_held_failure(info)  # a log write that failed on rank 0 since the last agreement stops all
             finished = True
             return result
         except RuntimeError as err:  # a peer rank went away: one line here too, its own log says why

@@ -48,7 +48,9 @@ A GPU call of the device tool this suite was written for ends after 600 s, so th
 time budget (``--budget_s``, default 560 s): a part whose rough duration (``PART_SECONDS``, guesses
 from the H100 runs of 2026-11-24 plus a margin) would overrun it is not started but reported as SKIP
 with the command that runs it alone, and every finished part's results are saved as soon as it ends.
-On the H100 that takes three calls: ``OUT`` (a-f), ``OUT --parts gh`` and ``OUT --parts i``.
+On the H100 that takes three calls: ``OUT`` (a-f, and h if time is left), ``OUT --parts g`` (``gh`` if the
+first skipped h) and ``OUT --parts i``. The first part that trains in a process without the ladder (b)
+before it is given ``FIRST_TRAINING_PART_S`` more: cuDNN's autotuning of a fresh process.
 
 OUT_DIR receives at most 8 files: summary.json (the results behind benchmarks/results/h100.json),
 summary.md, probe.json, ladder.json, ladder.md, ladder.png, suite.log (every step and its output)
@@ -97,6 +99,7 @@ SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6
 # Rough seconds per part on an H100, from the runs of 2026-11-24 (a-f and h 407 s; g 170 s; i 213 s) plus a margin;
 # b adds the two last ladder rungs since (one compile). A part is started only if it fits the budget.
 PART_SECONDS = {"b": 330, "c": 60, "d": 70, "e": 40, "f": 40, "g": 200, "h": 40, "i": 240}
+FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
 
 # Acceptance: checks must pass; goals are the issue's performance targets, reported beside them.
 LOSS_TOLERANCE = 0.02          # train.py vs train_graph.py in bf16: max |loss_graph - loss_eager| / loss_eager
@@ -117,6 +120,7 @@ class Suite:
         self.results = {"command": " ".join(["python", "benchmarks/gpu_suite.py", *sys.argv[1:]]),
                         "mode": "small (CPU smoke test)" if small else "full"}
         self.started = time.perf_counter()
+        self.autotuned = False  # whether a part has run this process's first convolutions (cuDNN's autotuning)
 
     # --- bookkeeping ------------------------------------------------------------------------------
     def log(self, text):
@@ -146,11 +150,14 @@ class Suite:
         time budget is not started (SKIP, with the command that runs it alone)."""
         elapsed = time.perf_counter() - self.started
         needs = PART_SECONDS.get(key, 0) if self.cuda else 0
+        if self.cuda and key and key in "cdefh" and not self.autotuned:  # this process's first convolutions
+            needs += FIRST_TRAINING_PART_S  # (b's guess has them)
         if self.budget_s is not None and key and elapsed + needs > self.budget_s:
             self.skip(name, f"not started: {elapsed:.0f} s of the {self.budget_s:.0f} s budget spent, it needs about "
                             f"{needs} s; run it alone with `python benchmarks/gpu_suite.py OUT --parts {key}`")
             return
         self.log(f"=== {name}")
+        self.autotuned = self.autotuned or bool(key and key in "bcdefh")
         try:
             function()
         except Exception as err:
@@ -470,9 +477,9 @@ class Suite:
         self.check("cuDNN convolution kernels in the training trace", bool(conv) and not slow,
                    f"{len(conv)} cuDNN-style kernels, {100 * (result['conv_kernel_share'] or 0):.0f}% of kernel time"
                    + (f"; SLOW: {slow[:3]}" if slow else ""))
-        # At bf16 the fast loader is behind the GPU (IO about 950 against 1,760 samples/s of compute on an H100),
-        # so a batch arrives after the step it could hide under is done, and the trace's overlap says little.
-        # benchmarks/prefetch_probe.py checks the prefetcher where the loader is ahead by construction.
+        # Where the fast loader is behind the GPU (on the H100 at bf16: IO about 950 against 1,760 samples/s of
+        # compute), a batch arrives after the step it could hide under is done, and the trace's overlap says
+        # little. benchmarks/prefetch_probe.py checks the prefetcher where the loader is ahead by construction.
         from benchmarks import prefetch_probe
         probe_out = self.tmp / "prefetch_probe.json"
         self.log("$ benchmarks/prefetch_probe.py")
@@ -483,11 +490,11 @@ class Suite:
         self.log(f"prefetch probe: {json.dumps({k: v for k, v in probe.items() if k != 'copies'})}; first copies: "
                  f"{probe['copies'][:4]}")
         hidden = probe["hidden"]
-        self.check("prefetcher hides its copies under compute (benchmarks/prefetch_probe.py)",
+        self.check("prefetcher hides its copies under a synthetic GPU step (benchmarks/prefetch_probe.py)",
                    hidden is not None and hidden >= prefetch_probe.HIDDEN_GOAL,
-                   f"{100 * (hidden or 0):.0f}% of {probe['copy_ms_per_step']} ms per step hidden; pinned: "
-                   f"{probe['host_buffers_pinned']}; traced overlap {probe['traced_hidden']} (training trace at bf16, "
-                   f"loader behind: {result['copy_overlap_share']})")
+                   f"{100 * (hidden or 0):.0f}% of the copies after the first ({probe['copy_ms_per_step']} ms per "
+                   f"step) hidden; pinned: {probe['host_buffers_pinned']}; traced overlap {probe['traced_hidden']} "
+                   f"(the training trace above: {result['copy_overlap_share']})")
 
     # --- g. CUDA tests ----------------------------------------------------------------------------
     def tests(self):

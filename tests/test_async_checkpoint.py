@@ -349,3 +349,53 @@ def test_a_failed_write_under_ddp_stops_every_rank_with_exit_2(tiny_argv, tmp_pa
                             "stops with it", errors[1]
     assert not any("Traceback" in err for _, err in results), results
     assert ("Checkpoint (preemption) at step" in log.read_text()) is stop, log.read_text()
+
+
+LOG_FAILING_RANK0 = """
+import errno, os, sys
+sys.path.insert(0, {repo!r})
+if os.environ["RANK"] == "0":  # rank 0's disk fills up at the first log line or TensorBoard tag containing TRIGGER
+    from torch.utils.tensorboard import SummaryWriter
+    from utils import run_log
+    trigger = os.environ["TRIGGER"]
+
+    def failing(real, text_of):
+        def wrapper(self, first, *args, **kwargs):
+            if trigger in text_of(first):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(self, first, *args, **kwargs)
+        return wrapper
+    run_log.RunLogHandler.format = failing(run_log.RunLogHandler.format, lambda record: record.getMessage())
+    SummaryWriter.add_scalar = failing(SummaryWriter.add_scalar, str)
+import train
+train.cli(lambda: train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trigger, failure", [
+    ("epoch 1 step", "cannot write the run log"),                # out.log, in the training loop
+    ("Final validation L1", "cannot write the run log"),         # out.log, after the loop's last agreement
+    ("Perf/samples_per_sec", "cannot write TensorBoard events"),  # events, at an epoch's end
+])
+def test_a_failed_log_write_under_ddp_stops_every_rank_with_exit_2(tiny_argv, tmp_path, trigger, failure):
+    """Rank 0 alone writes out.log and the TensorBoard events: when that fails, every rank stops at the same step
+    with one line and exit code 2, rather than rank 0 alone (the others would wait in their next collective;
+    NCCL: 10 minutes, then SIGABRT)."""
+    import subprocess
+    import sys
+    from conftest import REPO_ROOT, free_port, rank_env
+    port = free_port()
+    script = tmp_path / "log_failing_rank0.py"
+    script.write_text(LOG_FAILING_RANK0.format(repo=str(REPO_ROOT)))
+    argv = tiny_argv + ["--num_epochs", "2", "--log_every_n_steps", "4"]
+    processes = [subprocess.Popen([sys.executable, str(script)] + argv, env=rank_env(rank, port, TRIGGER=trigger),
+                                  cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in (0, 1)]
+    results = [p.communicate(timeout=180) for p in processes]
+    errors = [err.strip().splitlines() for _, err in results]
+    assert [p.returncode for p in processes] == [2, 2], errors
+    assert errors[0][-1].startswith(f"error: {failure}") and "ENOSPC" in errors[0][-1], errors[0]
+    assert errors[1][-1] == "error: rank 0 could not write its run log or TensorBoard events (its error line says " \
+                            "why); this rank stops with it", errors[1]
+    assert not any("Traceback" in err for _, err in results), results

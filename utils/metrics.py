@@ -48,7 +48,7 @@ class StepMeter:
     def __init__(self, device, start_step=0, warming_up=False):
         """Start of an epoch: on a GPU the peak-memory counters restart here, so each epoch reports its own.
 
-        ``warming_up``: the process's first epoch, whose first steps autotune cuDNN and compile (tens of
+        ``warming_up``: the process's first epoch, whose first steps may autotune cuDNN and compile (tens of
         seconds on a GPU); its summary adds the rate after the first log interval (``steady_samples_per_sec``).
         """
         self.device = device
