@@ -4,8 +4,8 @@
     python benchmarks/kernel_probe.py --batch 64 --modes bf16,bf16_cl     # training's batch, two modes
 
 For each Conv3d and ConvTranspose3d of the reference U-Net (at the shape it sees on a ``crop``^3
-input; ``batch`` samples, 8 by default) and each math mode -- fp32 (TF32 off), TF32, bf16, fp16 and bf16
-channels-last-3d -- one forward and backward pass runs under ``torch.profiler``. The case is
+input; ``batch`` samples, 8 by default) and each math mode -- fp32 (TF32 off), TF32, bf16, fp16, and bf16,
+fp32 and TF32 channels-last-3d -- one forward and backward pass runs under ``torch.profiler``. The case is
 classified from the profiler's op and kernel names:
 
 - ``cudnn``: an ``aten::cudnn_convolution*`` op, or cuDNN/CUTLASS-style kernels, and no slow op;
@@ -39,7 +39,7 @@ SLOW_MARKERS = ("slow_conv3d", "slow_conv_transpose3d", "slow_conv_dilated3d", "
                 "native::col2im")
 CUDNN_MARKERS = ("cudnn", "xmma", "cutlass", "implicit_convolve", "fprop", "dgrad", "wgrad", "sm90_", "sm80_",
                  "conv2d_grouped", "convolve")
-MODES = ("fp32", "tf32", "bf16", "fp16", "bf16_cl")
+MODES = ("fp32", "tf32", "bf16", "fp16", "bf16_cl", "fp32_cl", "tf32_cl")
 REFERENCE_CHANNELS = (64, 128, 256, 512, 512, 512)
 
 
@@ -63,7 +63,10 @@ def mode_settings(mode):
     return {"fp32": (None, False, torch.contiguous_format), "tf32": (None, True, torch.contiguous_format),
             "bf16": (torch.bfloat16, False, torch.contiguous_format),
             "fp16": (torch.float16, False, torch.contiguous_format),
-            "bf16_cl": (torch.bfloat16, False, torch.channels_last_3d)}[mode]
+            "bf16_cl": (torch.bfloat16, False, torch.channels_last_3d),
+            # fp32 with channels-last (a *_opt config with --amp_mode none) trained at 8 samples/s on the H100
+            # (part f's fp32 run, 2026-11-24) against 311 contiguous: these two modes look for a slow path there.
+            "fp32_cl": (None, False, torch.channels_last_3d), "tf32_cl": (None, True, torch.channels_last_3d)}[mode]
 
 
 def conv_flops(cls, c_in, c_out, size, batch):
