@@ -17,7 +17,8 @@ b. benchmarks/ladder.py: the optimisation ladder on the full model at batch 64, 
    settings (channels-last, the fastest convolution forms, torch.compile);
 c. benchmark mode (train.py --enable_benchy: IO, SYNTHETIC, FULL) on a generated 128^3 box for the
    fast CPU loader and the GPU-resident loader (fp32 and fp16 storage; fp16 also without its side
-   stream, ``--no-gpu_prefetch``), after an IO sweep of the fast loader's thread count;
+   stream, ``--no-gpu_prefetch``), after an IO sweep of the fast loader's thread count; then
+   benchmarks/gather_probe.py, that loader's gather against two one-pass candidates on a 1024^3 box;
 d. train.py and train_graph.py on the same run (2 epochs, same seed, bf16, fused Adam,
    channels-last, GPU-resident data): the loss at every step compared, and the second epoch's samples/s;
 e. train.py with checkpoints every few seconds against the eager run of d: the training stall per
@@ -112,7 +113,7 @@ GRAPH_SPEEDUP_GOAL = 1.05
 
 class Suite:
     def __init__(self, out, small, budget_s=None, conv_forms="native"):
-        self.out, self.small, self.budget_s, self.conv_forms = out, small, budget_s, conv_forms
+        self.out, self.small, self.budget_s, self.train_forms = out, small, budget_s, conv_forms
         self.size = SMALL if small else GPU
         self.cuda = torch.cuda.is_available() and not small
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_suite_"))
@@ -200,7 +201,7 @@ class Suite:
                  "checkpoint_every_n_steps": 0, "checkpoint_every_minutes": 0.0, "generate_data": None,
                  "expdir": str(self.tmp / "runs"), "data_loader_config": "inmem", "fast_loader": True,
                  "num_data_workers": max(self.size["threads"]), "profile_window": size["profile_window"],
-                 "device": "cuda" if self.cuda else "cpu", "conv_forms": self.conv_forms}
+                 "device": "cuda" if self.cuda else "cpu", "conv_forms": self.train_forms}
         if size["channels"]:
             suite["model_channels"] = size["channels"]
         self.yaml = self.tmp / "suite.yaml"
@@ -273,7 +274,7 @@ class Suite:
     # --- b. ladder --------------------------------------------------------------------------------
     def ladder(self):
         from benchmarks import ladder
-        flags = [*self.size["ladder"], "--conv_forms", self.conv_forms]
+        flags = [*self.size["ladder"], "--conv_forms", self.train_forms]
         self.log("$ benchmarks/ladder.py " + " ".join(flags))
         with self.quiet():
             rc = ladder.main(["--out", str(self.out / "ladder.json"), *flags])
@@ -341,6 +342,24 @@ class Suite:
                 ratio = numbers["FULL"] / numbers["SYNTHETIC"]
                 self.check(f"FULL >= {FULL_OVER_SYNTHETIC_GOAL} x SYNTHETIC, {name}",
                            ratio >= FULL_OVER_SYNTHETIC_GOAL, f"{ratio:.3f}", kind="goal")
+        self.gather_probe()
+
+    def gather_probe(self):
+        """benchmarks/gather_probe.py: the GPU-resident loader's gather against two one-pass candidates on the
+        reference's 1024^3 box (what FULL loses to SYNTHETIC with that loader)."""
+        from benchmarks import gather_probe
+        out = self.tmp / "gather_probe.json"
+        flags = ["--out", str(out)] + ([] if self.cuda else ["--device", "cpu", "--box", "24", "--batch", "4",
+                                                              "--crop", "8", "--repeats", "1"])
+        self.log("$ benchmarks/gather_probe.py " + " ".join(flags[2:]))
+        with self.quiet():
+            gather_probe.main(flags)
+        probe = json.loads(out.read_text())
+        self.results["gather_probe"] = probe
+        times = probe["ms_per_batch"]
+        self.check("GPU-resident loader: gather candidates equal its batches (benchmarks/gather_probe.py)",
+                   all(probe["equal"].values()), ", ".join(f"{name} {ms:.3f} ms" for name, ms in times.items())
+                   + f" per batch ({probe['box']}^3 {probe['dtype']}, {probe['memory_format']})")
 
     def thread_sweep(self):
         """IO samples/s of the fast loader (pinned batches copied to the device) per thread count."""
@@ -548,7 +567,7 @@ class Suite:
         if not self.cuda:
             self.skip("more levers: compile + channels-last, every cuDNN engine", "no GPU")
             return
-        forms = with_up0_rewritten(self.conv_forms)
+        forms = with_up0_rewritten(self.train_forms)
         runs = {"compile": ["--rungs", "channels_last,compile_channels_last"],
                 "all_engines": ["--rungs", "channels_last", "--cudnn_benchmark_limit", "0"]}
         rates = {}

@@ -1,4 +1,5 @@
 """The fast CPU loader and the GPU-resident loader (run on CPU) serve the straightforward loader's stream."""
+import json
 import h5py
 import numpy as np
 import pytest
@@ -182,3 +183,22 @@ def test_gpu_loader_says_what_to_do_when_the_box_does_not_fit(tiny_params, monke
     with pytest.raises(DataError, match=r"the train box \(24\^3, 9 channels\) needs 0.000498 GB of device memory "
                                         r"in fp32, but 1e-05 GB are free; set gpu_storage_dtype: fp16"):
         gpu_loader.check_device_memory(tiny_params().train_path, torch.float32, torch.device("cuda"), "train")
+
+
+def test_the_gather_probe_checks_its_candidates_against_the_loaders_gather(tmp_path, monkeypatch):
+    """benchmarks/gather_probe.py (timed on a GPU): every candidate equals utils/data/gpu.gather_crops bit for bit,
+    in both layouts, and a candidate that drops the vector signs is caught."""
+    from benchmarks import gather_probe
+    small = ["--device", "cpu", "--box", "24", "--batch", "6", "--crop", "8", "--repeats", "1"]
+    for layout in ("channels_last", "contiguous"):
+        out = tmp_path / f"{layout}.json"
+        assert gather_probe.main(small + ["--memory_format", layout, "--out", str(out)]) == 0
+        assert all(json.loads(out.read_text())["equal"].values())
+
+    def unsigned(volume, index, source, sign, memory_format):
+        return gather_probe.two_index(volume, index, source, sign.abs(), memory_format)
+    monkeypatch.setitem(gather_probe.CANDIDATES, "unsigned", unsigned)
+    out = tmp_path / "broken.json"
+    assert gather_probe.main(small + ["--out", str(out)]) == 1
+    assert json.loads(out.read_text())["equal"] == {"current": True, "two_index": True, "channels_last_order": True,
+                                                    "unsigned": False}

@@ -160,28 +160,38 @@ class GPUResidentLoader(PlannedLoader):
 
     def flat_index(self, corners, elements):
         """(B, S, S, S) flat positions in an N^3 volume of the crops at ``corners`` (B, 3), moved by ``elements``."""
-        n, s = self.inp.shape[1], self.spec.crop
-        perm, flip = self.perms[elements], self.flips[elements]                      # (B, 3): new axis k <- old perm[k]
-        j = torch.arange(s, device=self.device)
-        along = torch.where(flip[..., None], s - 1 - j, j)                           # (B, 3, S)
-        stride = n ** (2 - perm)                                                      # (B, 3): flat stride of old axis
-        offsets = ((torch.gather(corners, 1, perm)[..., None] + along) * stride[..., None]).to(self.index_dtype)
-        return offsets[:, 0, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
+        return crop_index(corners, self.perms[elements], self.flips[elements], self.inp.shape[1], self.spec.crop,
+                          self.index_dtype)
 
     def gather(self, volume, index, elements):
         """(B, C, S, S, S) float32 samples of ``volume`` (C, N, N, N) at ``index`` (B, S, S, S)."""
-        num_channels, batch, s = volume.shape[0], index.shape[0], index.shape[1]
-        moved = volume.view(num_channels, -1).index_select(1, index.view(-1))         # (C, B*S^3), storage dtype
-        # Vectors follow the grid: output channel c of sample b is row source[b, c] * B + b of
-        # `moved` seen as (C*B, S^3) rows, times sign[b, c]; picking the rows in (b, c) order
-        # also puts the batch first.
-        source, sign = (table[elements] for table in self.tables[num_channels])      # (B, C) each
-        rows = source * batch + torch.arange(batch, device=self.device)[:, None]      # (B, C)
-        rotated = moved.view(num_channels * batch, -1).index_select(0, rows.view(-1))  # (B*C, S^3)
-        out = torch.empty((batch, num_channels, s, s, s), dtype=torch.float32, device=self.device,
-                          memory_format=self.memory_format)
-        torch.mul(rotated.view(out.shape), sign[..., None, None, None], out=out)     # cast, sign, layout: one pass
-        return out
+        source, sign = (table[elements] for table in self.tables[volume.shape[0]])  # (B, C) each
+        return gather_crops(volume, index, source, sign, self.memory_format)
+
+
+def crop_index(corners, perm, flip, n, s, dtype):
+    """(B, S, S, S) flat positions in an N^3 volume of the S^3 crops at ``corners`` (B, 3), with new axis k
+    taken from old axis ``perm[b, k]``, reversed where ``flip[b, k]``."""
+    j = torch.arange(s, device=corners.device)
+    along = torch.where(flip[..., None], s - 1 - j, j)                           # (B, 3, S)
+    stride = n ** (2 - perm)                                                      # (B, 3): flat stride of old axis
+    offsets = ((torch.gather(corners, 1, perm)[..., None] + along) * stride[..., None]).to(dtype)
+    return offsets[:, 0, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
+
+
+def gather_crops(volume, index, source, sign, memory_format=torch.contiguous_format):
+    """(B, C, S, S, S) float32 samples of ``volume`` (C, N, N, N) at ``index`` (B, S, S, S): output channel c of
+    sample b is channel ``source[b, c]`` times ``sign[b, c]`` (vectors follow the grid)."""
+    num_channels, batch, s = volume.shape[0], index.shape[0], index.shape[1]
+    moved = volume.view(num_channels, -1).index_select(1, index.view(-1))         # (C, B*S^3), storage dtype
+    # Output channel c of sample b is row source[b, c] * B + b of `moved` seen as (C*B, S^3) rows, times
+    # sign[b, c]; picking the rows in (b, c) order also puts the batch first.
+    rows = source * batch + torch.arange(batch, device=volume.device)[:, None]    # (B, C)
+    rotated = moved.view(num_channels * batch, -1).index_select(0, rows.view(-1))  # (B*C, S^3)
+    out = torch.empty((batch, num_channels, s, s, s), dtype=torch.float32, device=volume.device,
+                      memory_format=memory_format)
+    torch.mul(rotated.view(out.shape), sign[..., None, None, None], out=out)     # cast, sign, layout: one pass
+    return out
 
 
 def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"), storage_dtype=None,

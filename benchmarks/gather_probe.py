@@ -1,0 +1,143 @@
+"""Faster crops for the GPU-resident loader? Its gather against two one-pass candidates, checked and timed.
+
+    python benchmarks/gather_probe.py                     # GPU: the reference's 1024^3 box in fp16, batch 64
+    python benchmarks/gather_probe.py --device cpu --box 32 --batch 4 --crop 8 --repeats 1   # CPU: checks only
+
+On the H100 the GPU-resident loader costs 1.3-1.65 ms per training step (benchmarks/results/h100.md): 6% of the
+*_opt configs' step, and the gap between FULL and SYNTHETIC in benchmark mode. Its gather
+(utils/data/gpu.gather_crops) makes three passes over the batch, where about 0.9 GB must move:
+
+- ``current``: index_select of the crop positions (C, B*S^3), index_select of the rows that rotate the vector
+  channels, then sign, cast to float32 and layout in one multiply;
+- ``two_index``: one advanced-indexing gather with broadcast (B, C, 1) channel and (B, 1, S^3) position
+  indices, then the same multiply;
+- ``channels_last_order``: the same gather in (B, S, S, S, C) order, which is the memory of a channels-last
+  batch, then the multiply with contiguous writes.
+
+Every round draws fresh random crops and symmetry elements, and each candidate's batches must equal the
+current ones bit for bit. Then each is timed (median of ``--repeats`` rounds, both volumes: the 4 input and 5
+target channels) in the batch layout of ``--memory_format`` (channels_last: the *_opt configs'). The volumes
+are random values (the gather's time does not depend on them). The last line is PASS (every candidate equal)
+or FAIL, with the fastest; a faster candidate then goes into gather_crops.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from utils import symmetry  # noqa: E402
+from utils.data.gpu import STORAGE_DTYPES, channel_tables, crop_index, gather_crops  # noqa: E402
+
+CHANNELS = (4, 5)  # N-body input, hydro target
+
+
+def two_index(volume, index, source, sign, memory_format):
+    num_channels, batch, s = volume.shape[0], index.shape[0], index.shape[1]
+    moved = volume.view(num_channels, -1)[source[:, :, None], index.view(batch, 1, -1)]  # (B, C, S^3)
+    out = torch.empty((batch, num_channels, s, s, s), dtype=torch.float32, device=volume.device,
+                      memory_format=memory_format)
+    torch.mul(moved.view(out.shape), sign[..., None, None, None], out=out)
+    return out
+
+
+def channels_last_order(volume, index, source, sign, memory_format):
+    if memory_format != torch.channels_last_3d:
+        return two_index(volume, index, source, sign, memory_format)
+    num_channels, batch, s = volume.shape[0], index.shape[0], index.shape[1]
+    moved = volume.view(num_channels, -1)[source[:, None, None, None, :], index[..., None]]  # (B, S, S, S, C)
+    out = torch.empty((batch, s, s, s, num_channels), dtype=torch.float32, device=volume.device)
+    torch.mul(moved, sign[:, None, None, None, :], out=out)
+    return out.permute(0, 4, 1, 2, 3)  # (B, C, S, S, S), channels-last strides
+
+
+CANDIDATES = {"current": gather_crops, "two_index": two_index, "channels_last_order": channels_last_order}
+
+
+def random_crops(batch, n, s, device, generator):
+    """(corners (B, 3), elements (B,)) of random crops and symmetry elements."""
+    corners = torch.randint(0, n - s + 1, (batch, 3), generator=generator).to(device)
+    elements = torch.randint(0, symmetry.NUM_ELEMENTS, (batch,), generator=generator).to(device)
+    return corners, elements
+
+
+def timed(function, device):
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    begin = time.perf_counter()
+    function()
+    return 1e3 * (time.perf_counter() - begin)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--box", type=int, default=1024, help="volume edge N (default 1024, the reference's)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--crop", type=int, default=64)
+    parser.add_argument("--dtype", default="fp16", choices=sorted(STORAGE_DTYPES), help="storage dtype (default fp16)")
+    parser.add_argument("--memory_format", default="channels_last", choices=("channels_last", "contiguous"))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA GPU is visible; pass --device cpu for the equality checks alone")
+    if args.crop > args.box or min(args.box, args.crop, args.batch, args.repeats) < 1:
+        parser.error("need 1 <= --crop <= --box, and --batch, --repeats >= 1")
+    memory_format = torch.channels_last_3d if args.memory_format == "channels_last" else torch.contiguous_format
+    generator = torch.Generator().manual_seed(0)
+    dtype = STORAGE_DTYPES[args.dtype]
+    volumes = [torch.empty((c, args.box, args.box, args.box), device=device, dtype=dtype).uniform_(-1, 1)
+               for c in CHANNELS]  # filled where they live: 1024^3 in seconds
+    tables = {c: tuple(t.to(device) for t in channel_tables(c)) for c in CHANNELS}
+    elements = [symmetry.element(g) for g in range(symmetry.NUM_ELEMENTS)]
+    perms = torch.tensor([perm for perm, _ in elements], device=device)
+    flips = torch.tensor([flip for _, flip in elements], device=device)
+    index_dtype = torch.int32 if args.box ** 3 < 2 ** 31 else torch.int64
+
+    def batch_of(candidate, corners, chosen):
+        index = crop_index(corners, perms[chosen], flips[chosen], args.box, args.crop, index_dtype)
+        return [candidate(volume, index, *(t[chosen] for t in tables[volume.shape[0]]), memory_format)
+                for volume in volumes]
+
+    equal, times = {name: True for name in CANDIDATES}, {name: [] for name in CANDIDATES}
+    for round_number in range(args.repeats + 1):  # round 0 warms up (allocations, kernels)
+        corners, chosen = random_crops(args.batch, args.box, args.crop, device, generator)
+        reference = batch_of(gather_crops, corners, chosen)
+        for name, candidate in CANDIDATES.items():
+            made = batch_of(candidate, corners, chosen)
+            equal[name] &= all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(made, reference))
+            del made
+            milliseconds = timed(lambda: batch_of(candidate, corners, chosen), device)
+            if round_number:
+                times[name].append(milliseconds)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "box": args.box, "batch": args.batch, "crop": args.crop,
+              "dtype": args.dtype, "memory_format": args.memory_format, "repeats": args.repeats,
+              "ms_per_batch": {k: round(v, 3) for k, v in medians.items()}, "equal": equal}
+    for name, ms in medians.items():
+        print(f"{name:20s} {ms:8.3f} ms per batch  {medians['current'] / ms:5.2f}x  equal: {equal[name]}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    fastest = min(medians, key=medians.get)
+    ok = all(equal.values())
+    print(f"{'PASS' if ok else 'FAIL'} gather candidates equal the loader's batches; fastest: {fastest} "
+          f"({medians[fastest]:.3f} ms against {medians['current']:.3f} ms current, batch {args.batch}, "
+          f"{args.box}^3 {args.dtype}, {args.memory_format}, {result['device']})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
