@@ -1,7 +1,8 @@
 """What only a CUDA GPU can check: graph capture and replay, the capturable optimizer's schedule, resuming
 a graph run, the rewritten convolution forms in a graph, torch.compile with channels-last (what the refusal of
 pytorch#171622 lets through, and a canary of the bug), the GPU-resident loader, the pinned prefetcher, cuDNN
-kernels for bf16 3D convolutions, MFU and peak memory, and the collectives and DDP on NCCL (a one-rank group).
+kernels for bf16 3D convolutions, MFU and peak memory, and the collectives and DDP on NCCL (a one-rank group;
+also compiled and channels-last, as the *_opt configs train).
 
     python -m pytest -q tests/test_gpu.py     # on a GPU machine: a minute or two; every test skips elsewhere
 
@@ -468,6 +469,7 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
     CPU tests run gloo, which takes them): the run's collectives and DDP with the bf16 hook on the real backend."""
     from utils import lyman_alpha
     from utils.distributed import DistInfo, all_reduce_sum
+    from utils.checkpoint_manager import CHECKPOINT_FAILED, LOG_FAILED
     from utils.run_control import RunControl
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
                             device_id=CUDA)
@@ -484,17 +486,29 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
         control = RunControl(info)
         try:
             assert control.agree(checkpoint_due=True) == (False, None, True, False)
+            assert control.agree(write_failed=CHECKPOINT_FAILED | LOG_FAILED)[3] == 3  # rank 0's failed writes
         finally:
             control.close()
         with pytest.raises(ValueError, match="no optical depths"):
             lyman_alpha.solve_amplitude([], 0.7, info)  # a rank left without validation samples
-        assert len(devices) == 3 and all(device == CUDA for device in devices), devices
+        assert len(devices) == 4 and all(device == CUDA for device in devices), devices
 
         state = training.build_training(tiny_params(**TINY_CUDA, ddp_comm_hook="bf16"), info)
         assert any("DDP (nccl)" in note for note in state.notes), state.notes
         before = flat_weights(state.model)
         (inp, tar), = device_batches(tiny_params, count=1)
         assert torch.isfinite(training.eager_step(state, inp, tar)).item()
+        assert not torch.equal(flat_weights(state.model), before)
+
+        # The *_opt configs' combination under DDP: compiled, channels-last, rewritten forms (a 1^3 bottom).
+        settings = {**TINY_CUDA, "model_channels": [8, 16, 16], "data_size": 8, "channels_last": True,
+                    "conv_forms": "down0=rewritten,last=rewritten,up0=rewritten", "enable_jit": True,
+                    "amp_mode": "bf16", "enable_fused": True}
+        state = training.build_training(tiny_params(**settings), info)
+        assert any("DDP (nccl)" in note for note in state.notes), state.notes
+        before = flat_weights(state.model)
+        for inp, tar in random_batches(8, count=2):
+            assert torch.isfinite(training.eager_step(state, inp, tar)).item()
         assert not torch.equal(flat_weights(state.model), before)
     finally:
         dist.destroy_process_group()
