@@ -19,7 +19,8 @@ from utils.distributed import all_reduce_sum
 from utils.errors import StorageError, storage_cause
 
 RERUN = "the checkpoints written before are intact: free space (or fix the file system), then rerun the same command"
-PEER_FAILED = "rank 0 could not write its run log or TensorBoard events (its error line says why); this rank stops with it"
+PEER_FAILED = ("rank 0 could not write its run log or TensorBoard events (its error line says why); this rank stops "
+               "with it")
 _held = []  # under DDP: the first failed write of this process's run log or events, until the ranks agree to stop
 
 
