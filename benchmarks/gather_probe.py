@@ -111,24 +111,32 @@ def main(argv=None):
         return [candidate(volume, index, *(t[chosen] for t in tables[volume.shape[0]]), memory_format)
                 for volume in volumes]
 
-    equal, times = {name: True for name in CANDIDATES}, {name: [] for name in CANDIDATES}
+    equal, times, errors = {name: True for name in CANDIDATES}, {name: [] for name in CANDIDATES}, {}
     for round_number in range(args.repeats + 1):  # round 0 warms up (allocations, kernels)
         corners, chosen = random_crops(args.batch, args.box, args.crop, device, generator)
         reference = batch_of(gather_crops, corners, chosen)
         for name, candidate in CANDIDATES.items():
-            made = batch_of(candidate, corners, chosen)
+            if name in errors:
+                continue
+            try:  # a candidate this torch cannot run (say, mixed index dtypes on this device) is reported, not fatal
+                made = batch_of(candidate, corners, chosen)
+            except RuntimeError as err:
+                errors[name], equal[name] = str(err).splitlines()[0], False
+                continue
             equal[name] &= all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(made, reference))
             del made
             milliseconds = timed(lambda: batch_of(candidate, corners, chosen), device)
             if round_number:
                 times[name].append(milliseconds)
-    medians = {name: statistics.median(t) for name, t in times.items()}
+    medians = {name: statistics.median(t) for name, t in times.items() if t}
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "box": args.box, "batch": args.batch, "crop": args.crop,
               "dtype": args.dtype, "memory_format": args.memory_format, "repeats": args.repeats,
-              "ms_per_batch": {k: round(v, 3) for k, v in medians.items()}, "equal": equal}
+              "ms_per_batch": {k: round(v, 3) for k, v in medians.items()}, "equal": equal, "errors": errors}
     for name, ms in medians.items():
         print(f"{name:20s} {ms:8.3f} ms per batch  {medians['current'] / ms:5.2f}x  equal: {equal[name]}")
+    for name, error in errors.items():
+        print(f"{name:20s} failed: {error}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     fastest = min(medians, key=medians.get)

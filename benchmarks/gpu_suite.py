@@ -359,7 +359,8 @@ class Suite:
         times = probe["ms_per_batch"]
         self.check("GPU-resident loader: gather candidates equal its batches (benchmarks/gather_probe.py)",
                    all(probe["equal"].values()), ", ".join(f"{name} {ms:.3f} ms" for name, ms in times.items())
-                   + f" per batch ({probe['box']}^3 {probe['dtype']}, {probe['memory_format']})")
+                   + f" per batch ({probe['box']}^3 {probe['dtype']}, {probe['memory_format']})"
+                   + (f"; failed: {probe['errors']}" if probe["errors"] else ""))
 
     def thread_sweep(self):
         """IO samples/s of the fast loader (pinned batches copied to the device) per thread count."""
