@@ -69,6 +69,7 @@ def random_crops(batch, n, s, device, generator):
 def timed(function, device):
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # about 1 ms of queued work: the host's launches are not timed
         start.record()
         function()
         end.record()
@@ -107,7 +108,11 @@ def main(argv=None):
     index_dtype = torch.int32 if args.box ** 3 < 2 ** 31 else torch.int64
 
     def batch_of(candidate, corners, chosen):
-        index = crop_index(corners, perms[chosen], flips[chosen], args.box, args.crop, index_dtype)
+        # Advanced indexing converts an int32 index to int64 at its broadcast size, (B, C, S^3) per volume:
+        # the candidates get int64 positions from the start, once per batch (gather_crops' index_select takes
+        # int32 as it is).
+        dtype = index_dtype if candidate is gather_crops else torch.int64
+        index = crop_index(corners, perms[chosen], flips[chosen], args.box, args.crop, dtype)
         return [candidate(volume, index, *(t[chosen] for t in tables[volume.shape[0]]), memory_format)
                 for volume in volumes]
 

@@ -162,7 +162,7 @@ class Suite:
         self.autotuned = self.autotuned or bool(key and key in "bcdefh")
         try:
             function()
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # SystemExit: a benchmark script's argparse refusing its flags
             self.log_file.write(traceback.format_exc())
             self.check(name, False, f"crashed: {type(err).__name__}: {err}".splitlines()[0])
         release_memory()
