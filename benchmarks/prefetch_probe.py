@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.conv_variants import timed  # noqa: E402
 from utils.data.fast import DevicePrefetcher  # noqa: E402
 
 HIDDEN_GOAL = 0.8
@@ -69,26 +70,12 @@ def run_loop(batches, step, mode, device):
     return time.perf_counter() - begin
 
 
-def gpu_ms(function, repeats=5):
-    """Median milliseconds of ``function()`` on the GPU (CUDA events), after one warm-up call."""
-    function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def make_step(kind, ms, device):
     """A GPU step of about ``ms`` milliseconds: 'sleep' (one sleep kernel) or 'conv' (bf16 channels-last
     Conv3d forward passes, 64 -> 64 channels on a (16, 64, 32, 32, 32) input, repeated)."""
     if kind == "sleep":
         cycles = 10_000_000
-        per_call = gpu_ms(lambda: torch.cuda._sleep(cycles))
+        per_call = timed(lambda: torch.cuda._sleep(cycles), device, repeats=5, warmup=1)
         cycles = int(cycles * ms / per_call)
         return lambda: torch.cuda._sleep(cycles)
     conv = torch.nn.Conv3d(64, 64, 3, padding=1).to(device, torch.bfloat16, memory_format=torch.channels_last_3d)
@@ -97,7 +84,7 @@ def make_step(kind, ms, device):
     def once():
         with torch.no_grad():
             conv(x)
-    repeats = max(1, round(ms / gpu_ms(once)))
+    repeats = max(1, round(ms / timed(once, device, repeats=5, warmup=1)))
 
     def step():
         for _ in range(repeats):
