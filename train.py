@@ -176,7 +176,7 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
     resumed_loss_sum = checkpoints.resume(resume_from, resume_fallback)
     if info.is_main:  # now that the checkpoint accepted this config, it is the run's record
         save_config(params, run_dir / "config.yaml")
-    if state.global_step >= num_steps:
+    if state.global_step >= num_steps and not checkpoints.validation_pending:
         logger.info(f"This run already finished ({state.global_step} of {num_steps} steps); nothing to do. "
                     f"Use a new --run_num (or --resume never) to train again")
         return None
@@ -202,11 +202,15 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
     # there was none: an attempt killed before its first checkpoint left events of steps that will run again).
     writer = (EventWriter(run_dir / "logs", hold=info.enabled,  # under DDP a failure stops all ranks together
                           purge_step=state.global_step + 1 if state.global_step else 0) if info.is_main else None)
-    if state.global_step == 0:
+    if state.global_step == 0 or checkpoints.validation_pending:
         val_loss, science, example = validate(state, val_loader)
-        logger.info(f"Initial val loss={val_loss:.6f}")
-        log_validation(writer, 0, val_loss, science, example, params)
-        if writer:
+        if state.global_step == 0:
+            logger.info(f"Initial val loss={val_loss:.6f}")
+        else:
+            logger.info(f"  Avg val loss={val_loss:.6f} (epoch {state.global_step // steps_per_epoch}'s, which the "
+                        f"stopped run left to this one)")
+        log_validation(writer, state.global_step, val_loss, science, example, params)
+        if writer and state.global_step == 0:
             writer.add_scalar("Learning Rate", lr_at(0), 0)
 
     profiler = state.profiler
@@ -238,12 +242,14 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
                         log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses,
                                      lr, meter)
                     checkpoints.after_step(loss, loss_sum, last_in_epoch)
-                checkpoints.end_of_epoch()
+                stop = checkpoints.end_of_epoch()
                 epoch_time = time.perf_counter() - epoch_start
                 epoch_steps = steps_per_epoch - first_step
                 train_loss = all_reduce_sum([loss_sum.item()], info)[0] / (steps_per_epoch * info.world_size)
                 summary = meter.summary(epoch_time, epoch_steps, params.global_batch_size, flops_per_step, peak)
                 log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time)
+                if stop:  # the grace period before SIGKILL is for the checkpoint; the rerun validates first
+                    checkpoints.save_epoch(epoch)  # raises Preempted
                 val_start = time.perf_counter()
                 val_loss, science, example = validate(state, val_loader)
                 logger.info(f"  Avg val loss={val_loss:.6f}")

@@ -2,6 +2,8 @@
 and the wall-clock interval."""
 import errno
 import io
+import os
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -17,6 +19,7 @@ from utils import checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, load_checkpoint, plain_state_dict, rng_state,
                               save_checkpoint)
 from utils.config import load_config
+from utils.errors import Preempted
 from utils.run_control import RunControl
 
 
@@ -239,6 +242,43 @@ def test_wall_clock_checkpoints_in_a_training_run(tiny_argv, tmp_path, monkeypat
     events.Reload()
     stalls = events.Scalars("Perf/checkpoint_stall_s")
     assert len(stalls) == 1 and stalls[0].step == 16 and 0 <= stalls[0].value < 60
+
+
+@pytest.mark.parametrize("stopped_epoch", [1, 2])
+def test_a_stop_at_an_epochs_end_checkpoints_before_validating_and_the_rerun_validates_first(tiny_argv, tmp_path,
+                                                                                              stopped_epoch):
+    """Slurm's grace period before SIGKILL is for the checkpoint, not for a validation pass: the stopped run saves
+    at once, and the rerun does that epoch's validation first (also after the last epoch), so nothing is lost."""
+    argv = tiny_argv + ["--deterministic", "--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "0"]
+    runs = tmp_path / "runs" / "tiny" / "1GPU"
+    whole = train.main(argv + ["--run_num", "whole"])
+
+    def signal_in_the_last_step_of_the_epoch(state, inp, tar):
+        loss = training.eager_step(state, inp, tar)
+        if state.global_step + 1 == 8 * stopped_epoch:  # as a scheduler would: the signal during that step
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return loss
+
+    with pytest.raises(Preempted, match=f"after epoch {stopped_epoch}, before its validation"):
+        train.main(argv + ["--run_num", "split"], make_step=lambda state: signal_in_the_last_step_of_the_epoch)
+    stopped_log = (runs / "split" / "out.log").read_text()
+    assert stopped_log.count("Avg val loss=") == stopped_epoch - 1
+    saved = load_checkpoint(runs / "split" / "checkpoints" / f"ckpt_step{8 * stopped_epoch:08d}.pt")
+    assert saved["validation_pending"] is True
+
+    resumed = train.main(argv + ["--run_num", "split"])
+    log = (runs / "split" / "out.log").read_text()[len(stopped_log):]
+    assert "its epoch's validation, skipped by the stopped run, comes first" in log
+    assert f"(epoch {stopped_epoch}'s, which the stopped run left to this one)" in log
+    assert resumed == whole  # deterministic kernels: the same final validation loss, exactly
+    curves = []
+    for run_num in ("whole", "split"):
+        events = EventAccumulator(str(runs / run_num / "logs"))
+        events.Reload()
+        curves.append([(point.step, point.value) for point in events.Scalars("Loss/valid")])
+    assert curves[1] == curves[0] and [step for step, _ in curves[0]] == [0, 8, 16]  # each validation once
+    if stopped_epoch == 1:  # the epoch-2 checkpoint of the rerun is an ordinary one
+        assert load_checkpoint(runs / "split" / "checkpoints" / "ckpt_step00000016.pt")["validation_pending"] is False
 
 
 def test_failed_final_write_ends_the_run_with_one_line(tiny_argv, tmp_path, monkeypatch, capsys):

@@ -6,8 +6,9 @@ train.py's loop talks to it at three points::
     resumed_loss_sum = checkpoints.resume("auto")      # before the first step
     with checkpoints.running(tensorboard_writer):      # signal handlers, non-finite tracker
         checkpoints.after_step(loss, loss_sum, last_in_epoch)   # after every step
-        checkpoints.end_of_epoch()                     # before validation; then
-        checkpoints.save_epoch(epoch, last=...)        # after it (raises Preempted on a stop signal)
+        if checkpoints.end_of_epoch():                 # before validation; True: a stop signal arrived,
+            checkpoints.save_epoch(epoch)              # so save and raise Preempted (the rerun validates first)
+        checkpoints.save_epoch(epoch, last=...)        # else after validation
 
 Rank 0 writes in the background (utils/checkpoint.AsyncCheckpointer): the loop stalls only for the copy
 to host memory. Between epoch ends a checkpoint is written when the wall-clock interval (rank 0's
@@ -54,6 +55,9 @@ class CheckpointManager:
         self.tensorboard = None  # where the stall statistics go at the end
         self.stop = False      # a stop signal seen at the end of an epoch
         self.failed_write = None  # rank 0's CheckpointError of a background write, until the ranks agree on it
+        # The resumed checkpoint was saved at an epoch's end on a stop signal, before that epoch's validation,
+        # which the resumed run then does first (the grace period before SIGKILL is for the checkpoint).
+        self.validation_pending = False
 
     # --- resume -----------------------------------------------------------------------------------
     def resume(self, resume_from="auto", fallback=None):
@@ -83,12 +87,15 @@ class CheckpointManager:
             state.scaler.load_state_dict(payload["scaler"])
         set_rng_state(payload["rng"])
         state.global_step = payload["step"]
+        self.validation_pending = bool(payload.get("validation_pending", False))  # older checkpoints lack it
         if info.is_main and path.parent == self.directory.resolve():
             # Going back in this run: its newer checkpoints are an abandoned timeline, which a restart before
             # the first save (--resume auto) must not jump forward into.
             prune_newer(self.directory, state.global_step)
         logger.info(f"Resumed from {path} at global step {state.global_step}"
-                    + (f"; changed settings: {', '.join(f'{k} {a} -> {b}' for k, a, b in changed)}" if changed else ""))
+                    + (f"; changed settings: {', '.join(f'{k} {a} -> {b}' for k, a, b in changed)}" if changed else "")
+                    + ("; its epoch's validation, skipped by the stopped run, comes first"
+                       if self.validation_pending else ""))
         return payload["epoch_loss_sum"] if info.is_main else 0.0
 
     def newest(self):
@@ -137,19 +144,21 @@ class CheckpointManager:
 
     def end_of_epoch(self):
         """At the end of an epoch, before validation: stop on a non-finite loss; returns whether a stop
-        signal arrived (then save_epoch checkpoints and raises Preempted)."""
+        signal arrived (then the caller skips validation, and save_epoch checkpoints and raises Preempted)."""
         stop, bad_step, _, failed = self.control.agree(write_failed=self._failures())
         self._stop_on_agreed_errors(failed, bad_step)
         self.stop = stop
         return stop
 
-    def save_epoch(self, epoch, last):
+    def save_epoch(self, epoch, last=False):
         """The end-of-epoch checkpoint: in the background too, except before exiting (``last`` epoch, stop
-        signal): then the file is complete on disk, and under DDP every rank waits for that."""
-        self.save(0.0, f"end of epoch {epoch + 1}", wait=self.stop or last)
+        signal): then the file is complete on disk, and under DDP every rank waits for that. After a stop
+        signal it is saved before the epoch's validation, and says so (``validation_pending``)."""
+        self.save(0.0, f"end of epoch {epoch + 1}", wait=self.stop or last, validation_pending=self.stop)
         if self.stop:
             raise Preempted(f"stopped by {self.control.signal_name or 'a signal on another rank'} after epoch "
-                            f"{epoch + 1}; rerun the same command to continue")
+                            f"{epoch + 1}, before its validation (which the rerun does first); rerun the same "
+                            f"command to continue")
 
     def __exit__(self, *exc):
         """However the loop ends: a write still in flight lands (or fails), then the signal handlers go back
@@ -163,11 +172,12 @@ class CheckpointManager:
         return False
 
     # --- saving -----------------------------------------------------------------------------------
-    def payload(self, epoch_loss_sum):
+    def payload(self, epoch_loss_sum, validation_pending=False):
         state = self.state
         return {"step": state.global_step, "config": dict(state.params), "model": plain_state_dict(state.model),
                 "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(),
-                "rng": rng_state(state.info.device), "epoch_loss_sum": epoch_loss_sum}
+                "rng": rng_state(state.info.device), "epoch_loss_sum": epoch_loss_sum,
+                "validation_pending": validation_pending}
 
     def _background_writer(self):
         """Rank 0's background checkpoint writer (made on first use, which starts its wall-clock interval)."""
@@ -177,7 +187,7 @@ class CheckpointManager:
                 self.writer.reserve(self.payload(0.0))
         return self.writer
 
-    def save(self, epoch_loss_sum, reason, wait=False):
+    def save(self, epoch_loss_sum, reason, wait=False, validation_pending=False):
         """Checkpoint at this step boundary: rank 0 copies the state to host memory and writes it in the
         background. Callers first agree (RunControl.agree) that every loss so far was finite. ``wait``:
         also wait until the file is complete (exit points)."""
@@ -189,8 +199,8 @@ class CheckpointManager:
         if state.info.is_main:
             writer = self._background_writer()
             try:  # waits for the previous write first, and raises its error
-                stall = writer.save(self.payload(loss_sum), state.global_step, state.params.keep_checkpoints, reason,
-                                    started)
+                stall = writer.save(self.payload(loss_sum, validation_pending), state.global_step,
+                                    state.params.keep_checkpoints, reason, started)
                 logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
                 if self.tensorboard is not None:  # events up to the checkpoint on disk: a resume purges later ones
                     self.tensorboard.flush()
