@@ -11,7 +11,8 @@ checkpoint and step that made it. A run directory as ``--checkpoint`` means its 
 Tiling, memory and the whole-box science are in utils/inference.py.
 
 Science on the whole box: when the input file also holds the true ``Hydro`` (a generated or simulated
-pair), the whole-box L1 is printed, and (unless ``--no-lyman_alpha``) the Lyman-alpha forest statistics
+pair), the whole-box L1 is printed, and (unless ``--no-lyman_alpha``, or the checkpoint's config has
+``lyman_alpha.enabled: false`` and ``--lyman_alpha`` is not given) the Lyman-alpha forest statistics
 of prediction and truth (utils/lyman_alpha.py): optical depth along skewers on the box's last axis
 (every ``--lya_stride``-th cell along the other two; default N/64, at least 1: 4096 skewers), periodic,
 normalised so that the truth has the checkpoint config's mean flux, then the mean flux, the flux PDF
@@ -51,8 +52,9 @@ def parse_args(argv=None):
     parser.add_argument("--amp_mode", choices=["none", "bf16"], default="none",
                         help="autocast precision (default: none, i.e. fp32 with TF32 off on a GPU)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
-    parser.add_argument("--lyman_alpha", action=argparse.BooleanOptionalAction, default=True,
-                        help="Lyman-alpha flux statistics of the whole box (default: on)")
+    parser.add_argument("--lyman_alpha", action=argparse.BooleanOptionalAction,
+                        help="Lyman-alpha flux statistics of the whole box (default: as the checkpoint's config, "
+                             "lyman_alpha.enabled; on for older checkpoints)")
     parser.add_argument("--lya_stride", type=int,
                         help="flux skewers at every n-th cell along the first two axes (default: N/64, at least 1)")
     return parser.parse_args(argv)
@@ -88,7 +90,13 @@ def main(argv=None):
     print(f"{checkpoint} (step {step}): U-Net {params.model_channels} full_scale={params.full_scale} on {device}, "
           f"amp_mode={args.amp_mode}; {box}^3 box in {num_tiles} tiles of {tile}^3, overlap {overlap} "
           f"({num_tiles * tile ** 3 / box ** 3:.2f}x the box's compute)")
-    settings = lyman_alpha_settings(params, input_path) if args.lyman_alpha else None
+    lyman_alpha = args.lyman_alpha
+    if lyman_alpha is None:
+        lyman_alpha = (params.get("lyman_alpha") or {}).get("enabled", True)
+        if not lyman_alpha:
+            print("No Lyman-alpha statistics: the checkpoint's config has lyman_alpha.enabled false "
+                  "(--lyman_alpha computes them)")
+    settings = lyman_alpha_settings(params, input_path) if lyman_alpha else None
 
     partial = output.with_name(f".{output.name}.tmp{os.getpid()}")  # renamed when complete: no half-written output
     try:

@@ -213,6 +213,22 @@ def test_without_a_truth_only_the_predictions_own_flux_statistics(run_dir, tmp_p
         assert "lyman_alpha" not in f
 
 
+def test_lyman_alpha_follows_the_checkpoints_config_unless_the_flag_says_otherwise(model, tmp_path, capsys):
+    """A run trained with lyman_alpha.enabled false (data without a cell size, say) predicts without them."""
+    config = dict(load_config("quickstart", overrides={**TINY, "lyman_alpha.enabled": False}))
+    payload = {"step": 7, "config": config, "model": plain_state_dict(model),
+               "optimizer": torch.optim.Adam(model.parameters()).state_dict()}
+    save_checkpoint(tmp_path / "off" / "checkpoints", payload, 7, keep_last=1)
+    foreign = write_nbody(tmp_path / "foreign.h5", nbody(16), attrs={})  # no cell size
+    argv = ["--checkpoint", str(tmp_path / "off"), "--input", str(foreign), "--device", "cpu"]
+    predict.main(argv + ["--output", str(tmp_path / "a.h5")])
+    assert "the checkpoint's config has lyman_alpha.enabled false" in capsys.readouterr().out
+    with h5py.File(tmp_path / "a.h5", "r") as f:
+        assert "lyman_alpha" not in f and f["Hydro"].shape == (5, 16, 16, 16)
+    with pytest.raises(DataError, match=r"foreign.h5 does not say its cell size"):  # asked for: computed
+        predict.main(argv + ["--output", str(tmp_path / "b.h5"), "--lyman_alpha"])
+
+
 def test_a_checkpoint_from_before_the_slope_and_upsample_keys_is_the_old_model(tmp_path):
     """Checkpoints without leaky_relu_slope / upsample were trained with LeakyReLU(0.2) and transposed convs."""
     config = dict(load_config("quickstart", overrides=TINY))
