@@ -12,7 +12,14 @@ On the H100 the GPU-resident loader costs 1.3-1.65 ms per training step (benchma
 - ``two_index``: one advanced-indexing gather with broadcast (B, C, 1) channel and (B, 1, S^3) position
   indices, then the same multiply;
 - ``channels_last_order``: the same gather in (B, S, S, S, C) order, which is the memory of a channels-last
-  batch, then the multiply with contiguous writes.
+  batch, then the multiply with contiguous writes;
+- ``compiled``: ``gather_crops`` through ``torch.compile``, where Inductor can make the three passes one kernel.
+
+On CUDA, advanced indexing with index tensors of different (broadcast) strides first makes every index
+contiguous at the broadcast size (PyTorch's AdvancedIndex): ``two_index`` and ``channels_last_order`` write
+and read two int64 tensors of B*C*S^3 elements (about 2.4 GB per batch here) besides the gather. They are
+timed as they are, since that is what the one-pass form costs in eager PyTorch; ``compiled`` computes the
+positions inside its kernel.
 
 Every round draws fresh random crops and symmetry elements, and each candidate's batches must equal the
 current ones bit for bit. Then each is timed (median of ``--repeats`` rounds, both volumes: the 4 input and 5
@@ -56,7 +63,17 @@ def channels_last_order(volume, index, source, sign, memory_format):
     return out.permute(0, 4, 1, 2, 3)  # (B, C, S, S, S), channels-last strides
 
 
-CANDIDATES = {"current": gather_crops, "two_index": two_index, "channels_last_order": channels_last_order}
+_compiled_gather = []
+
+
+def compiled(volume, index, source, sign, memory_format):
+    if not _compiled_gather:  # compiled on first use (one graph per volume shape and layout)
+        _compiled_gather.append(torch.compile(gather_crops, dynamic=False))
+    return _compiled_gather[0](volume, index, source, sign, memory_format)
+
+
+CANDIDATES = {"current": gather_crops, "two_index": two_index, "channels_last_order": channels_last_order,
+              "compiled": compiled}
 
 
 def random_crops(batch, n, s, device, generator):
@@ -69,7 +86,7 @@ def random_crops(batch, n, s, device, generator):
 def timed(function, device):
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # about 1 ms of queued work: the host's launches are not timed
+        torch.cuda._sleep(10_000_000)  # about 5 ms of queued work: the host's launches are not timed
         start.record()
         function()
         end.record()

@@ -201,4 +201,4 @@ def test_the_gather_probe_checks_its_candidates_against_the_loaders_gather(tmp_p
     out = tmp_path / "broken.json"
     assert gather_probe.main(small + ["--out", str(out)]) == 1
     assert json.loads(out.read_text())["equal"] == {"current": True, "two_index": True, "channels_last_order": True,
-                                                    "unsigned": False}
+                                                    "compiled": True, "unsigned": False}
