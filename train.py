@@ -216,6 +216,7 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
     profiler = state.profiler
     try:
         with checkpoints.running(writer):
+            checkpoints.validated(wait=state.global_step >= num_steps)
             start_epoch = state.global_step // steps_per_epoch
             for epoch in range(start_epoch, params.num_epochs):
                 first_step = state.global_step - epoch * steps_per_epoch  # > 0 only in a resumed epoch

@@ -277,8 +277,16 @@ def test_a_stop_at_an_epochs_end_checkpoints_before_validating_and_the_rerun_val
         events.Reload()
         curves.append([(point.step, point.value) for point in events.Scalars("Loss/valid")])
     assert curves[1] == curves[0] and [step for step, _ in curves[0]] == [0, 8, 16]  # each validation once
-    if stopped_epoch == 1:  # the epoch-2 checkpoint of the rerun is an ordinary one
-        assert load_checkpoint(runs / "split" / "checkpoints" / "ckpt_step00000016.pt")["validation_pending"] is False
+    # The rerun saved that step again without the flag (same weights), so a third run neither validates again
+    # nor logs that validation twice
+    again = load_checkpoint(runs / "split" / "checkpoints" / f"ckpt_step{8 * stopped_epoch:08d}.pt")
+    assert again["validation_pending"] is False
+    assert all(torch.equal(again["model"][key], saved["model"][key]) for key in saved["model"])
+    assert load_checkpoint(runs / "split" / "checkpoints" / "ckpt_step00000016.pt")["validation_pending"] is False
+    before = (runs / "split" / "out.log").read_text()
+    assert train.main(argv + ["--run_num", "split"]) is None
+    third = (runs / "split" / "out.log").read_text()[len(before):]
+    assert "This run already finished (16 of 16 steps); nothing to do" in third and "val loss" not in third
 
 
 def test_failed_final_write_ends_the_run_with_one_line(tiny_argv, tmp_path, monkeypatch, capsys):

@@ -1,10 +1,11 @@
 """The checkpoint manager: one object owns resume, the periodic, end-of-epoch and preemption saves, and the
 stops (a signal: checkpoint and exit 3; a non-finite loss: exit 4 with no checkpoint after it).
 
-train.py's loop talks to it at three points::
+train.py's loop talks to it at these points::
 
     resumed_loss_sum = checkpoints.resume("auto")      # before the first step
     with checkpoints.running(tensorboard_writer):      # signal handlers, non-finite tracker
+        checkpoints.validated()                        # first: after the validation a stopped run left
         checkpoints.after_step(loss, loss_sum, last_in_epoch)   # after every step
         if checkpoints.end_of_epoch():                 # before validation; True: a stop signal arrived,
             checkpoints.save_epoch(epoch)              # so save and raise Preempted (the rerun validates first)
@@ -149,6 +150,14 @@ class CheckpointManager:
         self._stop_on_agreed_errors(failed, bad_step)
         self.stop = stop
         return stop
+
+    def validated(self, wait=False):
+        """After the validation that a stop at an epoch's end left to this run: the same step's checkpoint again,
+        without the flag, so that a later rerun neither validates again nor logs it twice (``wait``: the run has
+        no steps left, as ``save_epoch``'s last)."""
+        if self.validation_pending:
+            self.validation_pending = False
+            self.save(0.0, "validated", wait=wait)
 
     def save_epoch(self, epoch, last=False):
         """The end-of-epoch checkpoint: in the background too, except before exiting (``last`` epoch, stop
