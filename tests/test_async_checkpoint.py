@@ -244,6 +244,13 @@ def test_wall_clock_checkpoints_in_a_training_run(tiny_argv, tmp_path, monkeypat
     assert len(stalls) == 1 and stalls[0].step == 16 and 0 <= stalls[0].value < 60
 
 
+def validation_curve(run_dir):
+    """[(step, value)] of a run's TensorBoard Loss/valid."""
+    events = EventAccumulator(str(run_dir / "logs"))
+    events.Reload()
+    return [(point.step, point.value) for point in events.Scalars("Loss/valid")]
+
+
 @pytest.mark.parametrize("stopped_epoch", [1, 2])
 def test_a_stop_at_an_epochs_end_checkpoints_before_validating_and_the_rerun_validates_first(tiny_argv, tmp_path,
                                                                                               stopped_epoch):
@@ -271,11 +278,7 @@ def test_a_stop_at_an_epochs_end_checkpoints_before_validating_and_the_rerun_val
     assert "its epoch's validation, skipped by the stopped run, comes first" in log
     assert f"(epoch {stopped_epoch}'s, which the stopped run left to this one)" in log
     assert resumed == whole  # deterministic kernels: the same final validation loss, exactly
-    curves = []
-    for run_num in ("whole", "split"):
-        events = EventAccumulator(str(runs / run_num / "logs"))
-        events.Reload()
-        curves.append([(point.step, point.value) for point in events.Scalars("Loss/valid")])
+    curves = [validation_curve(runs / run_num) for run_num in ("whole", "split")]
     assert curves[1] == curves[0] and [step for step, _ in curves[0]] == [0, 8, 16]  # each validation once
     # The rerun saved that step again without the flag (same weights), so a third run neither validates again
     # nor logs that validation twice
@@ -447,3 +450,60 @@ def test_a_failed_log_write_under_ddp_stops_every_rank_with_exit_2(tiny_argv, tm
     assert errors[1][-1] == "error: rank 0 could not write its run log or TensorBoard events (its error line says " \
                             "why); this rank stops with it", errors[1]
     assert not any("Traceback" in err for _, err in results), results
+
+
+SIGNAL_ON_RANK1 = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import train
+from utils import training
+stop_after = int(os.environ["STOP_AFTER_STEP"])  # 0: no signal
+
+
+def step(state, inp, tar):
+    loss = training.eager_step(state, inp, tar)
+    if os.environ["RANK"] == "1" and state.global_step + 1 == stop_after:  # as Slurm would, to one task only
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return loss
+train.cli(lambda: train.main(sys.argv[1:], make_step=lambda state: step))
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_at_an_epochs_end_under_ddp_checkpoints_first_and_the_rerun_validates_first(tiny_argv, tmp_path):
+    """Rank 1 alone gets the signal in epoch 1's last step: both ranks agree at the epoch's end, checkpoint before
+    validating and exit 3; the rerun validates epoch 1 first on every rank and ends where an uninterrupted run
+    does, bit for bit, with each validation logged once."""
+    import subprocess
+    import sys
+    from conftest import REPO_ROOT, free_port, rank_env
+    script = tmp_path / "signal_on_rank1.py"
+    script.write_text(SIGNAL_ON_RANK1.format(repo=str(REPO_ROOT)))
+    argv = tiny_argv + ["--deterministic", "--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "0"]
+
+    def run_ranks(run_num, stop_after=0):
+        port = free_port()
+        processes = [subprocess.Popen([sys.executable, str(script)] + argv + ["--run_num", run_num],
+                                      env=rank_env(rank, port, STOP_AFTER_STEP=str(stop_after)), cwd=REPO_ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for rank in (0, 1)]
+        results = [p.communicate(timeout=180) for p in processes]
+        return [p.returncode for p in processes], [err.strip().splitlines()[-1:] for _, err in results]
+
+    assert run_ranks("whole")[0] == [0, 0]
+    codes, last_lines = run_ranks("split", stop_after=8)
+    assert codes == [3, 3], last_lines
+    assert last_lines[1] == ["stopped: stopped by SIGUSR1 after epoch 1, before its validation (which the rerun does "
+                             "first); rerun the same command to continue"], last_lines
+    assert last_lines[0][0].startswith("stopped: stopped by a signal on another rank after epoch 1, before its")
+    runs = tmp_path / "runs" / "tiny" / "2GPU"
+    assert load_checkpoint(runs / "split" / "checkpoints" / "ckpt_step00000008.pt")["validation_pending"] is True
+    assert run_ranks("split")[0] == [0, 0]
+
+    log = (runs / "split" / "out.log").read_text()
+    assert log.count("(epoch 1's, which the stopped run left to this one)") == 1
+    final = [load_checkpoint(runs / run_num / "checkpoints" / "ckpt_step00000016.pt")["model"]
+             for run_num in ("whole", "split")]
+    assert all(torch.equal(final[0][key], final[1][key]) for key in final[0])
+    curves = [validation_curve(runs / run_num) for run_num in ("whole", "split")]
+    assert curves[1] == curves[0] and [step for step, _ in curves[0]] == [0, 8, 16]
