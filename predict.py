@@ -33,8 +33,8 @@ import torch
 
 from utils.cli import run as run_cli
 from utils.errors import ConfigError, StorageError, storage_cause
-from utils.inference import (WholeBoxScience, check_input, check_tiling, load_trained_model, lyman_alpha_settings,
-                             predict_slabs)
+from utils.inference import (WholeBoxScience, check_input, check_tiling, load_trained_model, lyman_alpha_section,
+                             lyman_alpha_settings, predict_slabs)
 
 
 def parse_args(argv=None):
@@ -92,7 +92,7 @@ def main(argv=None):
           f"({num_tiles * tile ** 3 / box ** 3:.2f}x the box's compute)")
     lyman_alpha = args.lyman_alpha
     if lyman_alpha is None:
-        lyman_alpha = (params.get("lyman_alpha") or {}).get("enabled", True)
+        lyman_alpha = lyman_alpha_section(params)["enabled"]
         if not lyman_alpha:
             print("No Lyman-alpha statistics: the checkpoint's config has lyman_alpha.enabled false "
                   "(--lyman_alpha computes them)")

@@ -63,17 +63,8 @@ def channels_last_order(volume, index, source, sign, memory_format):
     return out.permute(0, 4, 1, 2, 3)  # (B, C, S, S, S), channels-last strides
 
 
-_compiled_gather = []
-
-
-def compiled(volume, index, source, sign, memory_format):
-    if not _compiled_gather:  # compiled on first use (one graph per volume shape and layout)
-        _compiled_gather.append(torch.compile(gather_crops, dynamic=False))
-    return _compiled_gather[0](volume, index, source, sign, memory_format)
-
-
 CANDIDATES = {"current": gather_crops, "two_index": two_index, "channels_last_order": channels_last_order,
-              "compiled": compiled}
+              "compiled": torch.compile(gather_crops, dynamic=False)}  # compiles at its first call, per shape
 
 
 def random_crops(batch, n, s, device, generator):

@@ -4,6 +4,8 @@ import errno
 import io
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -20,6 +22,7 @@ from utils.checkpoint import (AsyncCheckpointer, CheckpointError, load_checkpoin
                               save_checkpoint)
 from utils.config import load_config
 from utils.errors import Preempted
+from conftest import REPO_ROOT, free_port, rank_env
 from utils.run_control import RunControl
 
 
@@ -347,6 +350,13 @@ def test_cuda_snapshot_uses_reused_pinned_buffers_and_ignores_later_steps(tmp_pa
     assert len(writer._pinned) > len(expected)  # the optimizer's moments too
 
 
+def start_two_ranks(script, argv, **env):
+    """Both ranks of a 2-process run of the Python file ``script`` with ``argv``, started as srun starts tasks."""
+    port = free_port()
+    return [subprocess.Popen([sys.executable, str(script)] + argv, env=rank_env(rank, port, **env), cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+
+
 FAILING_RANK0 = """
 import errno, os, sys
 sys.path.insert(0, {repo!r})
@@ -369,22 +379,13 @@ train.cli(lambda: train.main(sys.argv[1:]))
 def test_a_failed_write_under_ddp_stops_every_rank_with_exit_2(tiny_argv, tmp_path, stop):
     """Rank 0's write fails (disk full): every rank ends with one line and exit code 2, none waits in a collective
     (NCCL: 10 minutes, then SIGABRT), and a failed preemption checkpoint does not exit 3 (which requeues)."""
-    import signal
-    import subprocess
-    import sys
-    from conftest import REPO_ROOT, free_port, rank_env
-    port = free_port()
     script = tmp_path / "failing_rank0.py"
     script.write_text(FAILING_RANK0.format(repo=str(REPO_ROOT)))
     if stop:  # no checkpoint before the signal's; 256 steps per epoch, so the signal lands within the epoch
         argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--Nsamples", "1024", "--num_epochs", "1"]
     else:     # the second periodic checkpoint fails in the background
         argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "2"]
-    processes = []
-    for rank in (0, 1):
-        env = rank_env(rank, port, FAIL_AFTER="0" if stop else "2")
-        processes.append(subprocess.Popen([sys.executable, str(script)] + argv, env=env, cwd=REPO_ROOT,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    processes = start_two_ranks(script, argv, FAIL_AFTER="0" if stop else "2")
     log = tmp_path / "runs" / "tiny" / "2GPU" / "0" / "out.log"
     if stop:
         deadline = time.monotonic() + 120
@@ -433,16 +434,10 @@ def test_a_failed_log_write_under_ddp_stops_every_rank_with_exit_2(tiny_argv, tm
     """Rank 0 alone writes out.log and the TensorBoard events: when that fails, every rank stops at the same step
     with one line and exit code 2, rather than rank 0 alone (the others would wait in their next collective;
     NCCL: 10 minutes, then SIGABRT)."""
-    import subprocess
-    import sys
-    from conftest import REPO_ROOT, free_port, rank_env
-    port = free_port()
     script = tmp_path / "log_failing_rank0.py"
     script.write_text(LOG_FAILING_RANK0.format(repo=str(REPO_ROOT)))
     argv = tiny_argv + ["--num_epochs", "2", "--log_every_n_steps", "4"]
-    processes = [subprocess.Popen([sys.executable, str(script)] + argv, env=rank_env(rank, port, TRIGGER=trigger),
-                                  cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for rank in (0, 1)]
+    processes = start_two_ranks(script, argv, TRIGGER=trigger)
     results = [p.communicate(timeout=180) for p in processes]
     errors = [err.strip().splitlines() for _, err in results]
     assert [p.returncode for p in processes] == [2, 2], errors
@@ -474,19 +469,12 @@ def test_a_stop_at_an_epochs_end_under_ddp_checkpoints_first_and_the_rerun_valid
     """Rank 1 alone gets the signal in epoch 1's last step: both ranks agree at the epoch's end, checkpoint before
     validating and exit 3; the rerun validates epoch 1 first on every rank and ends where an uninterrupted run
     does, bit for bit, with each validation logged once."""
-    import subprocess
-    import sys
-    from conftest import REPO_ROOT, free_port, rank_env
     script = tmp_path / "signal_on_rank1.py"
     script.write_text(SIGNAL_ON_RANK1.format(repo=str(REPO_ROOT)))
     argv = tiny_argv + ["--deterministic", "--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "0"]
 
     def run_ranks(run_num, stop_after=0):
-        port = free_port()
-        processes = [subprocess.Popen([sys.executable, str(script)] + argv + ["--run_num", run_num],
-                                      env=rank_env(rank, port, STOP_AFTER_STEP=str(stop_after)), cwd=REPO_ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                     for rank in (0, 1)]
+        processes = start_two_ranks(script, argv + ["--run_num", run_num], STOP_AFTER_STEP=str(stop_after))
         results = [p.communicate(timeout=180) for p in processes]
         return [p.returncode for p in processes], [err.strip().splitlines()[-1:] for _, err in results]
 

@@ -210,9 +210,14 @@ class WholeBoxScience:
         return lines
 
 
+def lyman_alpha_section(config):
+    """A checkpoint config's ``lyman_alpha`` section, with the defaults for keys an older checkpoint lacks."""
+    return {**LYMAN_ALPHA_DEFAULTS, **(config.get("lyman_alpha") or {})}
+
+
 def lyman_alpha_settings(params, input_path):
     """The checkpoint config's Lyman-alpha settings (defaults for older checkpoints); a null cell size is the
     input's (``lyman_alpha.cell_size_for``: an input that does not store one is a DataError)."""
-    section = {**LYMAN_ALPHA_DEFAULTS, **(params.get("lyman_alpha") or {})}
+    section = lyman_alpha_section(params)
     remedy = "pass --no-lyman_alpha, or use a checkpoint whose config sets lyman_alpha.cell_size_mpc_h"
     return lya.LymanAlphaSettings.from_config(section, lya.cell_size_for(section, input_path, remedy))

@@ -83,7 +83,7 @@ def load_from_run(source, input_path, device, cell_size=None):
     model, params, checkpoint, step = inference.load_trained_model(source, device)
     path = Path(input_path) if input_path else resolve_path(params.val_path)
     truth, attrs = _read_hydro(path, "input")
-    section, cell = _units({**inference.LYMAN_ALPHA_DEFAULTS, **(params.get("lyman_alpha") or {})}, path, cell_size)
+    section, cell = _units(inference.lyman_alpha_section(params), path, cell_size)
     with h5py.File(path, "r") as f:
         if "Nbody" not in f:
             raise DataError(f"input {path} has no dataset 'Nbody'")
@@ -106,11 +106,11 @@ def load_from_prediction(source, truth_path, cell_size=None):
     if truth.shape != prediction.shape:
         raise DataError(f"truth {truth_path} has shape {truth.shape}, the prediction {prediction.shape}")
     description = f"{Path(source).name} (step {attrs.get('step', '?')}) against {Path(truth_path).name}"
-    section = dict(inference.LYMAN_ALPHA_DEFAULTS)
+    config = {}
     checkpoint = attrs.get("checkpoint")
     if checkpoint is not None and Path(checkpoint).is_file():   # the units the model was validated with
         config = load_checkpoint(checkpoint)["config"]
-        section.update((config.get("lyman_alpha") or {}) if isinstance(config, dict) else {})
+    section = inference.lyman_alpha_section(config if isinstance(config, dict) else {})
     section, cell = _units(section, truth_path, cell_size)
     return prediction, truth, description, section, cell
 
