@@ -53,6 +53,19 @@ def run_train_cli(argv, capsys):
     return exit_info.value.code, err
 
 
+@pytest.fixture(scope="session", autouse=True)
+def generate_on_the_cpu():
+    """The data generator's default device (auto: CUDA where visible) is the CPU in tests, also on a GPU machine:
+    its tests compare bytes between runs (a GPU's atomic scatter-adds need not give the same bytes twice) and check
+    host memory. Session-scoped, so it holds for module fixtures too; tests/test_gpu.py asks for device cuda."""
+    from utils import make_dataset
+    resolve = make_dataset.resolve_device
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(make_dataset, "resolve_device",
+                      lambda device=None: resolve("cpu" if device is None or str(device) == "auto" else device))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_files(tmp_path_factory):
     """(train, val) HDF5 files: a 24^3 training box and a 16^3 validation box of random values."""

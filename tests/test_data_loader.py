@@ -149,3 +149,20 @@ def test_crop_larger_than_box(tiny_params):
 def test_batch_not_divisible_by_world_size():
     with pytest.raises(DataError, match="global batch size 6 is not divisible by the world size 4"):
         ShardedSampler(64, 6, 0, 4)
+
+
+def test_generated_data_is_made_on_the_runs_device(tiny_params, tmp_path, monkeypatch):
+    """A run's missing quickstart files are generated on the run's device: with device cpu on a GPU machine the
+    generator (whose default is CUDA where visible) leaves the GPU alone; a CUDA rank 0 generates on its own GPU."""
+    from utils import make_dataset
+    from utils.data.prepare import prepare_data
+    from utils.distributed import DistInfo
+    calls = []
+    monkeypatch.setattr(make_dataset, "ensure_dataset", lambda path, box, seed, npy, device: calls.append(
+        (path.name, box, seed, device)))
+    params = tiny_params(generate_data={"train_seed": 3, "val_seed": 4}, train_path=str(tmp_path / "train.h5"),
+                         val_path=str(tmp_path / "val.h5"))
+    for device in (torch.device("cpu"), torch.device("meta")):  # meta stands in for rank 0's GPU
+        calls.clear()
+        prepare_data(params, DistInfo(device=device), lambda line: None)
+        assert calls == [("train.h5", 24, 3, device), ("val.h5", 16, 4, device)]

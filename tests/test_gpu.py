@@ -394,6 +394,33 @@ def test_prefetched_batches_are_right_while_the_compute_stream_is_busy(tiny_para
         assert len(kept) == (len(expected) if keep else 0) == (16 if keep else 0)
 
 
+# --- the dataset generator ------------------------------------------------------------------------
+def test_the_generator_on_the_gpu_agrees_with_float64_physics_and_the_cpu():
+    """utils/make_dataset.py on CUDA (its default where CUDA is visible; the other tests generate on the CPU): the
+    same tolerances as the CPU's (tests/test_make_dataset.py), against the whole-box float64 computation and the
+    CPU's result. Its scatter-adds are atomic on the GPU, so a second run may differ in the last bits, not more."""
+    import numpy as np
+    from test_make_dataset import _reference_fields, _white
+    from utils import make_dataset as md
+    white = _white(32, 3)
+    gpu = md.generate_fields(white, progress=False, slab=4, device="cuda")
+    for field, ref, cpu, again in zip(gpu, _reference_fields(white),
+                                      md.generate_fields(white, progress=False, slab=4, device="cpu"),
+                                      md.generate_fields(white, progress=False, device="cuda")):  # default slab
+        np.testing.assert_allclose(field, ref, rtol=0, atol=1e-6)
+        assert np.median(np.abs(field - ref)) < 3e-8
+        np.testing.assert_allclose(field, cpu, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(again, field, rtol=0, atol=5e-7)
+
+
+def test_the_generator_checks_gpu_memory_first(tmp_path):
+    from utils import make_dataset as md
+    with pytest.raises(md.GenerationError, match=r"not enough GPU memory for a 8192\^3 box: it needs about .* free on "
+                                                 r"cuda:0; free GPU memory, use --device cpu or a smaller --box"):
+        md.write_dataset(tmp_path / "huge.h5", 8192, seed=1, progress=False, device="cuda:0")
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- kernels, MFU and memory ---------------------------------------------------------------------
 CONVOLUTIONS = {  # (class, c_in, c_out, input edge): layers of the reference U-Net, on smaller crops
     "down0": (nn.Conv3d, 4, 64, 32),

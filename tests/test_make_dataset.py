@@ -129,8 +129,8 @@ def test_cli_refuses_to_overwrite(tmp_path):
     out = tmp_path / "d.h5"
 
     def cli(*argv):
-        return subprocess.run([sys.executable, "-m", "utils.make_dataset", "--box", "16", "--out", str(out), *argv],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        return subprocess.run([sys.executable, "-m", "utils.make_dataset", "--box", "16", "--out", str(out),
+                               "--device", "cpu", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
     assert cli("--seed", "1").returncode == 0
     before = out.stat().st_mtime_ns

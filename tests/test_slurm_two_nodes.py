@@ -142,7 +142,8 @@ def quickstart_data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("slurm2n_data")
     for name, box, seed in (("train.h5", 128, 1), ("val.h5", 64, 2)):
         subprocess.run([sys.executable, "-m", "utils.make_dataset", "--box", str(box), "--seed", str(seed),
-                        "--out", str(folder / name)], cwd=REPO_ROOT, check=True, capture_output=True)
+                        "--out", str(folder / name), "--device", "cpu"],
+                       cwd=REPO_ROOT, check=True, capture_output=True)
     return folder
 
 

@@ -737,6 +737,7 @@ def _generate(store, noise, n, cell, smoothing, p, device, slab, progress, worke
         _hydro(box, store, cell, smoothing, p, progress)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the blocks the pipeline cached: a training run in this process starts from empty
 
 
 def _in_memory(noise, n, box_length, smoothing, progress, device, slab, physics):

@@ -48,7 +48,8 @@ def prepare_data(params, info, log):
             path = resolve_path(path)
             if not path.exists():
                 log(f"Generating {box}^3 dataset {path} (seed {seed}), first use only")
-            # writes only what is missing (for DALI also the .npy twins of an existing file)
-            ensure_dataset(path, box, seed, npy=params.data_loader_config == "dali-lowmem")
+            # writes only what is missing (for DALI also the .npy twins of an existing file), on the run's
+            # device: a run with device cpu leaves the GPU alone
+            ensure_dataset(path, box, seed, npy=params.data_loader_config == "dali-lowmem", device=info.device)
     if info.enabled:
         dist.barrier()
