@@ -1,31 +1,34 @@
-"""Faster crops for the GPU-resident loader? Its gather against two one-pass candidates, checked and timed.
+"""Faster crops for the GPU-resident loader? Its eager gather against one-pass candidates, checked and timed.
 
     python benchmarks/gather_probe.py                     # GPU: the reference's 1024^3 box in fp16, batch 64
     python benchmarks/gather_probe.py --device cpu --box 32 --batch 4 --crop 8 --repeats 1   # CPU: checks only
 
 On the H100 the GPU-resident loader costs 1.3-1.65 ms per training step (benchmarks/results/h100.md): 6% of the
-*_opt configs' step, and the gap between FULL and SYNTHETIC in benchmark mode. Its gather
-(utils/data/gpu.gather_crops) makes three passes over the batch, where about 0.9 GB must move:
+*_opt configs' step, and the gap between FULL and SYNTHETIC in benchmark mode. Its eager batch
+(utils/data/gpu.make_crops) makes several passes over the batch, where about 0.9 GB must move. Each candidate
+makes a whole batch (both volumes: the 4 input and 5 target channels) from the crop corners and symmetry elements:
 
-- ``current``: index_select of the crop positions (C, B*S^3), index_select of the rows that rotate the vector
-  channels, then sign, cast to float32 and layout in one multiply;
-- ``two_index``: one advanced-indexing gather with broadcast (B, C, 1) channel and (B, 1, S^3) position
-  indices, then the same multiply;
+- ``current``: ``make_crops`` in eager PyTorch (``gpu_gather: eager``): the flat positions (B, S^3), an
+  index_select of them (C, B*S^3), an index_select of the rows that rotate the vector channels, then sign, cast
+  to float32 and layout in one multiply;
+- ``two_index``: the positions, then one advanced-indexing gather with broadcast (B, C, 1) channel and
+  (B, 1, S^3) position indices, then the same multiply;
 - ``channels_last_order``: the same gather in (B, S, S, S, C) order, which is the memory of a channels-last
   batch, then the multiply with contiguous writes;
-- ``compiled``: ``gather_crops`` through ``torch.compile``, where Inductor can make the three passes one kernel.
+- ``compiled``: ``make_crops`` through ``torch.compile`` (``gpu_gather: compiled``), where Inductor can compute
+  the positions and do the rest in one kernel (on the CPU it makes one kernel of all but the symmetry tables).
 
 On CUDA, advanced indexing with index tensors of different (broadcast) strides first makes every index
 contiguous at the broadcast size (PyTorch's AdvancedIndex): ``two_index`` and ``channels_last_order`` write
 and read two int64 tensors of B*C*S^3 elements (about 2.4 GB per batch here) besides the gather. They are
-timed as they are, since that is what the one-pass form costs in eager PyTorch; ``compiled`` computes the
-positions inside its kernel.
+timed as they are, since that is what the one-pass form costs in eager PyTorch.
 
 Every round draws fresh random crops and symmetry elements, and each candidate's batches must equal the
-current ones bit for bit. Then each is timed (median of ``--repeats`` rounds, both volumes: the 4 input and 5
-target channels) in the batch layout of ``--memory_format`` (channels_last: the *_opt configs'). The volumes
-are random values (the gather's time does not depend on them). The last line is PASS (every candidate equal)
-or FAIL, with the fastest; a faster candidate then goes into gather_crops.
+current ones bit for bit, strides included. Then each is timed (median of ``--repeats`` rounds) in the batch
+layout of ``--memory_format`` (channels_last: the *_opt configs'). The volumes are random values (the gather's
+time does not depend on them). The last line is PASS (every candidate equal) or FAIL, with the fastest; if
+``compiled`` is the fastest by a margin, ``gpu_gather: compiled`` is the loader setting to measure in benchmark
+mode (the suite's part c does).
 """
 import argparse
 import json
@@ -39,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from utils import symmetry  # noqa: E402
-from utils.data.gpu import STORAGE_DTYPES, channel_tables, crop_index, gather_crops  # noqa: E402
+from utils.data.gpu import STORAGE_DTYPES, channel_tables, crop_index, make_crops  # noqa: E402
 
 CHANNELS = (4, 5)  # N-body input, hydro target
 
@@ -63,8 +66,21 @@ def channels_last_order(volume, index, source, sign, memory_format):
     return out.permute(0, 4, 1, 2, 3)  # (B, C, S, S, S), channels-last strides
 
 
-CANDIDATES = {"current": gather_crops, "two_index": two_index, "channels_last_order": channels_last_order,
-              "compiled": torch.compile(gather_crops, dynamic=False)}  # compiles at its first call, per shape
+def per_volume(gather):
+    """A whole-batch candidate (make_crops' arguments) from a gather of one volume at given flat positions.
+
+    Advanced indexing converts an int32 index to int64 at its broadcast size, (B, C, S^3) per volume: these
+    candidates get int64 positions from the start, once per batch."""
+    def make(inp, tar, corners, elements, perms, flips, inp_tables, tar_tables, s, index_dtype, memory_format):
+        index = crop_index(corners, perms[elements], flips[elements], inp.shape[1], s, torch.int64)
+        return tuple(gather(volume, index, source[elements], sign[elements], memory_format)
+                     for volume, (source, sign) in ((inp, inp_tables), (tar, tar_tables)))
+    return make
+
+
+CANDIDATES = {"current": make_crops, "two_index": per_volume(two_index),
+              "channels_last_order": per_volume(channels_last_order),
+              "compiled": torch.compile(make_crops, dynamic=False)}  # compiles at its first call, per shape
 
 
 def random_crops(batch, n, s, device, generator):
@@ -116,18 +132,13 @@ def main(argv=None):
     index_dtype = torch.int32 if args.box ** 3 < 2 ** 31 else torch.int64
 
     def batch_of(candidate, corners, chosen):
-        # Advanced indexing converts an int32 index to int64 at its broadcast size, (B, C, S^3) per volume:
-        # the candidates get int64 positions from the start, once per batch (gather_crops' index_select takes
-        # int32 as it is).
-        dtype = index_dtype if candidate is gather_crops else torch.int64
-        index = crop_index(corners, perms[chosen], flips[chosen], args.box, args.crop, dtype)
-        return [candidate(volume, index, *(t[chosen] for t in tables[volume.shape[0]]), memory_format)
-                for volume in volumes]
+        return candidate(*volumes, corners, chosen, perms, flips, tables[CHANNELS[0]], tables[CHANNELS[1]],
+                         args.crop, index_dtype, memory_format)
 
     equal, times, errors = {name: True for name in CANDIDATES}, {name: [] for name in CANDIDATES}, {}
     for round_number in range(args.repeats + 1):  # round 0 warms up (allocations, kernels)
         corners, chosen = random_crops(args.batch, args.box, args.crop, device, generator)
-        reference = batch_of(gather_crops, corners, chosen)
+        reference = batch_of(make_crops, corners, chosen)
         for name, candidate in CANDIDATES.items():
             if name in errors:
                 continue

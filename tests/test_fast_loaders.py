@@ -70,6 +70,32 @@ def test_the_gpu_resident_loader_lays_out_channels_last_batches_in_its_gather(ti
         assert tar.is_contiguous(memory_format=torch.channels_last_3d)
 
 
+@pytest.mark.parametrize("storage", ["fp32", pytest.param("fp16", marks=pytest.mark.slow)])
+def test_the_compiled_gather_gives_the_eager_batches_bit_for_bit(tiny_params, storage):
+    """gpu_gather: compiled (torch.compile of make_crops; Inductor's C++ here, Triton on a GPU) against the eager
+    gather: the same batches and layouts for every symmetry element, both volumes, a smaller last batch; each
+    batch shape and layout one graph, without graph breaks (which would leave passes unfused)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    settings = dict(data_loader_config="gpu", gpu_storage_dtype=storage, Nsamples=256, Nsamples_val=10)
+    assert len(set(sample_plan(0, "train", 2, 256, 24, 8)[1])) == 48 and tiny_params(**settings).seed == 0
+    for channels_last in (False, True):
+        for split in ("train", "val"):
+            eager, _ = batches(get_data_loader, tiny_params(**settings, channels_last=channels_last), split, epoch=2)
+            compiled, _ = batches(get_data_loader, tiny_params(**settings, channels_last=channels_last,
+                                                               gpu_gather="compiled"), split, epoch=2)
+            assert_same_batches(eager, compiled)
+            assert [tuple(t.stride()) for batch in eager for t in batch] == [
+                tuple(t.stride()) for batch in compiled for t in batch]
+    # 2 layouts x (train 24^3 batch 4, val 16^3 batches 4 and 2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 6
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    loader, _ = get_gpu_loader(tiny_params(**settings, gpu_gather="compiled"), "train")
+    assert "crops by a compiled gather" in loader.description
+    with pytest.raises(DataError, match="gpu_gather must be one of eager, compiled, got 'fused'"):
+        get_gpu_loader(tiny_params(**settings), "train", gather="fused")
+
+
 @pytest.mark.parametrize("mode", ["inmem", "lowmem"])
 def test_a_float64_file_gives_float32_batches_in_every_loader(tiny_params, tmp_path, mode):
     path = tmp_path / "float64.h5"
@@ -186,7 +212,7 @@ def test_gpu_loader_says_what_to_do_when_the_box_does_not_fit(tiny_params, monke
 
 
 def test_the_gather_probe_checks_its_candidates_against_the_loaders_gather(tmp_path, monkeypatch):
-    """benchmarks/gather_probe.py (timed on a GPU): every candidate equals utils/data/gpu.gather_crops bit for bit,
+    """benchmarks/gather_probe.py (timed on a GPU): every candidate equals utils/data/gpu.make_crops bit for bit,
     in both layouts, and a candidate that drops the vector signs is caught."""
     from benchmarks import gather_probe
     small = ["--device", "cpu", "--box", "24", "--batch", "6", "--crop", "8", "--repeats", "1"]
@@ -197,7 +223,7 @@ def test_the_gather_probe_checks_its_candidates_against_the_loaders_gather(tmp_p
 
     def unsigned(volume, index, source, sign, memory_format):
         return gather_probe.two_index(volume, index, source, sign.abs(), memory_format)
-    monkeypatch.setitem(gather_probe.CANDIDATES, "unsigned", unsigned)
+    monkeypatch.setitem(gather_probe.CANDIDATES, "unsigned", gather_probe.per_volume(unsigned))
     out = tmp_path / "broken.json"
     assert gather_probe.main(small + ["--out", str(out)]) == 1
     assert json.loads(out.read_text())["equal"] == {"current": True, "two_index": True, "channels_last_order": True,

@@ -307,20 +307,25 @@ def test_a_graph_run_stopped_after_epoch_1_resumes_to_the_same_weights(graph_arg
 
 
 # --- loaders -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("storage", ["fp32", "fp16"])
-def test_gpu_resident_batches_are_the_cpu_batches_on_the_device(tiny_params, storage):
+@pytest.mark.parametrize("storage, gather", [("fp32", "eager"), ("fp16", "eager"), ("fp16", "compiled")])
+def test_gpu_resident_batches_are_the_cpu_batches_on_the_device(tiny_params, storage, gather):
+    """Every batch on the device equals the CPU loader's, for every symmetry element; also with gpu_gather:
+    compiled (Triton kernels) in the *_opt configs' channels-last layout, on the side stream as in training."""
+    layout = torch.channels_last_3d if gather == "compiled" else torch.contiguous_format
     params = tiny_params(Nsamples=256, fast_loader=False)  # the straightforward CPU loader is the reference
     epoch = 2
     assert len(set(sample_plan(params.seed, "train", epoch, 256, 24, 8)[1])) == 48  # all 48 rotations occur
     for split in ("train", "val"):
         reference, reference_sampler = get_data_loader(params, split)
-        resident, resident_sampler = get_gpu_loader(params, split, device=CUDA, storage_dtype=storage)
+        resident, resident_sampler = get_gpu_loader(params, split, device=CUDA, storage_dtype=storage,
+                                                    memory_format=layout, gather=gather)
         reference_sampler.set_epoch(epoch)
         resident_sampler.set_epoch(epoch)
         assert resident.inp.is_cuda and resident.inp.dtype == {"fp32": torch.float32, "fp16": torch.float16}[storage]
         count, rounding = 0, 0.0
         for (inp, tar), (gpu_inp, gpu_tar) in zip(reference, resident, strict=True):
             assert gpu_inp.device == gpu_tar.device == CUDA and gpu_inp.dtype == gpu_tar.dtype == torch.float32
+            assert gpu_inp.is_contiguous(memory_format=layout) and gpu_tar.is_contiguous(memory_format=layout)
             inp, tar = inp.to(CUDA), tar.to(CUDA)
             if storage == "fp16":  # the stream, each stored value rounded to fp16
                 rounding = max(rounding, (gpu_inp - inp).abs().max().item())

@@ -239,6 +239,8 @@ SCHEMA = {
     "gpu_storage_dtype": Key(_choice("fp32", "fp16", "bf16"),
                              "dtype of the volumes kept on the device by the gpu loader"),
     "gpu_prefetch": Key(_bool, "gpu loader: make the next batch on a side CUDA stream while the step runs"),
+    "gpu_gather": Key(_choice("eager", "compiled"), "gpu loader: crops made by eager PyTorch (several passes) or by "
+                                                    "torch.compile (one fused kernel; compiles at the first batch)"),
     "train_path": Key(_str, "training HDF5 file", RUN),
     "val_path": Key(_str, "validation HDF5 file", RUN),
     "box_size": Key(_int_list(2), "edge of the training and validation boxes, cells", RUN),

@@ -27,6 +27,13 @@ for bit; with 16-bit storage they equal them rounded to that dtype.
 
 Batches are always float32, whatever the storage dtype: the model and loss see what the other
 loaders give them (under autocast too), and the cast is fused into the sign multiply.
+
+``gather`` (``gpu_gather``) chooses how a batch is made: ``eager`` runs ``make_crops`` as PyTorch
+kernels (the positions, an index_select of them, an index_select of the rotated channel rows, then sign,
+cast and layout in one multiply: several passes over the batch); ``compiled`` runs it through
+``torch.compile``, which can compute the positions and do all of it in one kernel per volume. Both give the
+same batches bit for bit (only copies and multiplications by +-1). The compiled form compiles at its first
+batch, and once more for another batch size or box.
 """
 import math
 
@@ -42,6 +49,7 @@ from utils.data.spec import VECTOR_CHANNELS, PlannedLoader, ShardedSampler, Spli
 from utils.errors import DataError
 
 STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+GATHERS = ("eager", "compiled")
 SLAB_BYTES = 256 * 2**20       # host staging buffer per read while loading a volume
 PROGRESS_BYTES = 2**30         # show a progress bar for volumes larger than this
 
@@ -101,9 +109,11 @@ class GPUResidentLoader(PlannedLoader):
     """
 
     def __init__(self, spec: SplitSpec, sampler: ShardedSampler, device, storage_dtype="fp32", progress=True,
-                 memory_format=torch.contiguous_format, prefetch=True):
+                 memory_format=torch.contiguous_format, prefetch=True, gather="eager"):
         if storage_dtype not in STORAGE_DTYPES:
             raise DataError(f"gpu_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage_dtype!r}")
+        if gather not in GATHERS:
+            raise DataError(f"gpu_gather must be one of {', '.join(GATHERS)}, got {gather!r}")
         super().__init__(sampler)
         self.spec, self.device, self.memory_format = spec, torch.device(device), memory_format
         self.prefetch = prefetch and self.device.type == "cuda"
@@ -121,7 +131,9 @@ class GPUResidentLoader(PlannedLoader):
         self.flips = torch.tensor([flips for _, flips in elements], device=self.device)  # (48, 3)
         # Flat spatial indices fit in int32 up to N = 1290 (half the index memory and traffic).
         self.index_dtype = torch.int32 if self.inp[0].numel() < 2**31 else torch.int64
+        self.make_crops = torch.compile(make_crops, dynamic=False) if gather == "compiled" else make_crops
         self.description = f"gpu-resident {storage_dtype} volumes on {self.device}" + (
+            ", crops by a compiled gather" if gather == "compiled" else "") + (
             ", next batch made on a side stream" if self.prefetch else "")
 
     def __iter__(self):
@@ -155,18 +167,18 @@ class GPUResidentLoader(PlannedLoader):
 
     def make_batch(self, corners, elements):
         """(inp, tar) of the crops at ``corners`` (B, 3) moved by the symmetry ``elements`` (B,)."""
-        index = self.flat_index(corners, elements)  # shared: both volumes have the same N
-        return self.gather(self.inp, index, elements), self.gather(self.tar, index, elements)
+        return self.make_crops(self.inp, self.tar, corners, elements, self.perms, self.flips,
+                               self.tables[self.inp.shape[0]], self.tables[self.tar.shape[0]], self.spec.crop,
+                               self.index_dtype, self.memory_format)
 
-    def flat_index(self, corners, elements):
-        """(B, S, S, S) flat positions in an N^3 volume of the crops at ``corners`` (B, 3), moved by ``elements``."""
-        return crop_index(corners, self.perms[elements], self.flips[elements], self.inp.shape[1], self.spec.crop,
-                          self.index_dtype)
 
-    def gather(self, volume, index, elements):
-        """(B, C, S, S, S) float32 samples of ``volume`` (C, N, N, N) at ``index`` (B, S, S, S)."""
-        source, sign = (table[elements] for table in self.tables[volume.shape[0]])  # (B, C) each
-        return gather_crops(volume, index, source, sign, self.memory_format)
+def make_crops(inp, tar, corners, elements, perms, flips, inp_tables, tar_tables, s, index_dtype, memory_format):
+    """(inp, tar): (B, C, S, S, S) float32 crops of the (C, N, N, N) volumes ``inp`` and ``tar`` at ``corners``
+    (B, 3), moved by the symmetry ``elements`` (B,): ``perms`` and ``flips`` (48, 3) per element, and each volume's
+    (source channel, sign) tables (48, C) from ``channel_tables``."""
+    index = crop_index(corners, perms[elements], flips[elements], inp.shape[1], s, index_dtype)  # both volumes' N
+    return tuple(gather_crops(volume, index, source[elements], sign[elements], memory_format)
+                 for volume, (source, sign) in ((inp, inp_tables), (tar, tar_tables)))
 
 
 def crop_index(corners, perm, flip, n, s, dtype):
@@ -188,19 +200,22 @@ def gather_crops(volume, index, source, sign, memory_format=torch.contiguous_for
     # sign[b, c]; picking the rows in (b, c) order also puts the batch first.
     rows = source * batch + torch.arange(batch, device=volume.device)[:, None]    # (B, C)
     rotated = moved.view(num_channels * batch, -1).index_select(0, rows.view(-1))  # (B*C, S^3)
-    out = torch.empty((batch, num_channels, s, s, s), dtype=torch.float32, device=volume.device,
-                      memory_format=memory_format)
-    torch.mul(rotated.view(out.shape), sign[..., None, None, None], out=out)     # cast, sign, layout: one pass
+    shape = (batch, num_channels, s, s, s)
+    if torch.compiler.is_compiling():  # Dynamo cannot trace mul(out=) into a channels-last tensor (a graph
+        # break); Inductor fuses this form, the gathers above included, into one kernel with the same result
+        return (rotated.view(shape).float() * sign[..., None, None, None]).contiguous(memory_format=memory_format)
+    out = torch.empty(shape, dtype=torch.float32, device=volume.device, memory_format=memory_format)
+    torch.mul(rotated.view(shape), sign[..., None, None, None], out=out)         # cast, sign, layout: one pass
     return out
 
 
 def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"), storage_dtype=None,
-                   memory_format=torch.contiguous_format, prefetch=None):
+                   memory_format=torch.contiguous_format, prefetch=None, gather=None):
     """``(loader, sampler)`` like ``utils.data.get_data_loader``, with the volumes on ``device``.
 
     ``storage_dtype``: 'fp32' | 'fp16' | 'bf16'; None takes ``params.gpu_storage_dtype``. ``memory_format``:
     the batches' layout. ``prefetch``: make the next batch on a side stream (CUDA only); None takes
-    ``params.gpu_prefetch``.
+    ``params.gpu_prefetch``. ``gather``: 'eager' | 'compiled'; None takes ``params.gpu_gather``.
     """
     spec = SplitSpec.from_params(params, split, rank, world_size, mode="gpu")
     check_data_file(spec.path, spec.box, spec.in_channels, spec.out_channels)
@@ -209,4 +224,4 @@ def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu
     storage_dtype = storage_dtype or params.gpu_storage_dtype
     prefetch = params.gpu_prefetch if prefetch is None else prefetch
     return GPUResidentLoader(spec, sampler, device, storage_dtype, progress=rank == 0, memory_format=memory_format,
-                             prefetch=prefetch), sampler
+                             prefetch=prefetch, gather=gather or params.gpu_gather), sampler
