@@ -7,7 +7,10 @@ from contextlib import contextmanager
 import torch
 
 # Dense peak TFLOP/s by device-name fragment and math mode (datasheet values, no sparsity). The first fragment
-# found in torch.cuda.get_device_name wins, so the specific variants come before their family.
+# found in torch.cuda.get_device_name wins, so the specific variants come before their family. H100 SXM and PCIe:
+# NVIDIA's datasheet table as an NVIDIA partner (HPC Tech) reproduces it, with sparsity (PCIe: TF32 756, BF16/FP16
+# 1,513), halved here; not checked against NVIDIA's own page. H100 NVL: unverified (third-party figures only).
+# --peak_tflops overrides any of them.
 PEAK_TFLOPS = {
     "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
     "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
