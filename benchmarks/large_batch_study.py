@@ -1,7 +1,7 @@
 """Large-batch convergence study: train.py at several global batch sizes and learning-rate scalings, compared.
 
     # this machine, the quickstart model on the CPU: the demo in benchmarks/results/large_batch_cpu.md
-    python benchmarks/large_batch_study.py --out benchmarks/results/large_batch_cpu --seeds 0 1 --target 0.0065 \\
+    python benchmarks/large_batch_study.py --out benchmarks/results/large_batch_cpu --seeds 0 1 2 --target 0.0065 \\
         --arm 8:none:4 --arm 64:none:4 --arm 64:sqrt:4 --arm 64:linear:4 --arm 64:sqrt:16 --arm 64:linear:16 \\
         -- --lr_schedule.warmup_steps 16
     # one 4-GPU node: batch 64 on one GPU against batch 256 on four (the bs64_opt / bs256_opt settings)
