@@ -755,9 +755,14 @@ def markdown(results):
             lines.append(f"| {r['label']} | {r['settings']} | {r['samples_per_s']:.1f} | {mfu} | {memory} | "
                          f"{r['loss']:.6f} |")
     if results.get("benchy"):
-        lines += ["", "## Benchmark mode (samples/s, mean of 3 trials)", "", "| loader | IO | SYNTHETIC | FULL |",
-                  "| --- | ---: | ---: | ---: |"]
-        lines += [f"| {name} | {v['IO']:.0f} | {v['SYNTHETIC']:.0f} | {v['FULL']:.0f} |"
+        batch = results.get("setup", {}).get("global_batch_size")
+        lines += ["", "## Benchmark mode (samples/s, mean of 3 trials)", "",
+                  "The loader's cost per step is batch/FULL - batch/SYNTHETIC: the time a step loses to its data.", "",
+                  "| loader | IO | SYNTHETIC | FULL | FULL/SYNTHETIC | loader cost per step (ms) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {name} | {v['IO']:.0f} | {v['SYNTHETIC']:.0f} | {v['FULL']:.0f} | "
+                  f"{v['FULL'] / v['SYNTHETIC']:.3f} | "
+                  + (f"{1e3 * batch * (1 / v['FULL'] - 1 / v['SYNTHETIC']):.2f} |" if batch else "n/a |")
                   for name, v in results["benchy"].items()]
     if results.get("io_threads"):
         lines += ["", "Fast loader IO by thread count: " + ", ".join(

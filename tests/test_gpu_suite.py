@@ -43,7 +43,12 @@ def test_small_mode_runs_every_cpu_part_and_skips_the_gpu_parts(tmp_path):
         assert f"SKIP {skipped}: no GPU" in result.stdout
     assert checks["profiler trace of the window"]["status"] == "PASS"
     assert summary["checkpoint"]["checkpoints"] >= 1 and summary["checkpoint"]["max_stall_s"] >= 0
-    assert "| status | check | detail |" in (out / "summary.md").read_text()
+    summary_md = (out / "summary.md").read_text()
+    assert "| status | check | detail |" in summary_md
+    # per loader, FULL/SYNTHETIC and the loader's cost per step (batch/FULL - batch/SYNTHETIC)
+    cost = 1e3 * summary["setup"]["global_batch_size"] * (1 / benchy["FULL"] - 1 / benchy["SYNTHETIC"])
+    assert f"| {name} | {benchy['IO']:.0f} | {benchy['SYNTHETIC']:.0f} | {benchy['FULL']:.0f} | " \
+        f"{benchy['FULL'] / benchy['SYNTHETIC']:.3f} | {cost:.2f} |" in summary_md
     # Part h: every convolution of the tiny model timed in each of its forms.
     assert checks["convolution forms compute the native result"]["status"] == "PASS"
     assert len(summary["conv_forms"]["layers"]) == 4 and "## Convolution forms" in (out / "summary.md").read_text()
