@@ -30,8 +30,8 @@ f. a torch.profiler trace of a few training steps with the fast loader: cuDNN co
    hidden under a fixed GPU step (a sleep kernel; bf16 convolutions) where the loader is ahead by
    construction (in training at bf16 it is behind, and a copy that starts after the step it could
    hide under has nothing to overlap);
-g. tests/test_gpu.py, the CUDA tests (this file only; the whole test suite on a GPU is a command of its own,
-   `python -m pytest -q -n 14 --full tests`, with pytest-xdist);
+g. tests/test_gpu.py, the CUDA tests, on ``TEST_WORKERS`` pytest-xdist workers where it is installed (the GPU
+   image has it); the whole test suite on a GPU is a command of its own, `python -m pytest -q -n 14 --full tests`;
 h. benchmarks/conv_variants.py: each convolution's forward + backward time in its native form and in
    the other forms of networks/conv_forms.py, and whole steps with each layer in its fastest form
    (where the step's time goes), with the ``--conv_forms`` value of the fastest step and the
@@ -42,7 +42,7 @@ i. two levers the ladder leaves out, each in a fresh process of benchmarks/ladde
    process; and every cuDNN engine timed per convolution shape (``--cudnn_benchmark_limit 0``)
    against that eager rung's default of 10. Both with ``--conv_forms`` plus ``up0=rewritten`` (0.03
    of the 27.2 GFLOP), so the two ratios compare like with like. Its guess is 240 s, so within the
-   default budget it runs in a call of its own: ``--parts i``.
+   default budget it runs in a call without b: ``--parts i`` (or ``ghi``).
 
 ``--conv_forms FORMS`` (default native) trains parts b-f and i with train.py's ``--conv_forms``, e.g.
 the fastest value part h printed, to measure the loaders, CUDA graphs and checkpoints at that speed.
@@ -51,9 +51,11 @@ A GPU call of the device tool this suite was written for ends after 600 s, so th
 time budget (``--budget_s``, default 560 s): a part whose rough duration (``PART_SECONDS``, guesses
 from the H100 runs of 2026-11-24 plus a margin) would overrun it is not started but reported as SKIP
 with the command that runs it alone, and every finished part's results are saved as soon as it ends.
-On the H100 that takes three calls: ``OUT`` (a-e, and f and h if time is left), ``OUT --parts g`` with the
-parts the first skipped (``fgh``), and ``OUT --parts i``. The first part that trains in a process without the ladder (b)
-before it is given ``FIRST_TRAINING_PART_S`` more: cuDNN's autotuning of a fresh process.
+On the H100 that took three calls (``OUT``: a-f and h; ``OUT --parts g``; ``OUT --parts i``). Part g now runs
+its tests on ``TEST_WORKERS`` pytest-xdist workers, so two calls should do (not yet timed): ``OUT`` (a-f, and g
+if time is left) and ``OUT --parts ghi`` (or whichever of g, h and i the first skipped). The first part that
+trains in a process without the ladder (b) before it is given ``FIRST_TRAINING_PART_S`` more: cuDNN's
+autotuning of a fresh process.
 
 OUT_DIR receives at most 8 files: summary.json (the results behind benchmarks/results/h100.json),
 summary.md, probe.json, ladder.json, ladder.md, ladder.png, suite.log (every step and its output)
@@ -102,7 +104,9 @@ SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6
 # Rough seconds per part on an H100, from the runs of 2026-11-24 (a-f and h 407 s; g 170 s; i 213 s) plus a margin;
 # since then b has two more ladder rungs (one compile), c the gather probe (one compile)
 # and f the prefetch probe's convolution step. A part is started only if it fits the budget.
-PART_SECONDS = {"b": 330, "c": 120, "d": 70, "e": 40, "f": 55, "g": 200, "h": 40, "i": 240}
+# g: 164 s in one process for 30 tests; now with TEST_WORKERS pytest-xdist workers, a guess not yet measured.
+PART_SECONDS = {"b": 330, "c": 120, "d": 70, "e": 40, "f": 55, "g": 120, "h": 40, "i": 240}
+TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
 
 # Acceptance: checks must pass; goals are the performance targets, reported beside them.
@@ -527,7 +531,13 @@ class Suite:
         if not self.cuda:
             self.skip("CUDA tests (tests/test_gpu.py)", "no GPU (CI runs the tests on the CPU)")
             return
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations", "10"]
+        if not _importable("xdist"):
+            self.log("pytest-xdist is not installed: the CUDA tests run in one process, slower (30 tests took 164 s "
+                     "so on the H100) than its time budget assumes")
+        else:  # the compile-heavy tests side by side; each worker is its own process with its own CUDA context
+            command += ["-n", str(TEST_WORKERS)]
+        command.append("tests/test_gpu.py")
         # Within the budget, so the suite still ends with its PASS/FAIL lines (and h still gets its turn to SKIP).
         left = None if self.budget_s is None else self.budget_s - (time.perf_counter() - self.started)
         timeout = 600 if left is None else max(60, left - 10)
@@ -540,7 +550,7 @@ class Suite:
             code, output = None, timeout_output(err)
             summary = f"killed after {timeout:.0f} s; run it alone with `python benchmarks/gpu_suite.py OUT --parts g`"
         (self.out / "pytest.log").write_text(output)
-        self.results["tests"] = {"command": "python -m pytest -q tests/test_gpu.py", "exit_code": code,
+        self.results["tests"] = {"command": " ".join(["python", *command[1:]]), "exit_code": code,
                                  "summary": summary}
         self.check("CUDA tests (tests/test_gpu.py)", code == 0, summary)
 
