@@ -1,5 +1,6 @@
 """The DALI loader, run in DALI's CPU-only mode: same samples as the PyTorch loaders, valid symmetries."""
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ pytest.importorskip("nvidia.dali", reason="DALI is an optional extra: pip instal
 
 from utils import symmetry  # noqa: E402
 from utils.config import load_config  # noqa: E402
-from utils.data.dali import get_dali_loader  # noqa: E402
+from utils.data.dali import HeldUntilConsumed, get_dali_loader  # noqa: E402
 from utils.data import DataError, RandomCropDataset, sample_plan  # noqa: E402
 from utils.make_dataset import ensure_dataset, npy_paths  # noqa: E402
 
@@ -124,6 +125,46 @@ def test_a_resumed_epoch_continues_the_same_stream(dali_params):
     assert len(batches) == 3 and sampler.indices()[0] == 36
     for index, inp in zip(sampler.indices(), torch.cat([inp for inp, _ in batches])):
         assert torch.equal(inp, full[index][0])
+
+
+class FakeEvent:
+    """A CUDA event's ``query`` with completion set by hand."""
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_a_gpu_batch_is_held_until_the_consumers_stream_has_passed_its_work():
+    """DALI may write a later batch into a buffer as soon as its last reference goes; kernels queued on PyTorch's
+    stream may still be reading it. The GPU loader lets a batch go only once an event recorded when the consumer
+    asked for the next batch has completed."""
+    events = []
+
+    def record():
+        events.append(FakeEvent())
+        return events[-1]
+
+    class Batch:  # a stand-in for (inp, tar) that weakref can follow
+        pass
+
+    hold = HeldUntilConsumed(record)
+    refs = []
+    for step in range(3):
+        batch = Batch()
+        refs.append(weakref.ref(batch))
+        assert hold(batch) is batch
+        del batch
+    assert len(events) == 2 and len(hold) == 3  # asking for batches 1 and 2 marked the work on 0 and 1
+    assert all(ref() is not None for ref in refs)  # nothing completed: everything held
+    events[0].done = True   # the stream ran past the work queued on batch 0, not yet past batch 1's
+    hold(Batch())
+    assert refs[0]() is None and refs[1]() is not None and refs[2]() is not None
+    for event in events:
+        event.done = True
+    hold(Batch())  # records a fifth event, not yet complete, for the fourth batch
+    assert all(ref() is None for ref in refs) and len(hold) == 2 and not events[-1].done
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -399,6 +399,28 @@ def test_prefetched_batches_are_right_while_the_compute_stream_is_busy(tiny_para
         assert len(kept) == (len(expected) if keep else 0) == (16 if keep else 0)
 
 
+def test_dali_batches_are_held_until_the_stream_has_run_past_them():
+    """The DALI loader's guard with real CUDA events (the GPU image has no DALI): a batch handed out is let go
+    only after the work the consumer queued before asking for the next batch has run."""
+    import weakref
+    from utils.data.dali import HeldUntilConsumed
+
+    class Batch:
+        pass
+
+    hold = HeldUntilConsumed(lambda: torch.cuda.current_stream(CUDA).record_event())
+    first = Batch()
+    ref = weakref.ref(first)
+    hold(first)
+    del first
+    torch.cuda._sleep(SLEEP_CYCLES * 20)  # about 0.1 s of work queued that "reads" the first batch
+    hold(Batch())
+    assert ref() is not None  # the sleep is still running: the first batch must stay
+    torch.cuda.synchronize()
+    hold(Batch())
+    assert ref() is None
+
+
 # --- the dataset generator ------------------------------------------------------------------------
 def test_the_generator_on_the_gpu_agrees_with_float64_physics_and_the_cpu():
     """utils/make_dataset.py on CUDA (its default where CUDA is visible; the other tests generate on the CPU): the

@@ -13,6 +13,7 @@ batch plans (``ShardedSampler.batch_plans``, drawn by ``sample_plan``; utils/dat
 whatever the loader, and ranks take the same disjoint shares. DALI is an optional extra:
 ``pip install -r requirements-dali.txt``.
 """
+import collections
 import importlib
 
 import h5py
@@ -183,6 +184,34 @@ def build_pipeline(feed, data_file, label_file, crop, batch_size, num_threads, d
                  exec_dynamic=True)  # outputs outlive the next iteration: DaliLoader hands them out uncopied
 
 
+class HeldUntilConsumed:
+    """Keeps each batch handed out alive until the consumer's CUDA stream has run past the work queued on it.
+
+    A DALI output buffer goes back to DALI when the last reference to it goes (the DLPack deleter), and DALI may
+    write a later batch into it on its own stream. Kernels still queued on PyTorch's stream that read the batch
+    would race those writes, and whether DALI orders the reuse after the consumer's stream is not documented.
+    So it is ordered here: when the consumer asks for the next batch it has queued all its work on the earlier
+    ones, so an event recorded on its stream at that moment marks the point after which they may go. Events on
+    one stream complete in order, so the oldest held batch is always the first to let go.
+    """
+
+    def __init__(self, record_event):
+        self._record_event = record_event      # () -> an event recorded now on the consumer's stream (.query())
+        self._held = collections.deque()       # (event, batch), oldest first
+        self._last = None                      # the batch the consumer may still be queueing work on
+
+    def __call__(self, batch):
+        if self._last is not None:
+            self._held.append((self._record_event(), self._last))
+        while self._held and self._held[0][0].query():
+            self._held.popleft()
+        self._last = batch
+        return batch
+
+    def __len__(self):
+        return len(self._held) + (self._last is not None)
+
+
 class DaliLoader(PlannedLoader):
     """Iterates this rank's batches of the sampler's epoch: (inp (B, 4, S, S, S), tar (B, 5, S, S, S)).
 
@@ -195,6 +224,9 @@ class DaliLoader(PlannedLoader):
         super().__init__(sampler)
         self.pipe, self.feed = pipe, feed
         self._epoch_open = False
+        self._hand_out = lambda batch: batch
+        if pipe.device_id is not None:  # the consumer's stream is whichever is current when it asks for a batch
+            self._hand_out = HeldUntilConsumed(lambda: torch.cuda.current_stream(pipe.device_id).record_event())
         where = "CPU-only mode" if pipe.device_id is None else f"GPU {pipe.device_id}"
         self.description = (f"DALI pipeline ({where}, {pipe.num_threads} threads): region-of-interest reads of the "
                             f".npy volumes, crop and symmetry transform in the pipeline")
@@ -211,9 +243,8 @@ class DaliLoader(PlannedLoader):
     def _to_torch(batch, size):
         # No copy: the dynamic executor's output buffers live as long as the tensor that views
         # them, and DLPack orders GPU reads after DALI's writes on the consumer's stream (DALI's
-        # own PyTorch iterator hands its outputs over the same way). Unchecked here: that DALI
-        # reuses a buffer the consumer dropped only after kernels still queued on the consumer's
-        # stream have read it (README section 5).
+        # own PyTorch iterator hands its outputs over the same way). The other direction, reuse
+        # after the consumer's reads, is HeldUntilConsumed's.
         return torch.from_dlpack(batch.as_tensor())[:size]  # drop the padding of a short last batch
 
     def __iter__(self):
@@ -226,7 +257,7 @@ class DaliLoader(PlannedLoader):
         for size in self.feed.sizes:
             inp, tar = self.pipe.outputs()
             self.pipe.schedule_run()  # keep the pipeline full while the caller trains on this batch
-            yield self._to_torch(inp, size), self._to_torch(tar, size)
+            yield self._hand_out((self._to_torch(inp, size), self._to_torch(tar, size)))
         self._drain()
 
 
