@@ -25,8 +25,10 @@ d. train.py and train_graph.py on the same run (2 epochs, same seed, bf16, fused
 e. train.py with checkpoints every few seconds against the eager run of d: the training stall per
    checkpoint (the goal counts the copy to host memory; time spent waiting for the previous write,
    which saves minutes apart never do, is reported beside it) and the throughput with checkpointing on;
-f. a torch.profiler trace of a few training steps with the fast loader: cuDNN convolution kernels and
-   the top kernels by time; then benchmarks/prefetch_probe.py, the prefetcher's host-to-device copies
+f. a torch.profiler trace of a few training steps with the fast loader: cuDNN convolution kernels, the
+   top kernels by time and, per host-to-device copy, the share of it under a kernel on another stream and
+   how long after the host queued it it started, beside the window's calls that make the host wait
+   (synchronizes, cudaFree, ...); then benchmarks/prefetch_probe.py, the prefetcher's host-to-device copies
    hidden under a fixed GPU step (a sleep kernel; bf16 convolutions) where the loader is ahead by
    construction (in training at bf16 it is behind, and a copy that starts after the step it could
    hide under has nothing to overlap);
@@ -502,6 +504,10 @@ class Suite:
         slow = [name for name in by_name if any(m in name.lower() for m in SLOW_MARKERS)]
         result["conv_kernel_share"] = round(sum(by_name[n] for n in conv) / total, 4) if total else None
         result["copy_overlap_share"] = copy_compute_overlap(copies, kernels)  # low when the loader is behind
+        # Why (the fp32 trace of 2026-11-24 had 0% with the loader ahead): when each copy started after the host
+        # queued it, how much of it ran under a kernel, and the calls in the window that make the host wait.
+        result["copies"], result["blocking_calls"] = copy_rows(copies, kernels, events)[:8], blocking_calls(events)
+        self.log(f"training trace: blocking calls {result['blocking_calls']}; copies {result['copies']}")
         self.results["profile"] = result
         self.check("cuDNN convolution kernels in the training trace", bool(conv) and not slow,
                    f"{len(conv)} cuDNN-style kernels, {100 * (result['conv_kernel_share'] or 0):.0f}% of kernel time"
@@ -701,6 +707,33 @@ def trace_events(path):
     kernels = [e for e in events if e.get("cat") == "kernel"]
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
     return kernels, copies, events
+
+
+# Runtime calls after which the host waits for the device (the synchronizes; cudaFree and a plain cudaMemcpy) or
+# that may (cudaMalloc, cudaHostAlloc): where copies that should hide under the step do not, look here first.
+BLOCKING_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaFree", "cudaFreeHost",
+                  "cudaMemcpy", "cudaMalloc", "cudaHostAlloc")
+
+
+def blocking_calls(events):
+    """{name: count} of the trace's BLOCKING_CALLS."""
+    names = [e.get("name") for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    return {name: names.count(name) for name in BLOCKING_CALLS if name in names}
+
+
+def copy_rows(copies, kernels, events):
+    """Per host-to-device copy: name, stream, ms, the share of it under a kernel on another stream, and how long
+    after the host queued it (its runtime call, linked by correlation id) it started on the device."""
+    queued = {e["args"]["correlation"]: e["ts"] for e in events
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    rows = []
+    for copy in copies:
+        args = copy.get("args", {})
+        launch = queued.get(args.get("correlation"))
+        rows.append({"name": copy.get("name"), "stream": args.get("stream"), "ms": round(copy["dur"] / 1e3, 3),
+                     "hidden": copy_compute_overlap([copy], kernels),
+                     "start_after_queued_ms": None if launch is None else round((copy["ts"] - launch) / 1e3, 3)})
+    return rows
 
 
 def copy_compute_overlap(copies, kernels):

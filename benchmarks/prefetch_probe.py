@@ -93,17 +93,17 @@ def make_step(kind, ms, device):
 
 
 def traced_copies(batches, step, device):
-    """[{name, stream, ms, hidden share}] of the host-to-device copies in a trace of the prefetched loop."""
-    from benchmarks.gpu_suite import copy_compute_overlap, trace_events
+    """[{name, stream, ms, hidden share, start after queued}] of the host-to-device copies in a trace of the
+    prefetched loop."""
+    from benchmarks.gpu_suite import copy_compute_overlap, copy_rows, trace_events
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             run_loop(batches, step, "prefetched", device)
         prof.export_chrome_trace(str(path))
-        kernels, copies, _ = trace_events(path)
-    rows = [{"name": c.get("name"), "stream": c.get("args", {}).get("stream"), "ms": round(c["dur"] / 1e3, 3),
-             "hidden": copy_compute_overlap([c], kernels)} for c in copies]
+        kernels, copies, events = trace_events(path)
+    rows = copy_rows(copies, kernels, events)
     kernel_streams = sorted({k.get("args", {}).get("stream") for k in kernels}, key=str)
     return rows, kernel_streams, copy_compute_overlap(copies, kernels)
 

@@ -88,6 +88,34 @@ def test_the_checkpoint_stall_is_parsed_from_train_pys_own_log_lines():
                                                  ("end of epoch 1", 0.045, 0.0)]
 
 
+def runtime_call(name, ts, correlation):
+    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": 5, "args": {"correlation": correlation}}
+
+
+def gpu_event(category, ts, dur, stream, correlation=None):
+    name = "Memcpy HtoD (Pinned -> Device)" if category == "gpu_memcpy" else "kernel"
+    return {"cat": category, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream, "correlation": correlation}}
+
+
+def test_the_trace_tells_how_much_of_each_copy_hid_and_what_made_the_host_wait():
+    """Part f's reading of a Kineto trace (times in microseconds), on a hand-made one: copy 1 on stream 20 runs
+    400-500 under kernels on stream 7 for 400-450 and 440-480 (80% hidden), 40 us after the host queued it;
+    copy 2 runs alone (0%): a kernel on the copy's own stream does not count."""
+    kernels = [gpu_event("kernel", 400, 50, 7), gpu_event("kernel", 440, 40, 7), gpu_event("kernel", 600, 100, 20)]
+    copies = [gpu_event("gpu_memcpy", 400, 100, 20, correlation=1),
+              gpu_event("gpu_memcpy", 600, 100, 20, correlation=2)]
+    events = [runtime_call("cudaMemcpyAsync", 360, 1), runtime_call("cudaMemcpyAsync", 590, 2),
+              runtime_call("cudaStreamSynchronize", 700, 3), runtime_call("cudaFree", 710, 4),
+              runtime_call("cudaFree", 720, 5), runtime_call("cudaLaunchKernel", 730, 6), *kernels, *copies]
+    assert gpu_suite.copy_compute_overlap(copies, kernels) == 0.4  # 80 of the 200 us
+    rows = gpu_suite.copy_rows(copies, kernels, events)
+    assert [(r["hidden"], r["start_after_queued_ms"], r["ms"], r["stream"]) for r in rows] == [(0.8, 0.04, 0.1, 20),
+                                                                                           (0.0, 0.01, 0.1, 20)]
+    assert gpu_suite.blocking_calls(events) == {"cudaStreamSynchronize": 1, "cudaFree": 2}
+    unlinked = gpu_event("gpu_memcpy", 400, 100, 20)  # no correlation id in the trace
+    assert gpu_suite.copy_rows([unlinked], kernels, events)[0]["start_after_queued_ms"] is None
+
+
 def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
     """Part i's bookkeeping, on the CPU with the tiny ladder in place of the full one: the compile + channels-last
     rung needs CUDA, so its run is a FAIL naming why; every cuDNN engine's run is compared with the eager rung."""
