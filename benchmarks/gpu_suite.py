@@ -33,7 +33,9 @@ f. a torch.profiler trace of a few training steps with the fast loader: cuDNN co
    construction (in training at bf16 it is behind, and a copy that starts after the step it could
    hide under has nothing to overlap);
 g. tests/test_gpu.py, the CUDA tests, on ``TEST_WORKERS`` pytest-xdist workers where it is installed (the GPU
-   image has it); the whole test suite on a GPU is a command of its own, `python -m pytest -q -n 14 --full tests`;
+   image has it); the whole test suite on a GPU is a command of its own, `python -m pytest -q -n 14 --full
+   --ignore=tests/test_slurm.py --ignore=tests/test_slurm_two_nodes.py tests` (the Slurm tests install Slurm
+   with apt-get, which may wait up to their 900 s timeout on a machine with no network);
 h. benchmarks/conv_variants.py: each convolution's forward + backward time in its native form and in
    the other forms of networks/conv_forms.py, and whole steps with each layer in its fastest form
    (where the step's time goes), with the ``--conv_forms`` value of the fastest step and the
