@@ -541,8 +541,8 @@ class Suite:
             return
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations", "10"]
         if not _importable("xdist"):
-            self.log("pytest-xdist is not installed: the CUDA tests run in one process, slower (30 tests took 164 s "
-                     "so on the H100) than its time budget assumes")
+            self.log(f"pytest-xdist is not installed: the CUDA tests run in one process (164 s for 30 tests on the "
+                     f"H100), longer than the {PART_SECONDS['g']} s the budget gives part g")
         else:  # the compile-heavy tests side by side; each worker is its own process with its own CUDA context
             command += ["-n", str(TEST_WORKERS)]
         command.append("tests/test_gpu.py")
