@@ -15,6 +15,7 @@ resumed graph run uses deterministic algorithms and must be bit-identical.
 import os
 import signal
 import time
+import weakref
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from utils.checkpoint import restore_training_state, snapshot_training_state
 from utils.config import DEFAULT_YAML, load_config
 from utils.data import get_data_loader, sample_plan
 from utils.distributed import init_distributed
+from utils.data.dali import HeldUntilConsumed
 from utils.data.fast import FastLoader
 from utils.data.gpu import get_gpu_loader
 from utils.errors import Preempted
@@ -402,9 +404,6 @@ def test_prefetched_batches_are_right_while_the_compute_stream_is_busy(tiny_para
 def test_dali_batches_are_held_until_the_stream_has_run_past_them():
     """The DALI loader's guard with real CUDA events (the GPU image has no DALI): a batch handed out is let go
     only after the work the consumer queued before asking for the next batch has run."""
-    import weakref
-    from utils.data.dali import HeldUntilConsumed
-
     class Batch:
         pass
 
