@@ -34,7 +34,7 @@ from utils.run_dir import make_run_dir, resume_on_restart
 from utils.run_log import EventWriter, agree_on_held_failure, setup_logging
 from utils.science import format_summary, lyman_alpha_settings
 from utils.science_plots import write_tensorboard
-from utils.training import build_training, eager_step, mean_predictor_l1, validate
+from utils.training import build_training, eager_step, mean_predictor_l1, training_stream, validate
 
 logger = logging.getLogger("train")
 
@@ -108,7 +108,8 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
         "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
     if info.device.type == "cuda":
         active += [f"tf32={'on' if params.enable_tf32 else 'off'}",
-                   f"cudnn_benchmark_limit={params.cudnn_benchmark_limit}"]
+                   f"cudnn_benchmark_limit={params.cudnn_benchmark_limit}",
+                   f"stream={'high-priority' if params.stream_priority == 'high' else 'default'}"]
     loader = getattr(train_loader, "description", f"straightforward {params.data_loader_config}: per-sample crops, "
                                                    f"{params.num_data_workers} worker processes, default collate")
     logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")
@@ -304,7 +305,8 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                 save_config(params, run_dir / "config.yaml")
             prepare_data(params, info, logger.info)
             state = build_training(params, info, capturable, run_dir)
-            result = train(params, state, run_dir, make_step, resume, resume_fallback)
+            with training_stream(info.device, params.stream_priority):
+                result = train(params, state, run_dir, make_step, resume, resume_fallback)
             agree_on_held_failure(info)  # a log write that failed on rank 0 since the last agreement stops all
             finished = True
             return result

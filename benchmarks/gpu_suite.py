@@ -17,9 +17,9 @@ b. benchmarks/ladder.py: the optimisation ladder on the full model at batch 64, 
    settings (channels-last, the fastest convolution forms, torch.compile);
 c. benchmark mode (train.py --enable_benchy: IO, SYNTHETIC, FULL) on a generated 128^3 box for the
    fast CPU loader and the GPU-resident loader (fp32 and fp16 storage; fp16 also without its side
-   stream, ``--no-gpu_prefetch``, and with its crops made by one compiled kernel, ``--gpu_gather
-   compiled``), after an IO sweep of the fast loader's thread count; then benchmarks/gather_probe.py, that
-   loader's batch-making against one-pass candidates (eager and compiled) on a 1024^3 box;
+   stream, ``--no-gpu_prefetch``, with its crops made by one compiled kernel, ``--gpu_gather
+   compiled``, and with the step on a high-priority CUDA stream, ``--stream_priority high``), after an IO
+   sweep of the fast loader's thread count; then benchmarks/gather_probe.py, that loader's batch-making against one-pass candidates (eager and compiled) on a 1024^3 box;
 d. train.py and train_graph.py on the same run (2 epochs, same seed, bf16, fused Adam,
    channels-last, GPU-resident data): the loss at every step compared, and the second epoch's samples/s;
 e. train.py with checkpoints every few seconds against the eager run of d: the training stall per
@@ -106,10 +106,10 @@ SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6
              checkpoint_minutes=1e-5, profile_steps=5, profile_window=[2, 4])
 
 # Rough seconds per part on an H100, from the runs of 2026-11-24 (a-f and h 407 s; g 170 s; i 213 s) plus a margin;
-# since then b has two more ladder rungs (one compile), c the gather probe (one compile)
-# and f the prefetch probe's convolution step. A part is started only if it fits the budget.
+# since then b has two more ladder rungs (one compile), c the gather probe (one compile) and two benchmark-mode runs
+# (about 8 s each), and f the prefetch probe's convolution step. A part is started only if it fits the budget.
 # g: 164 s in one process for 30 tests; now with TEST_WORKERS pytest-xdist workers, a guess not yet measured.
-PART_SECONDS = {"b": 330, "c": 120, "d": 70, "e": 40, "f": 55, "g": 120, "h": 40, "i": 240}
+PART_SECONDS = {"b": 330, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 40, "i": 240}
 TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
 
@@ -337,6 +337,8 @@ class Suite:
             loaders["gpu fp16, no side stream"] = loaders["gpu fp16"] + ["--no-gpu_prefetch"]
             # the crops by one compiled kernel (gpu_gather: compiled) instead of eager PyTorch's several passes
             loaders["gpu fp16, compiled gather"] = loaders["gpu fp16"] + ["--gpu_gather", "compiled"]
+            # the step on a high-priority stream: the side stream's gathers get only the SMs the step leaves idle
+            loaders["gpu fp16, high-priority step"] = loaders["gpu fp16"] + ["--stream_priority", "high"]
         else:
             self.skip("benchmark mode, GPU-resident loader", "no GPU")
         for index, (name, flags) in enumerate(loaders.items()):

@@ -1,8 +1,8 @@
 """What only a CUDA GPU can check: graph capture and replay, the capturable optimizer's schedule, resuming
-a graph run, the rewritten convolution forms in a graph, torch.compile with channels-last (what the refusal of
-pytorch#171622 lets through, and a canary of the bug), the GPU-resident loader, the pinned prefetcher, cuDNN
-kernels for bf16 3D convolutions, MFU and peak memory, and the collectives and DDP on NCCL (a one-rank group;
-also compiled and channels-last, as the *_opt configs train).
+a graph run, training on a high-priority stream, the rewritten convolution forms in a graph, torch.compile
+with channels-last (what the refusal of pytorch#171622 lets through, and a canary of the bug), the GPU-resident
+loader, the pinned prefetcher, cuDNN kernels for bf16 3D convolutions, MFU and peak memory, and the collectives
+and DDP on NCCL (a one-rank group; also compiled and channels-last, as the *_opt configs train).
 
     python -m pytest -q tests/test_gpu.py     # on a GPU machine: a minute or two; every test skips elsewhere
 
@@ -308,6 +308,36 @@ def test_a_graph_run_stopped_after_epoch_1_resumes_to_the_same_weights(graph_arg
     assert 0 < resumed == whole  # deterministic kernels: the same final validation loss, exactly
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["train.py", "train_graph.py"])
+def test_a_high_priority_stream_runs_every_step_there_and_trains_the_same(graph_argv, tmp_path, graph):
+    """--stream_priority high: each step (eager, or a graph replay) is queued on a stream of higher priority than
+    the default, the GPU-resident loader's batches reach it there, and the deterministic run ends with the same
+    validation loss as on the default stream."""
+    argv = graph_argv + ["--data_loader_config", "gpu", "--num_epochs", "1"]
+
+    def recording(make_step, priorities):
+        def make(state):
+            inner = make_step(state)
+
+            def step(state, inp, tar):
+                priorities.add(torch.cuda.current_stream(CUDA).priority)
+                return inner(state, inp, tar)
+            return step
+        return make
+
+    runs = {}
+    for priority in ("normal", "high"):
+        seen = set()
+        make_step = recording(train_graph.make_graph_step if graph else lambda state: training.eager_step, seen)
+        loss = train.main(argv + ["--stream_priority", priority, "--run_num", priority], make_step=make_step,
+                          capturable=graph, check=train_graph.check_graph_support if graph else None)
+        runs[priority] = loss, seen
+    assert runs["normal"][1] == {0} and len(runs["high"][1]) == 1 and min(runs["high"][1]) < 0, runs
+    assert 0 < runs["high"][0] == runs["normal"][0]
+    log = (tmp_path / "runs" / "tiny" / "1GPU" / "high" / "out.log").read_text()
+    assert "stream=high-priority" in log and "gpu-resident" in log
+
+
 # --- loaders -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("storage, gather", [("fp32", "eager"), ("fp16", "eager"), ("fp16", "compiled")])
 def test_gpu_resident_batches_are_the_cpu_batches_on_the_device(tiny_params, storage, gather):
@@ -550,7 +580,8 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
         assert any("DDP (nccl)" in note for note in state.notes), state.notes
         before = flat_weights(state.model)
         (inp, tar), = device_batches(tiny_params, count=1)
-        assert torch.isfinite(training.eager_step(state, inp, tar)).item()
+        with training.training_stream(CUDA, "high"):  # --stream_priority high: the all-reduce waits for that stream
+            assert torch.isfinite(training.eager_step(state, inp, tar)).item()
         assert not torch.equal(flat_weights(state.model), before)
 
         # The *_opt configs' combination under DDP: compiled, channels-last, rewritten forms (a 1^3 bottom). Weights

@@ -6,6 +6,7 @@ import torch._dynamo
 from utils import training
 from utils.data import get_data_loader
 from utils.distributed import init_distributed
+from utils.errors import ConfigError
 
 
 def short_run(params, num_steps=6):
@@ -18,8 +19,6 @@ def short_run(params, num_steps=6):
         state.set_lr(2e-3)
         losses.append(training.eager_step(state, inp, tar).item())
     return state, losses
-
-
 
 
 @pytest.mark.parametrize("flags, tolerance", [
@@ -71,3 +70,13 @@ def test_compiled_module_is_the_one_that_trains(tiny_params, conv_forms):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # model and loss
     _, plain = short_run(tiny_params(), num_steps=3)
     assert compiled == pytest.approx(plain, rel=1e-4)
+
+
+def test_stream_priority_is_checked_and_is_a_cuda_setting(tiny_params):
+    """The CUDA side (each step on the high-priority stream, the same losses) is tests/test_gpu.py's."""
+    with pytest.raises(ConfigError, match="stream_priority"):
+        tiny_params(stream_priority="highest")
+    state, _ = short_run(tiny_params(stream_priority="high"), num_steps=1)
+    with training.training_stream(state.info.device, "high"):  # no stream made: a CPU-only torch would raise here
+        loss = training.eager_step(state, *next(iter(get_data_loader(state.params, "train")[0])))
+    assert torch.isfinite(loss)

@@ -228,6 +228,9 @@ SCHEMA = {
     "enable_tf32": Key(_bool, "TF32 matmuls and convolutions on GPU"),
     "cudnn_benchmark_limit": Key(_non_negative_int, "cuDNN engines timed per new convolution shape when "
                                                     "autotuning (PyTorch's default 10; 0: all that fit, slower start)"),
+    "stream_priority": Key(_choice("normal", "high"), "CUDA stream of training and validation: normal (PyTorch's "
+                                                      "default stream) or high, so the gpu loader's side-stream "
+                                                      "gathers get only the SMs the step leaves idle"),
     "device": Key(_choice("auto", "cuda", "cpu"), "auto: the rank's GPU when CUDA is visible, else the CPU"),
     "enable_benchy": Key(_bool, "benchmark mode"),
     "benchy": Key(_section(BENCHY_SCHEMA), "benchmark-mode trials"),

@@ -8,7 +8,7 @@
 """
 import logging
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,6 +135,32 @@ def build_training(params, info, capturable=False, run_dir=None):
                        profiler=Profiler(params, run_dir or Path.cwd(), device))
     state.notes += [f"optimizer: {optimizer_name}", ddp_description]
     return state
+
+
+@contextmanager
+def training_stream(device, priority="normal"):
+    """Run the block's CUDA work on a high-priority stream when ``priority`` is 'high' (CUDA only; else nothing).
+
+    CUDA's block scheduler hands free SMs to the pending blocks of the highest-priority stream first. PyTorch's
+    default stream has the lowest priority, the same as the GPU-resident loader's side stream, so the loader's
+    gathers for the next batch share the SMs with the step's convolutions and slow them down. With the step on a
+    high-priority stream they take only what it leaves idle (kernel tails, gaps between kernels); what is not
+    done when the next step starts runs then, as without the side stream. Everything the run queues goes to
+    ``torch.cuda.current_stream()`` (loaders, checkpoints, DDP, CUDA graph replays, compiled kernels), so this
+    block is the whole change. Work queued before it (the model, the loaded volumes) is ordered before it, and
+    the block's work before what follows it.
+    """
+    if priority == "normal" or device.type != "cuda":
+        yield
+        return
+    outer = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device, priority=-1)  # lower numbers are higher; PyTorch clamps to the device's range
+    stream.wait_stream(outer)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        outer.wait_stream(stream)
 
 
 def forward_loss(state, model, inp, tar):
