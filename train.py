@@ -304,8 +304,8 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                 # leaves the record of the run it was refused by.
                 save_config(params, run_dir / "config.yaml")
             prepare_data(params, info, logger.info)
-            state = build_training(params, info, capturable, run_dir)
-            with training_stream(info.device, params.stream_priority):
+            with training_stream(info.device, params.stream_priority):  # DDP's gradient hooks are made here too
+                state = build_training(params, info, capturable, run_dir)
                 result = train(params, state, run_dir, make_step, resume, resume_fallback)
             agree_on_held_failure(info)  # a log write that failed on rank 0 since the last agreement stops all
             finished = True

@@ -576,11 +576,11 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
             lyman_alpha.solve_amplitude([], 0.7, info)  # a rank left without validation samples
         assert len(devices) == 4 and all(device == CUDA for device in devices), devices
 
-        state = training.build_training(tiny_params(**TINY_CUDA, ddp_comm_hook="bf16"), info)
-        assert any("DDP (nccl)" in note for note in state.notes), state.notes
-        before = flat_weights(state.model)
         (inp, tar), = device_batches(tiny_params, count=1)
-        with training.training_stream(CUDA, "high"):  # --stream_priority high: the all-reduce waits for that stream
+        with training.training_stream(CUDA, "high"):  # as train.py runs --stream_priority high: DDP built there too
+            state = training.build_training(tiny_params(**TINY_CUDA, ddp_comm_hook="bf16"), info)
+            assert any("DDP (nccl)" in note for note in state.notes), state.notes
+            before = flat_weights(state.model)
             assert torch.isfinite(training.eager_step(state, inp, tar)).item()
         assert not torch.equal(flat_weights(state.model), before)
 

@@ -147,8 +147,9 @@ def training_stream(device, priority="normal"):
     high-priority stream they take only what it leaves idle (kernel tails, gaps between kernels); what is not
     done when the next step starts runs then, as without the side stream. Everything the run queues goes to
     ``torch.cuda.current_stream()`` (loaders, checkpoints, DDP, CUDA graph replays, compiled kernels), so this
-    block is the whole change. Work queued before it (the model, the loaded volumes) is ordered before it, and
-    the block's work before what follows it.
+    block is the whole change. Build the model inside it too: autograd runs each parameter's gradient
+    accumulation on the stream that was current when its accumulator was made, which DDP does at construction.
+    Work queued before the block is ordered before it, and the block's work before what follows it.
     """
     if priority == "normal" or device.type != "cuda":
         yield
