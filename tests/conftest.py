@@ -112,6 +112,10 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: an integration test, run with --full")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each pytest-xdist worker (-n N)
+    if workers > 1:  # share the cores: each worker's torch would otherwise start a thread per core
+        import torch
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 def pytest_collection_modifyitems(config, items):
