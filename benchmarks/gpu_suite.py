@@ -50,6 +50,9 @@ i. two levers the ladder leaves out, each in a fresh process of benchmarks/ladde
 
 ``--conv_forms FORMS`` (default native) trains parts b-f and i with train.py's ``--conv_forms``, e.g.
 the fastest value part h printed, to measure the loaders, CUDA graphs and checkpoints at that speed.
+``--compile`` also compiles parts c-f's runs, with up0 rewritten: the `*_opt` configs' step, the fastest
+measured, where the GPU-resident loader's cost is the largest share (``OUT --parts c --conv_forms
+down0=rewritten,last=rewritten --compile`` gives its FULL against SYNTHETIC for every loader row).
 
 A GPU call of the device tool this suite was written for ends after 600 s, so the suite keeps to a
 time budget (``--budget_s``, default 560 s): a part whose rough duration (``PART_SECONDS``, guesses
@@ -122,8 +125,9 @@ GRAPH_SPEEDUP_GOAL = 1.05
 
 
 class Suite:
-    def __init__(self, out, small, budget_s=None, conv_forms="native"):
+    def __init__(self, out, small, budget_s=None, conv_forms="native", train_compile=False):
         self.out, self.small, self.budget_s, self.train_forms = out, small, budget_s, conv_forms
+        self.train_compile = train_compile  # torch.compile in parts c-f's runs, with up0 rewritten (pytorch#171622)
         self.size = SMALL if small else GPU
         self.cuda = torch.cuda.is_available() and not small
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_suite_"))
@@ -206,19 +210,20 @@ class Suite:
         suite = {**base, "train_path": str(paths[0]), "val_path": str(paths[1]), "box_size": size["box"],
                  "data_size": size["crop"], "global_batch_size": size["batch"], "base_batch_size": size["batch"],
                  "Nsamples": size["batch"] * size["steps_per_epoch"], "Nsamples_val": size["val_samples"],
-                 "num_epochs": 2, "amp_mode": "bf16", "enable_fused": True, "enable_jit": False,
+                 "num_epochs": 2, "amp_mode": "bf16", "enable_fused": True, "enable_jit": self.train_compile,
                  "channels_last": True, "log_every_n_steps": max(1, size["steps_per_epoch"] // 4),
                  "checkpoint_every_n_steps": 0, "checkpoint_every_minutes": 0.0, "generate_data": None,
                  "expdir": str(self.tmp / "runs"), "data_loader_config": "inmem", "fast_loader": True,
                  "num_data_workers": max(self.size["threads"]), "profile_window": size["profile_window"],
-                 "device": "cuda" if self.cuda else "cpu", "conv_forms": self.train_forms}
+                 "device": "cuda" if self.cuda else "cpu",
+                 "conv_forms": with_up0_rewritten(self.train_forms) if self.train_compile else self.train_forms}
         if size["channels"]:
             suite["model_channels"] = size["channels"]
         self.yaml = self.tmp / "suite.yaml"
         self.yaml.write_text(yaml.safe_dump({"suite": suite}))
         self.results["setup"] = {key: suite[key] for key in ("box_size", "data_size", "global_batch_size",
                                                              "model_channels", "amp_mode", "channels_last",
-                                                             "conv_forms")}
+                                                             "enable_jit", "conv_forms")}
         self.results["setup"]["steps_per_epoch"] = size["steps_per_epoch"]
 
     def train(self, run_num, *flags, graph=False):
@@ -861,6 +866,9 @@ def main(argv=None):
     parser.add_argument("--conv_forms", default="native",
                         help="train.py's --conv_forms for the training runs of parts b-f and i (part i adds "
                              "up0=rewritten); part h times every form whatever this says")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the training runs of parts c-f (train.py's --enable_jit, as the *_opt "
+                             "configs do), with up0 in the rewritten form that compile with channels-last needs")
     parser.add_argument("--budget_s", type=float, default=560,
                         help="time budget in seconds: a part that would overrun it is skipped (default 560, under "
                              "the device tool's 600 s per call)")
@@ -871,7 +879,7 @@ def main(argv=None):
     if not args.small and not torch.cuda.is_available():
         parser.error("no CUDA GPU is visible; run with --small for the CPU smoke mode")
     args.out.mkdir(parents=True, exist_ok=True)
-    suite = Suite(args.out, args.small, args.budget_s, args.conv_forms)
+    suite = Suite(args.out, args.small, args.budget_s, args.conv_forms, args.compile)
     try:
         if "a" in args.parts:
             suite.part("a. environment and kernel probe", suite.probe)

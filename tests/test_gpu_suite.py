@@ -158,3 +158,17 @@ def test_the_prefetch_probe_refuses_to_run_without_a_gpu(capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "error: needs a CUDA GPU (the prefetcher is a passthrough on the CPU)")
+
+
+def test_compile_trains_parts_c_to_f_as_the_opt_configs_do(tmp_path):
+    """--compile: the training runs' config compiles, with up0 rewritten (compile with channels-last needs it on
+    CUDA); the ladder's forms stay as given."""
+    suite = gpu_suite.Suite(tmp_path, small=True, conv_forms="down0=rewritten,last=rewritten", train_compile=True)
+    try:
+        suite.prepare()
+    finally:
+        suite.finish()
+    setup = suite.results["setup"]
+    assert setup["enable_jit"] is True and setup["channels_last"] is True
+    assert setup["conv_forms"] == "down0=rewritten,last=rewritten,up0=rewritten"
+    assert suite.train_forms == "down0=rewritten,last=rewritten"
