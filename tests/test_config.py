@@ -138,3 +138,15 @@ def test_resolved_config_round_trips(tmp_path):
     save_config(params, tmp_path / "config.yaml")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["num_epochs"] == 7 and saved["config_name"] == "short_opt" and saved["channels_last"] is True
+
+
+def test_the_example_logs_config_is_todays_quickstart_but_for_the_keys_its_readme_names():
+    """example_logs/ was recorded before some keys existed; its README names them and their defaults."""
+    from utils.config import REPO_ROOT
+    folder = REPO_ROOT / "example_logs"
+    recorded = yaml.safe_load((folder / "quickstart" / "1GPU" / "0" / "config.yaml").read_text())
+    today = dict(load_config("quickstart"))
+    assert set(recorded) <= set(today) and recorded == {key: today[key] for key in recorded}
+    readme = " ".join((folder / "README.md").read_text().split())
+    added = sorted(set(today) - set(recorded))
+    assert all(f"`{key}`" in readme for key in added), (added, "example_logs/README.md must name them")
