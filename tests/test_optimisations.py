@@ -1,4 +1,6 @@
 """Each single-GPU optimisation flag takes effect and leaves a short run's loss close to the plain run."""
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
@@ -80,3 +82,46 @@ def test_stream_priority_is_checked_and_is_a_cuda_setting(tiny_params):
     with training.training_stream(state.info.device, "high"):  # no stream made: a CPU-only torch would raise here
         loss = training.eager_step(state, *next(iter(get_data_loader(state.params, "train")[0])))
     assert torch.isfinite(loss)
+
+
+def test_the_high_priority_stream_is_ordered_after_earlier_work_and_before_later_work(monkeypatch):
+    """training_stream's stream bookkeeping, with fake CUDA streams (the real ones: tests/test_gpu.py): the new
+    stream waits for the work already queued, the block runs with it current, and the outer stream waits for the
+    block's work afterwards, also when the block raises."""
+    calls, current = [], ["default"]
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(("wait", self.name, other.name))
+
+    def new_stream(device=None, priority=0):
+        calls.append(("new", priority))
+        return FakeStream(f"priority {priority}")
+
+    @contextlib.contextmanager
+    def use(stream):
+        previous, current[0] = current[0], stream.name
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    default = FakeStream("default")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    cuda = torch.device("cuda", 0)
+    with training.training_stream(cuda, "normal"):
+        assert current[0] == "default"
+    assert calls == []
+    with pytest.raises(RuntimeError, match="inside"):
+        with training.training_stream(cuda, "high"):
+            assert current[0] == "priority -1"
+            calls.append("block")
+            raise RuntimeError("inside")
+    assert current[0] == "default"
+    assert calls == [("new", -1), ("wait", "priority -1", "default"), "block",
+                     ("wait", "default", "priority -1")]
