@@ -4,7 +4,9 @@
     python benchmarks/conv_variants.py --tiny          # CPU smoke test: widths [8, 16], batch 2, 16^3 crops
 
 Per convolution of the reference U-Net (bf16 autocast, channels-last-3d, batch 64, 64^3 crops), the
-forward + backward time of each form of it (networks/conv_forms.py; all compute the same thing):
+forward + backward time of each form of it (networks/conv_forms.py; all compute the same thing), the
+forward pass's time alone, and the rate in TFLOP/s (the layer's forward FLOPs three times: forward, input
+gradient, weight gradient; twice for down0, whose input needs no gradient), to hold against the GPU's peak:
 
 - ``native``: nn.Conv3d / nn.ConvTranspose3d (kernel 4, stride 2, padding 1), as the model runs;
 - ``rewritten``: as a stride-1 kernel-2 convolution (space-to-depth for Conv3d, sub-pixel for
@@ -88,6 +90,7 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     torch.manual_seed(0)
     model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
     inputs = layer_inputs(model, batch, crop, device)
+    flops = model.conv_flops(crop)
     results = {"setup": {"batch": batch, "crop": crop, "model_channels": channels, "device": str(device),
                          "precision": "bf16 autocast, channels-last-3d"}, "layers": [], "steps": {}}
     best = {}
@@ -96,23 +99,32 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
         candidates = forms(module)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
             reference = candidates["native"](x, module.weight, module.bias).float()
-        row = {"layer": name, "input_shape": list(x.shape), "ms": {}, "relative_error_bf16": {}}
+        passes = 3 if x.requires_grad else 2
+        row = {"layer": name, "input_shape": list(x.shape), "forward_gflop": flops[name] * batch / 1e9, "ms": {},
+               "forward_ms": {}, "tflops": {}, "relative_error_bf16": {}}
         for form, function in candidates.items():
-            def run(function=function):
+            def forward(function=function):
                 with torch.autocast(device.type, dtype=torch.bfloat16):
-                    y = function(x, module.weight, module.bias)
+                    return function(x, module.weight, module.bias)
+
+            def run(forward=forward):
+                y = forward()
                 y.backward(torch.ones_like(y))
 
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
                 y = function(x, module.weight, module.bias).float()
             row["relative_error_bf16"][form] = float((y - reference).norm() / reference.norm())
             row["ms"][form] = round(timed(run, device, repeats), 3)
+            row["forward_ms"][form] = round(timed(forward, device, repeats), 3)
+            row["tflops"][form] = float(f"{passes * row['forward_gflop'] / row['ms'][form]:.3g}")  # GFLOP/ms = TFLOP/s
             module.zero_grad(set_to_none=True)
             x.grad = None
         best[name] = row["best"] = min(row["ms"], key=row["ms"].get)
         results["layers"].append(row)
-        log(f"{name:5s} {str(tuple(x.shape)):28s} " + "  ".join(f"{form} {ms:7.3f} ms" for form, ms in row["ms"].items())
-            + f"  -> {row['best']} ({row['ms']['native'] / row['ms'][row['best']]:.2f}x)")
+        speedup = row["ms"]["native"] / row["ms"][row["best"]]
+        log(f"{name:5s} {str(tuple(x.shape)):28s} " + "  ".join(
+            f"{form} {ms:7.3f} ms (forward {row['forward_ms'][form]:.3f}, {row['tflops'][form]:g} TFLOP/s)"
+            for form, ms in row["ms"].items()) + f"  -> {row['best']} ({speedup:.2f}x)")
     del inputs
 
     data = (torch.rand(batch, 4, crop, crop, crop, device=device) * 2 - 1,

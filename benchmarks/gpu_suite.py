@@ -36,8 +36,8 @@ g. tests/test_gpu.py, the CUDA tests, on ``TEST_WORKERS`` pytest-xdist workers w
    image has it); the whole test suite on a GPU is a command of its own, `python -m pytest -q -n 14 --full
    --ignore=tests/test_slurm.py --ignore=tests/test_slurm_two_nodes.py tests` (the Slurm tests install Slurm
    with apt-get, which may wait up to their 900 s timeout on a machine with no network);
-h. benchmarks/conv_variants.py: each convolution's forward + backward time in its native form and in
-   the other forms of networks/conv_forms.py, and whole steps with each layer in its fastest form
+h. benchmarks/conv_variants.py: each convolution's forward + backward time (the forward alone beside it, and
+   the rate in TFLOP/s) in its native form and in the other forms of networks/conv_forms.py, and whole steps with each layer in its fastest form
    (where the step's time goes), with the ``--conv_forms`` value of the fastest step and the
    throughput goal checked again for it;
 i. two levers the ladder leaves out, each in a fresh process of benchmarks/ladder.py (cuDNN keeps its
@@ -834,10 +834,13 @@ def markdown(results):
     if forms:
         names = sorted({form for row in forms["layers"] for form in row["ms"]}, key=["native", "rewritten", "padded"].index)
         lines += ["", "## Convolution forms (forward + backward ms per layer; networks/conv_forms.py)", "",
-                  "| layer | input | " + " | ".join(names) + " | fastest |", "| --- | --- |" + " ---: |" * len(names)
-                  + " --- |"]
+                  "The fastest form's forward share and rate: its FLOPs (forward, input and weight gradients) per "
+                  "second.", "",
+                  "| layer | input | " + " | ".join(names) + " | fastest | forward share | TFLOP/s |",
+                  "| --- | --- |" + " ---: |" * len(names) + " --- | ---: | ---: |"]
         lines += [f"| {row['layer']} | {tuple(row['input_shape'])} | "
-                  + " | ".join(f"{row['ms'][n]:.3f}" if n in row["ms"] else "" for n in names) + f" | {row['best']} |"
+                  + " | ".join(f"{row['ms'][n]:.3f}" if n in row["ms"] else "" for n in names) + f" | {row['best']} | "
+                  f"{row['forward_ms'][row['best']] / row['ms'][row['best']]:.0%} | {row['tflops'][row['best']]:g} |"
                   for row in forms["layers"]]
         lines += ["", "Whole steps: " + ", ".join(f"{variant} {step['samples_per_s']:.0f} samples/s"
                                                 for variant, step in forms["steps"].items())

@@ -234,15 +234,21 @@ class UNet(nn.Module):
                 nn.init.normal_(module.weight, 0.0, conv_scale)
                 nn.init.constant_(module.bias, conv_bias)
 
-    def flops_per_sample(self, crop_size):
-        """Multiply-adds x 2 of one forward pass on a crop_size^3 sample (convolutions only)."""
+    def conv_flops(self, crop_size):
+        """{name: multiply-adds x 2 of the layer's forward pass on a crop_size^3 sample}."""
         # A stride-2 conv does kernel^3 = 64 MACs per output element and channel pair; a stride-2 transposed conv
         # does 64 per input element (kernel^3 / 8 per output element), and so do resize_conv and linear_conv, run
         # as one (their weight transform, a small matmul per forward pass, is not counted), and transposed_blur
         # (its blur is 12 additions/multiplications per value).
-        edges = self.conv_input_sizes(crop_size)
-        return sum(2 * conv.in_channels * conv.out_channels * 64 * (edges[name] // (1 if conv.transposed else 2)) ** 3
-                   for name, conv in self.conv_layers())
+        edges, flops = self.conv_input_sizes(crop_size), {}
+        for name, conv in self.conv_layers():
+            elements = (edges[name] // (1 if conv.transposed else 2)) ** 3  # output (conv) or input (transposed)
+            flops[name] = 2 * conv.in_channels * conv.out_channels * 64 * elements
+        return flops
+
+    def flops_per_sample(self, crop_size):
+        """Multiply-adds x 2 of one forward pass on a crop_size^3 sample (convolutions only)."""
+        return sum(self.conv_flops(crop_size).values())
 
     def describe(self, crop_size):
         """'upsample=..., leaky_relu_slope=..., N parameters, X GFLOP/sample forward': the start-up log's facts."""

@@ -98,7 +98,12 @@ def test_conv_variants_times_every_form_of_every_layer():
     assert [row["layer"] for row in results["layers"]] == ["down0", "down1", "up0", "last"]
     for row in results["layers"]:
         expected = {"native", "rewritten"} | ({"padded"} if row["layer"] in ("down0", "last") else set())
-        assert set(row["ms"]) == expected and all(ms > 0 for ms in row["ms"].values())
+        assert set(row["ms"]) == set(row["forward_ms"]) == set(row["tflops"]) == expected
+        assert all(ms > 0 for ms in row["ms"].values()) and all(ms > 0 for ms in row["forward_ms"].values())
+        assert row["forward_gflop"] == UNet([8, 16]).conv_flops(16)[row["layer"]] / 1e9
+        passes = 2 if row["layer"] == "down0" else 3  # forward, weight gradient (and input gradient)
+        for form, ms in row["ms"].items():
+            assert row["tflops"][form] == pytest.approx(passes * row["forward_gflop"] / ms, rel=0.01)
         assert row["best"] == min(row["ms"], key=row["ms"].get)
         assert all(error < 0.02 for error in row["relative_error_bf16"].values()), row  # same maths, bf16 rounding
     assert set(results["steps"]) == {"native", "rewritten", "best"}

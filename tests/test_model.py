@@ -16,6 +16,8 @@ def test_reference_parameter_count_and_flops():
     assert model.num_levels == 6
     # REFERENCE.md: 27.2 GFLOP forward per 64^3 sample
     assert abs(model.flops_per_sample(64) / 1e9 - 27.2) < 0.05
+    layers = model.conv_flops(64)  # per layer: 2 x C_in x C_out x 4^3 x (output, or transposed: input, elements)
+    assert layers["down1"] == 2 * 64 * 128 * 64 * 16 ** 3 and layers["last"] == 2 * 128 * 5 * 64 * 32 ** 3
 
 
 def test_init_and_shapes():
