@@ -5,8 +5,11 @@
 
 Per convolution of the reference U-Net (bf16 autocast, channels-last-3d, batch 64, 64^3 crops), the
 forward + backward time of each form of it (networks/conv_forms.py; all compute the same thing), the
-forward pass's time alone, and the rate in TFLOP/s (the layer's forward FLOPs three times: forward, input
-gradient, weight gradient; twice for down0, whose input needs no gradient), to hold against the GPU's peak:
+forward pass's time alone, on a GPU the kernel time (the profiler's GPU events, summed: a small layer timed
+alone also counts the gaps in which the GPU waits for the host to launch its short kernels, which a whole
+step's queue hides), and the rate in TFLOP/s from the kernel time (the wall time on a CPU) and the layer's
+forward FLOPs three times (forward, input gradient, weight gradient; twice for down0, whose input needs no
+gradient), to hold against the GPU's peak:
 
 - ``native``: nn.Conv3d / nn.ConvTranspose3d (kernel 4, stride 2, padding 1), as the model runs;
 - ``rewritten``: as a stride-1 kernel-2 convolution (space-to-depth for Conv3d, sub-pixel for
@@ -15,10 +18,10 @@ gradient, weight gradient; twice for down0, whose input needs no gradient), to h
   channels zero-padded to 8.
 
 Then whole training steps (model, L1 loss, backward, fused Adam) with every layer native, every layer
-rewritten, and every layer in its fastest form, set as training sets them (``UNet.set_conv_forms``,
-the config key ``conv_forms``), and the share of the native step the convolutions take. The last line
-prints the ``--conv_forms`` value of the fastest step, to pass to train.py. Median of CUDA-event
-timings after warm-up (cuDNN autotuning on). The GPU suite runs this as its part h
+rewritten, and every layer in its fastest form (by kernel time on a GPU, by wall time on a CPU), set as
+training sets them (``UNet.set_conv_forms``, the config key ``conv_forms``), and the share of the native
+step the convolutions take. The last line prints the ``--conv_forms`` value of the fastest step, to pass
+to train.py. Median of CUDA-event timings after warm-up (cuDNN autotuning on). The GPU suite runs this as its part h
 (benchmarks/gpu_suite.py); ``measure`` returns what it prints.
 """
 import argparse
@@ -58,6 +61,19 @@ def timed(function, device, repeats=10, warmup=3):
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def kernel_ms(function, repeats=5):
+    """GPU milliseconds per call of ``function``: the durations of its kernels, copies and memsets, summed."""
+    function()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(repeats):
+            function()
+        torch.cuda.synchronize()
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in device) / 1e3 / repeats
 
 
 def forms(module):
@@ -101,7 +117,7 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
             reference = candidates["native"](x, module.weight, module.bias).float()
         passes = 3 if x.requires_grad else 2
         row = {"layer": name, "input_shape": list(x.shape), "forward_gflop": flops[name] * batch / 1e9, "ms": {},
-               "forward_ms": {}, "tflops": {}, "relative_error_bf16": {}}
+               "forward_ms": {}, "kernel_ms": {}, "tflops": {}, "relative_error_bf16": {}}
         for form, function in candidates.items():
             def forward(function=function):
                 with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -116,15 +132,20 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
             row["relative_error_bf16"][form] = float((y - reference).norm() / reference.norm())
             row["ms"][form] = round(timed(run, device, repeats), 3)
             row["forward_ms"][form] = round(timed(forward, device, repeats), 3)
-            row["tflops"][form] = float(f"{passes * row['forward_gflop'] / row['ms'][form]:.3g}")  # GFLOP/ms = TFLOP/s
+            row["kernel_ms"][form] = round(kernel_ms(run), 3) if device.type == "cuda" else None
+            busy = row["kernel_ms"][form] or row["ms"][form]
+            row["tflops"][form] = float(f"{passes * row['forward_gflop'] / busy:.3g}")  # GFLOP/ms = TFLOP/s
             module.zero_grad(set_to_none=True)
             x.grad = None
-        best[name] = row["best"] = min(row["ms"], key=row["ms"].get)
+        cost = row["ms"] if device.type != "cuda" else row["kernel_ms"]  # in a step, the GPU's work is what counts
+        best[name] = row["best"] = min(cost, key=cost.get)
         results["layers"].append(row)
-        speedup = row["ms"]["native"] / row["ms"][row["best"]]
+        speedup = cost["native"] / cost[row["best"]]
         log(f"{name:5s} {str(tuple(x.shape)):28s} " + "  ".join(
-            f"{form} {ms:7.3f} ms (forward {row['forward_ms'][form]:.3f}, {row['tflops'][form]:g} TFLOP/s)"
-            for form, ms in row["ms"].items()) + f"  -> {row['best']} ({speedup:.2f}x)")
+            f"{form} {ms:7.3f} ms (forward {row['forward_ms'][form]:.3f}"
+            + ("" if row["kernel_ms"][form] is None else f", kernels {row['kernel_ms'][form]:.3f}")
+            + f", {row['tflops'][form]:g} TFLOP/s)" for form, ms in row["ms"].items())
+            + f"  -> {row['best']} ({speedup:.2f}x)")
     del inputs
 
     data = (torch.rand(batch, 4, crop, crop, crop, device=device) * 2 - 1,

@@ -19,7 +19,8 @@ c. benchmark mode (train.py --enable_benchy: IO, SYNTHETIC, FULL) on a generated
    fast CPU loader and the GPU-resident loader (fp32 and fp16 storage; fp16 also without its side
    stream, ``--no-gpu_prefetch``, with its crops made by one compiled kernel, ``--gpu_gather
    compiled``, and with the step on a high-priority CUDA stream, ``--stream_priority high``), after an IO
-   sweep of the fast loader's thread count; then benchmarks/gather_probe.py, that loader's batch-making against one-pass candidates (eager and compiled) on a 1024^3 box;
+   sweep of the fast loader's thread count; then benchmarks/gather_probe.py, that loader's batch-making
+   against one-pass candidates (eager and compiled) on a 1024^3 box;
 d. train.py and train_graph.py on the same run (2 epochs, same seed, bf16, fused Adam,
    channels-last, GPU-resident data): the loss at every step compared, and the second epoch's samples/s;
 e. train.py with checkpoints every few seconds against the eager run of d: the training stall per
@@ -36,10 +37,10 @@ g. tests/test_gpu.py, the CUDA tests, on ``TEST_WORKERS`` pytest-xdist workers w
    image has it); the whole test suite on a GPU is a command of its own, `python -m pytest -q -n 14 --full
    --ignore=tests/test_slurm.py --ignore=tests/test_slurm_two_nodes.py tests` (the Slurm tests install Slurm
    with apt-get, which may wait up to their 900 s timeout on a machine with no network);
-h. benchmarks/conv_variants.py: each convolution's forward + backward time (the forward alone beside it, and
-   the rate in TFLOP/s) in its native form and in the other forms of networks/conv_forms.py, and whole steps with each layer in its fastest form
-   (where the step's time goes), with the ``--conv_forms`` value of the fastest step and the
-   throughput goal checked again for it;
+h. benchmarks/conv_variants.py: each convolution's forward + backward time (beside it the forward alone, the
+   kernel time and the rate in TFLOP/s) in its native form and in the other forms of networks/conv_forms.py,
+   and whole steps with each layer in its fastest form (where the step's time goes), with the
+   ``--conv_forms`` value of the fastest step and the throughput goal checked again for it;
 i. two levers the ladder leaves out, each in a fresh process of benchmarks/ladder.py (cuDNN keeps its
    choices for the life of a process): torch.compile with channels-last, which train.py allows once up0
    runs in the rewritten form (pytorch#171622), against the eager channels-last rung of the same
@@ -834,14 +835,16 @@ def markdown(results):
     if forms:
         names = sorted({form for row in forms["layers"] for form in row["ms"]}, key=["native", "rewritten", "padded"].index)
         lines += ["", "## Convolution forms (forward + backward ms per layer; networks/conv_forms.py)", "",
-                  "The fastest form's forward share and rate: its FLOPs (forward, input and weight gradients) per "
-                  "second.", "",
-                  "| layer | input | " + " | ".join(names) + " | fastest | forward share | TFLOP/s |",
-                  "| --- | --- |" + " ---: |" * len(names) + " --- | ---: | ---: |"]
-        lines += [f"| {row['layer']} | {tuple(row['input_shape'])} | "
-                  + " | ".join(f"{row['ms'][n]:.3f}" if n in row["ms"] else "" for n in names) + f" | {row['best']} | "
-                  f"{row['forward_ms'][row['best']] / row['ms'][row['best']]:.0%} | {row['tflops'][row['best']]:g} |"
-                  for row in forms["layers"]]
+                  "The fastest form's forward share, its kernels' time (GPU work without the waits for launches) "
+                  "and its rate: FLOPs (forward, input and weight gradients) per second of kernel time.", "",
+                  "| layer | input | " + " | ".join(names) + " | fastest | forward share | kernels (ms) | TFLOP/s |",
+                  "| --- | --- |" + " ---: |" * len(names) + " --- | ---: | ---: | ---: |"]
+        for row in forms["layers"]:
+            best, kernels = row["best"], row["kernel_ms"][row["best"]]
+            lines.append(f"| {row['layer']} | {tuple(row['input_shape'])} | "
+                         + " | ".join(f"{row['ms'][n]:.3f}" if n in row["ms"] else "" for n in names)
+                         + f" | {best} | {row['forward_ms'][best] / row['ms'][best]:.0%} | "
+                         + ("n/a" if kernels is None else f"{kernels:.3f}") + f" | {row['tflops'][best]:g} |")
         lines += ["", "Whole steps: " + ", ".join(f"{variant} {step['samples_per_s']:.0f} samples/s"
                                                 for variant, step in forms["steps"].items())
                   + f"; the convolutions alone are {100 * forms['conv_share_of_native_step']:.0f}% of the native step. "

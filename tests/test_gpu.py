@@ -496,6 +496,25 @@ def test_bf16_3d_convolutions_run_on_cudnn(layer, mode):
     assert case["kernels"] and case["ms"] > 0 and case["tflops"] > 0
 
 
+def test_kernel_time_counts_the_gpus_work_and_not_its_waits_for_launches():
+    """benchmarks/conv_variants.py's kernel time: the wall time of GPU-bound work, and less than the wall time of
+    work whose kernels are shorter than their launches."""
+    from benchmarks.conv_variants import kernel_ms, timed
+    matrix = torch.randn(4096, 4096, device=CUDA)
+
+    def product():
+        return matrix @ matrix  # one GPU-bound kernel, far longer than its launch
+
+    counter = torch.zeros(1, device=CUDA)
+
+    def launches():
+        for _ in range(200):
+            counter.add_(1)  # a microsecond-long kernel after each few microseconds of Python and dispatch
+
+    assert kernel_ms(product) == pytest.approx(timed(product, CUDA), rel=0.25)
+    assert 0 < kernel_ms(launches) < 0.7 * timed(launches, CUDA)
+
+
 def test_peak_memory_of_a_known_allocation():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
