@@ -15,7 +15,9 @@ gradient), to hold against the GPU's peak:
 - ``rewritten``: as a stride-1 kernel-2 convolution (space-to-depth for Conv3d, sub-pixel for
   ConvTranspose3d);
 - ``padded`` (first and last layer only, where it differs from native): the 4 input / 5 output
-  channels zero-padded to 8.
+  channels zero-padded to 8;
+- ``matmul`` (down5 and up0 only, on a 2^3 and a 1^3 input): one matrix product over the kernel's
+  central taps, the only ones that see data there.
 
 Then whole training steps (model, L1 loss, backward, fused Adam) with every layer native, every layer
 rewritten, and every layer in its fastest form (by kernel time on a GPU, by wall time on a CPU), set as
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from networks.UNet import UNet  # noqa: E402
-from networks.conv_forms import describe_conv_forms, stride2_conv  # noqa: E402
+from networks.conv_forms import describe_conv_forms, matmul_fits, stride2_conv  # noqa: E402
 
 REFERENCE_CHANNELS = [64, 128, 256, 512, 512, 512]
 
@@ -76,13 +78,15 @@ def kernel_ms(function, repeats=5):
     return sum(e.time_range.elapsed_us() for e in device) / 1e3 / repeats
 
 
-def forms(module):
-    """{form name: function(x, weight, bias)} of one convolution: native, rewritten, and padded where its channel
-    counts are not multiples of 8 (elsewhere padded is the native form)."""
+def forms(module, input_edge):
+    """{form name: function(x, weight, bias)} of one convolution whose input has edge ``input_edge``: native,
+    rewritten, padded where its channel counts are not multiples of 8 (elsewhere padded is the native form), and
+    matmul where it fits (a 2^3 input, or 1^3 for a transposed convolution)."""
     transposed = isinstance(module, nn.ConvTranspose3d)
     ragged = (module.out_channels if transposed else module.in_channels) % 8
     return {form: lambda x, w, b, form=form: stride2_conv(x, w, b, transposed, form)
-            for form in ("native", "rewritten") + (("padded",) if ragged else ())}
+            for form in ("native", "rewritten") + (("padded",) if ragged else ())
+            + (("matmul",) if matmul_fits(transposed, input_edge) else ())}
 
 
 def layer_inputs(model, batch, crop, device):
@@ -112,7 +116,7 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     best = {}
     for name, module in model.conv_layers():
         x = inputs[name].requires_grad_(name != "down0")  # training never needs the first layer's input gradient
-        candidates = forms(module)
+        candidates = forms(module, x.shape[-1])
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
             reference = candidates["native"](x, module.weight, module.bias).float()
         passes = 3 if x.requires_grad else 2

@@ -93,6 +93,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.kernel_probe import CUDNN_MARKERS, SLOW_MARKERS, environment  # noqa: E402
+from networks.conv_forms import FORMS  # noqa: E402
 from utils.errors import ReportedError  # noqa: E402
 from utils.config import DEFAULT_YAML  # noqa: E402
 
@@ -833,7 +834,7 @@ def markdown(results):
                   f"{', '.join(f'{s:.1f}' for s in checkpoint['write_s'])}"]
     forms = results.get("conv_forms")
     if forms:
-        names = sorted({form for row in forms["layers"] for form in row["ms"]}, key=["native", "rewritten", "padded"].index)
+        names = sorted({form for row in forms["layers"] for form in row["ms"]}, key=FORMS.index)
         lines += ["", "## Convolution forms (forward + backward ms per layer; networks/conv_forms.py)", "",
                   "The fastest form's forward share, its kernels' time (GPU work without the waits for launches) "
                   "and its rate: FLOPs (forward, input and weight gradients) per second of kernel time.", "",

@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from networks.conv_forms import (StridedConv3d, StridedConvTranspose3d, conv_layer_names, describe_conv_forms,
-                                 parse_conv_forms, stride2_conv)
+from networks.conv_forms import (StridedConv3d, StridedConvTranspose3d, conv_input_sizes, conv_layer_names,
+                                 describe_conv_forms, parse_conv_forms, stride2_conv)
 
 UPSAMPLE_MODES = ("transposed", "resize_conv", "linear_conv", "transposed_blur")
 REFERENCE_LEAKY_RELU_SLOPE = 0.01  # nn.LeakyReLU()'s default, what the reference's down path uses
@@ -210,14 +210,8 @@ class UNet(nn.Module):
         return list(zip(conv_layer_names(self.num_levels), modules))
 
     def conv_input_sizes(self, crop_size):
-        """{name: edge of the input the layer sees} on a crop_size^3 sample, e.g. up0 sees the bottom (1 for the
-        reference model on 64^3 crops)."""
-        names = [name for name, _ in self.conv_layers()]
-        levels = self.num_levels
-        edges = [crop_size // 2 ** i for i in range(levels)]                 # down0 .. down{L-1}
-        edges += [crop_size // 2 ** (levels - k) for k in range(levels - 1)]  # up0 (the bottom) .. up{L-2}
-        edges.append(crop_size // 2)                                          # last
-        return dict(zip(names, edges))
+        """{name: edge of the input the layer sees} on a crop_size^3 sample (networks/conv_forms.py)."""
+        return conv_input_sizes(self.num_levels, crop_size)
 
     def set_conv_forms(self, spec):
         """Compute each convolution in the form ``spec`` names (networks/conv_forms.py, ``parse_conv_forms``):

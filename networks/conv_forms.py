@@ -15,6 +15,13 @@ work on channel counts in multiples of 8. ``conv3d_padded_in`` and ``conv_transp
 pad those channels with zeros (input and weight, or weight alone) and drop the padding again: the
 same result, in shapes cuDNN may run faster.
 
+At the bottom of the U-Net the kernel mostly sees padding: a stride-2 convolution of a 2^3 input has
+one output, whose kernel-4 window reads the input through its 8 central taps only, and a transposed
+convolution of a 1^3 input gives 2^3 outputs, each from one central tap. There ``conv3d_matmul`` and
+``conv_transpose3d_matmul`` compute the layer as one matrix product over those taps (the ``matmul``
+form): 1/8 of the multiply-adds the kernel counts, and no 3D convolution kernel at all. It fits only
+those input sizes (``matmul_fits``), which the reference model has at 64^3 crops in down5 and up0.
+
 All take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
 few MB), so the modules, parameters and checkpoints stay the reference's.
 
@@ -36,7 +43,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-FORMS = ("native", "rewritten", "padded")
+FORMS = ("native", "rewritten", "padded", "matmul")
+MATMUL_INPUT_EDGE = {False: 2, True: 1}  # transposed -> the input edge where the matmul form is exact
 CHANNELS_LAST = torch.channels_last_3d
 
 
@@ -153,6 +161,42 @@ def conv_transpose3d_padded_out(x, weight, bias, multiple=8):
     return out[:, :c_out].contiguous(memory_format=memory_format)
 
 
+def _central_taps(weight):
+    """(A, B, 4, 4, 4) -> (A, B, 2, 2, 2): the taps at kernel indices 1 and 2 along every axis."""
+    return weight[:, :, 1:3, 1:3, 1:3]
+
+
+def conv3d_matmul(x, weight, bias):
+    """``F.conv3d(x, weight, bias, stride=2, padding=1)`` for a 2^3 input: its one output voxel reads input
+    position i through kernel tap i + 1, so y = x (B, C_in * 8) @ taps (C_in * 8, C_out)."""
+    b, c = x.shape[:2]
+    if x.shape[2:] != (2, 2, 2):
+        raise ValueError(f"the matmul form of a stride-2 convolution needs a 2^3 input, got {tuple(x.shape[2:])}")
+    flat = _compute_dtype(x).reshape(b, c * 8)                       # (c, z, y, x) order, a copy if channels-last
+    y = F.linear(flat, _central_taps(weight).reshape(weight.shape[0], c * 8), bias)
+    return y.view(b, -1, 1, 1, 1).contiguous(memory_format=_layout(x, weight))
+
+
+def conv_transpose3d_matmul(x, weight, bias):
+    """``F.conv_transpose3d(x, weight, bias, stride=2, padding=1)`` for a 1^3 input: output position j reads the
+    input voxel through kernel tap j + 1, so y = x (B, C_in) @ taps (C_in, C_out * 8)."""
+    b, c = x.shape[:2]
+    if x.shape[2:] != (1, 1, 1):
+        raise ValueError(f"the matmul form of a stride-2 transposed convolution needs a 1^3 input, got "
+                         f"{tuple(x.shape[2:])}")
+    taps = _central_taps(weight).reshape(c, -1)                      # (C_in, C_out * 8): channel (o, z, y, x)
+    y = F.linear(_compute_dtype(x).reshape(b, c), taps.t(), None if bias is None else bias.repeat_interleave(8))
+    # A (B, C, 1, 1, 1) input passes is_contiguous in both layouts; the weight's layout is the model's (training
+    # converts weights and batches together), so it tells which one the native layer returns
+    memory_format = CHANNELS_LAST if weight.is_contiguous(memory_format=CHANNELS_LAST) else torch.contiguous_format
+    return y.view(b, -1, 2, 2, 2).contiguous(memory_format=memory_format)
+
+
+def matmul_fits(transposed, input_edge):
+    """Whether the ``matmul`` form computes a layer (transposed or not) whose input has this edge."""
+    return input_edge == MATMUL_INPUT_EDGE[transposed]
+
+
 def stride2_conv(x, weight, bias, transposed, form="native"):
     """The kernel-4, stride-2, padding-1 (transposed) convolution of ``x`` computed in ``form``."""
     if form == "native":
@@ -161,6 +205,8 @@ def stride2_conv(x, weight, bias, transposed, form="native"):
         return (conv_transpose3d_subpixel if transposed else conv3d_s2d)(x, weight, bias)
     if form == "padded":
         return (conv_transpose3d_padded_out if transposed else conv3d_padded_in)(x, weight, bias)
+    if form == "matmul":
+        return (conv_transpose3d_matmul if transposed else conv3d_matmul)(x, weight, bias)
     raise ValueError(f"unknown convolution form {form!r}; choose from {', '.join(FORMS)}")
 
 
@@ -169,14 +215,25 @@ def conv_layer_names(num_levels):
     return [f"down{i}" for i in range(num_levels)] + [f"up{i}" for i in range(num_levels - 1)] + ["last"]
 
 
-def parse_conv_forms(spec, names):
+def conv_input_sizes(num_levels, crop_size):
+    """{name: edge of the input the layer sees} on a crop_size^3 sample, e.g. up0 sees the bottom (1 for the
+    reference model on 64^3 crops). The down layers are convolutions, up and last transposed ones."""
+    edges = [crop_size // 2 ** i for i in range(num_levels)]                     # down0 .. down{L-1}
+    edges += [crop_size // 2 ** (num_levels - k) for k in range(num_levels - 1)]  # up0 (the bottom) .. up{L-2}
+    edges.append(crop_size // 2)                                                  # last
+    return dict(zip(conv_layer_names(num_levels), edges))
+
+
+def parse_conv_forms(spec, names, input_sizes=None):
     """{layer name: form} for the layers ``names`` from a ``conv_forms`` value.
 
     Comma-separated items, applied in order: a bare form (``native``, ``rewritten``, ``padded``) sets every
     layer, ``NAME=FORM`` one layer. So ``native`` (the default), ``rewritten``, ``down0=padded,up2=rewritten``
     or ``rewritten,last=padded``. ``padded`` pads channel counts to a multiple of 8 (the first layer's 4
-    inputs, the last layer's 5 outputs) and is the native form on layers whose counts already are.
-    Raises ValueError naming what was wrong.
+    inputs, the last layer's 5 outputs) and is the native form on layers whose counts already are. ``matmul``
+    fits only a convolution of a 2^3 input and a transposed convolution of a 1^3 input (``down5=matmul,
+    up0=matmul`` for the reference model on 64^3 crops); with ``input_sizes`` ({name: input edge}, from
+    ``conv_input_sizes``) any other layer given it is refused. Raises ValueError naming what was wrong.
     """
     forms = dict.fromkeys(names, "native")
     items = [item.strip() for item in str(spec).split(",")]
@@ -193,6 +250,13 @@ def parse_conv_forms(spec, names):
         else:
             raise ValueError(f"conv_forms item {item!r}: this model has no layer {name!r}; its layers are "
                              f"{', '.join(names)}")
+    if input_sizes is not None:
+        fits = [name for name in names if matmul_fits(not name.startswith("down"), input_sizes[name])]
+        wrong = [name for name, form in forms.items() if form == "matmul" and name not in fits]
+        if wrong:
+            raise ValueError(f"conv_forms {spec!r}: the matmul form fits only a convolution of a 2^3 input or a "
+                             f"transposed convolution of a 1^3 input, not {', '.join(wrong)}; at this crop size "
+                             + (f"it fits {' and '.join(fits)}" if fits else "it fits no layer of this model"))
     return forms
 
 

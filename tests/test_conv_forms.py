@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_train_cli
-from networks.conv_forms import (conv3d_padded_in, conv3d_s2d, conv_transpose3d_padded_out, conv_transpose3d_subpixel,
+from networks.conv_forms import (conv3d_matmul, conv3d_padded_in, conv3d_s2d, conv_input_sizes,
+                                 conv_transpose3d_matmul, conv_transpose3d_padded_out, conv_transpose3d_subpixel,
                                  describe_conv_forms, parse_conv_forms)
 from networks.UNet import UPSAMPLE_MODES, UNet
 from utils.config import load_config
@@ -79,6 +80,56 @@ def test_channel_padded_forms_equal_the_first_and_last_layers(layout):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("layout", FORMATS)
+def test_matmul_forms_equal_the_layers_at_the_bottom(layout):
+    """A stride-2 convolution of a 2^3 input and a transposed one of a 1^3 input as one matrix product over the
+    central taps: outputs, gradients and the native output's layout; any other input size is refused."""
+    torch.manual_seed(5)
+    cases = [(conv3d_matmul, F.conv3d, (3, 6, 2, 2, 2), (5, 6, 4, 4, 4), (3, 5, 1, 1, 1)),
+             (conv_transpose3d_matmul, F.conv_transpose3d, (3, 6, 1, 1, 1), (6, 5, 4, 4, 4), (3, 5, 2, 2, 2))]
+    for matmul, native, x_shape, w_shape, y_shape in cases:
+        x = torch.randn(x_shape, dtype=torch.float64).to(memory_format=FORMATS[layout]).requires_grad_()
+        weight = torch.randn(w_shape, dtype=torch.float64).to(memory_format=FORMATS[layout]).requires_grad_()
+        bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+        reference, got = native(x, weight, bias, stride=2, padding=1), matmul(x, weight, bias)
+        assert got.shape == reference.shape == y_shape
+        torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
+        for got_grad, want in zip(grads(got, (x, weight, bias), 6), grads(reference, (x, weight, bias), 6)):
+            torch.testing.assert_close(got_grad, want, rtol=0, atol=1e-12)
+        assert got.is_contiguous(memory_format=FORMATS[layout])
+        with pytest.raises(ValueError, match="matmul form .* needs a"):
+            matmul(torch.randn(3, 6, 4, 4, 4, dtype=torch.float64), weight, bias)
+
+
+def test_the_matmul_form_in_the_model_and_where_it_fits():
+    """In a 3-level U-Net on 8^3 crops down2 sees 2^3 and up0 1^3: the model with those two in the matmul form
+    equals the native one; load_config refuses the form anywhere else, naming where it fits."""
+    torch.manual_seed(0)
+    native = UNet([4, 8, 8]).to(torch.float64)
+    other = copy.deepcopy(native)
+    assert other.set_conv_forms("down2=matmul,up0=matmul")["up0"] == "matmul"
+    x, upstream = torch.randn(2, 4, 8, 8, 8, dtype=torch.float64), torch.randn(2, 5, 8, 8, 8, dtype=torch.float64)
+    outputs = []
+    for model in (native, other):
+        y = model(x)
+        (y * upstream).sum().backward()
+        outputs.append(y)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
+    for (name, got), want in zip(other.named_parameters(), native.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10, msg=name)
+
+    assert conv_input_sizes(6, 64) == UNet([64, 128, 256, 512, 512, 512]).conv_input_sizes(64)
+    assert load_config("base", overrides={"conv_forms": "down0=rewritten,down5=matmul,up0=matmul"}).conv_forms
+    for spec, wrong in (("matmul", "down0, down1, down2, down3, down4, up1, up2, up3, up4, last"),
+                        ("up1=matmul", "up1")):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"the matmul form fits only a convolution of a 2^3 input or a transposed convolution of a 1^3 input, "
+                f"not {wrong}; at this crop size it fits down5 and up0")):
+            load_config("base", overrides={"conv_forms": spec})
+    with pytest.raises(ConfigError, match="not down5; at this crop size it fits no layer of this model"):
+        load_config("base", overrides={"conv_forms": "down5=matmul", "data_size": 128, "box_size": [1024, 512]})
+
+
 def test_a_wrong_rearrangement_would_be_caught():
     """The checks above are sensitive: swapping two kernel taps changes the result far beyond the tolerance."""
     torch.manual_seed(0)
@@ -114,6 +165,11 @@ def test_conv_variants_times_every_form_of_every_layer():
     assert results["fastest_conv_forms"] == results["steps"][results["fastest_step"]]["conv_forms"]
     assert 0 < results["conv_share_of_native_step"] and len(lines) == 4 + 3 + 2
     assert lines[-1].endswith(f"train with --conv_forms {results['fastest_conv_forms']}")
+    # On 8^3 crops a 3-level model's down2 sees 2^3 and up0 1^3: there the matmul form is a candidate too.
+    results = measure(batch=1, crop=8, channels=[4, 8, 8], device=torch.device("cpu"), log=lines.append, repeats=1)
+    candidates = {row["layer"]: set(row["ms"]) for row in results["layers"]}
+    assert {name for name, forms in candidates.items() if "matmul" in forms} == {"down2", "up0"}
+    assert all(row["relative_error_bf16"].get("matmul", 0) < 0.02 for row in results["layers"])
 
 
 # --- the forms inside the model: the conv_forms key ---------------------------------------------------------------
@@ -127,7 +183,7 @@ def test_conv_forms_values_and_their_errors():
     assert parse_conv_forms(" down0=padded , up0=rewritten", NAMES) == {
         "down0": "padded", "down1": "native", "up0": "rewritten", "last": "native"}
     assert parse_conv_forms("up0=rewritten,native", NAMES) == dict.fromkeys(NAMES, "native")  # items apply in order
-    for bad, message in [("fast", "unknown form 'fast'; choose from native, rewritten, padded"),
+    for bad, message in [("fast", "unknown form 'fast'; choose from native, rewritten, padded, matmul"),
                          ("down7=rewritten", "has no layer 'down7'; its layers are down0, down1, up0, last"),
                          ("rewritten,", "has an empty item"), ("down0=", "unknown form ''")]:
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -240,7 +296,7 @@ def test_compile_with_channels_last_is_refused_on_cuda_only_for_a_native_transpo
         "up0=rewritten (the same maths as a stride-1 convolution), or drop --channels_last or --enable_jit")
     model = UNet([4, 8, 8], upsample=upsample)
     for spec, blockers in (("native", ["up0"]), ("padded", ["up0"]), ("up0=rewritten", []), ("rewritten", []),
-                           ("rewritten,up0=padded", ["up0"])):
+                           ("rewritten,up0=padded", ["up0"]), ("up0=matmul", [])):
         model.set_conv_forms(spec)
         assert compile_channels_last_blockers(model, 8) == blockers, spec
     model.set_conv_forms("native")

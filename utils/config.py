@@ -224,7 +224,8 @@ SCHEMA = {
     "enable_jit": Key(_bool, "torch.compile the model and loss"),
     "channels_last": Key(_bool, "channels-last-3d memory format"),
     "conv_forms": Key(_str, "how the stride-2 convolutions are computed: native, rewritten, padded, or per layer "
-                            "NAME=FORM items (networks/conv_forms.py); same maths, speed and rounding differ"),
+                            "NAME=FORM items, also NAME=matmul for the layers at the bottom (networks/conv_forms.py); "
+                            "same maths, speed and rounding differ"),
     "enable_tf32": Key(_bool, "TF32 matmuls and convolutions on GPU"),
     "cudnn_benchmark_limit": Key(_non_negative_int, "cuDNN engines timed per new convolution shape when "
                                                     "autotuning (PyTorch's default 10; 0: all that fit, slower start)"),
@@ -424,9 +425,9 @@ def _check_consistency(params):
     if params.data_size % 2 ** levels:
         raise ConfigError(f"data_size {params.data_size} must be divisible by 2^{levels} "
                           f"(the U-Net halves the crop {levels} times)")
-    from networks.conv_forms import conv_layer_names, parse_conv_forms  # here: the rest of this module needs no torch
+    from networks.conv_forms import conv_input_sizes, conv_layer_names, parse_conv_forms  # (the rest needs no torch)
     try:
-        parse_conv_forms(params.conv_forms, conv_layer_names(levels))
+        parse_conv_forms(params.conv_forms, conv_layer_names(levels), conv_input_sizes(levels, params.data_size))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     for box, split in zip(params.box_size, ("training", "validation")):
