@@ -23,6 +23,19 @@ def grads(output, inputs, seed):
     return torch.autograd.grad(output, inputs, upstream)
 
 
+def assert_same_model(native, other, x, upstream):
+    """``other`` (the same parameters in other forms) gives ``native``'s output on ``x`` and its gradients for the
+    upstream gradient ``upstream``, to float64 rounding."""
+    outputs = []
+    for model in (native, other):
+        y = model(x)
+        (y * upstream).sum().backward()
+        outputs.append(y)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
+    for (name, got), want in zip(other.named_parameters(), native.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("layout", FORMATS)
 @pytest.mark.parametrize("size", [2, 4, 8])
 def test_space_to_depth_conv3d_equals_the_stride_2_convolution(size, layout):
@@ -109,14 +122,7 @@ def test_the_matmul_form_in_the_model_and_where_it_fits():
     other = copy.deepcopy(native)
     assert other.set_conv_forms("down2=matmul,up0=matmul")["up0"] == "matmul"
     x, upstream = torch.randn(2, 4, 8, 8, 8, dtype=torch.float64), torch.randn(2, 5, 8, 8, 8, dtype=torch.float64)
-    outputs = []
-    for model in (native, other):
-        y = model(x)
-        (y * upstream).sum().backward()
-        outputs.append(y)
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
-    for (name, got), want in zip(other.named_parameters(), native.parameters()):
-        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10, msg=name)
+    assert_same_model(native, other, x, upstream)
 
     assert conv_input_sizes(6, 64) == UNet([64, 128, 256, 512, 512, 512]).conv_input_sizes(64)
     assert load_config("base", overrides={"conv_forms": "down0=rewritten,down5=matmul,up0=matmul"}).conv_forms
@@ -215,14 +221,7 @@ def test_the_model_in_other_forms_is_the_native_model(upsample, layout):
     assert list(other.state_dict()) == list(native.state_dict())
     x = torch.randn(2, 4, 16, 16, 16, dtype=torch.float64).to(memory_format=FORMATS[layout])
     upstream = torch.randn(2, 5, 16, 16, 16, dtype=torch.float64)
-    outputs = []
-    for model in (native, other):
-        y = model(x)
-        (y * upstream).sum().backward()
-        outputs.append(y)
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
-    for (name, got), want in zip(other.named_parameters(), native.parameters()):
-        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10, msg=name)
+    assert_same_model(native, other, x, upstream)
     other.set_conv_forms("native")
     assert other.describe(16) == native.describe(16)
 
