@@ -112,9 +112,10 @@ SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6
 
 # Rough seconds per part on an H100, from the runs of 2026-11-24 (a-f and h 407 s; g 170 s; i 213 s) plus a margin;
 # since then b has two more ladder rungs (one compile), c the gather probe (one compile) and two benchmark-mode runs
-# (about 8 s each), and f the prefetch probe's convolution step. A part is started only if it fits the budget.
+# (about 8 s each), f the prefetch probe's convolution step, and h a forward timing and a profiled run per form
+# (about 30 profiler sessions; h took 19 s before). A part is started only if it fits the budget.
 # g: 164 s in one process for 30 tests; now with TEST_WORKERS pytest-xdist workers, a guess not yet measured.
-PART_SECONDS = {"b": 330, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 40, "i": 240}
+PART_SECONDS = {"b": 330, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 60, "i": 240}
 TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
 
