@@ -84,6 +84,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -729,8 +730,8 @@ BLOCKING_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSy
 
 def blocking_calls(events):
     """{name: count} of the trace's BLOCKING_CALLS."""
-    names = [e.get("name") for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    return {name: names.count(name) for name in BLOCKING_CALLS if name in names}
+    counts = Counter(e.get("name") for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver"))
+    return {name: counts[name] for name in BLOCKING_CALLS if name in counts}
 
 
 def copy_rows(copies, kernels, events):

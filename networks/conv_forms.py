@@ -171,7 +171,8 @@ def conv3d_matmul(x, weight, bias):
     position i through kernel tap i + 1, so y = x (B, C_in * 8) @ taps (C_in * 8, C_out)."""
     b, c = x.shape[:2]
     if x.shape[2:] != (2, 2, 2):
-        raise ValueError(f"the matmul form of a stride-2 convolution needs a 2^3 input, got {tuple(x.shape[2:])}")
+        raise ValueError(f"the matmul form of a stride-2 convolution needs a 2^3 input, got {tuple(x.shape[2:])}; "
+                         f"compute this layer in another form (native or rewritten)")
     flat = _compute_dtype(x).reshape(b, c * 8)                       # (c, z, y, x) order, a copy if channels-last
     y = F.linear(flat, _central_taps(weight).reshape(weight.shape[0], c * 8), bias)
     return y.view(b, -1, 1, 1, 1).contiguous(memory_format=_layout(x, weight))
@@ -183,7 +184,7 @@ def conv_transpose3d_matmul(x, weight, bias):
     b, c = x.shape[:2]
     if x.shape[2:] != (1, 1, 1):
         raise ValueError(f"the matmul form of a stride-2 transposed convolution needs a 1^3 input, got "
-                         f"{tuple(x.shape[2:])}")
+                         f"{tuple(x.shape[2:])}; compute this layer in another form (native or rewritten)")
     taps = _central_taps(weight).reshape(c, -1)                      # (C_in, C_out * 8): channel (o, z, y, x)
     y = F.linear(_compute_dtype(x).reshape(b, c), taps.t(), None if bias is None else bias.repeat_interleave(8))
     # A (B, C, 1, 1, 1) input passes is_contiguous in both layouts; the weight's layout is the model's (training
