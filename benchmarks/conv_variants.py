@@ -7,7 +7,8 @@ Per convolution of the reference U-Net (bf16 autocast, channels-last-3d, batch 6
 forward + backward time of each form of it (networks/conv_forms.py; all compute the same thing), the
 forward pass's time alone, on a GPU the kernel time (the profiler's GPU events, summed: a small layer timed
 alone also counts the gaps in which the GPU waits for the host to launch its short kernels, which a whole
-step's queue hides), and the rate in TFLOP/s from the kernel time (the wall time on a CPU) and the layer's
+step's queue hides) and its longest kernels (for the slowest layers: which pass, or which copy, to make
+faster), and the rate in TFLOP/s from the kernel time (the wall time on a CPU) and the layer's
 forward FLOPs three times (forward, input gradient, weight gradient; twice for down0, whose input needs no
 gradient), to hold against the GPU's peak:
 
@@ -65,8 +66,26 @@ def timed(function, device, repeats=10, warmup=3):
     return statistics.median(times)
 
 
-def kernel_ms(function, repeats=5):
-    """GPU milliseconds per call of ``function``: the durations of its kernels, copies and memsets, summed."""
+KERNELS_KEPT = 6  # per layer and form, the longest kernels recorded in the results
+
+
+def kernel_rows(events, repeats):
+    """[{"kernel", "ms", "calls"}] per call of the profiled function, longest first, from its GPU events ((name,
+    microseconds) pairs; one row per distinct name, shown without "void " and cut to 110 characters)."""
+    totals, counts = {}, {}
+    for name, microseconds in events:
+        totals[name] = totals.get(name, 0.0) + microseconds
+        counts[name] = counts.get(name, 0) + 1
+    rows = []
+    for name in sorted(totals, key=totals.get, reverse=True):
+        shown = name.removeprefix("void ")
+        rows.append({"kernel": shown if len(shown) <= 110 else shown[:109] + "…",
+                     "ms": totals[name] / 1e3 / repeats, "calls": counts[name] / repeats})
+    return rows
+
+
+def kernel_times(function, repeats=5):
+    """``kernel_rows`` of ``function`` on the GPU: its kernels, copies and memsets, from the profiler."""
     function()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -74,8 +93,13 @@ def kernel_ms(function, repeats=5):
         for _ in range(repeats):
             function()
         torch.cuda.synchronize()
-    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in device) / 1e3 / repeats
+    return kernel_rows([(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA], repeats)
+
+
+def kernel_ms(function, repeats=5):
+    """GPU milliseconds per call of ``function``: the durations of its kernels, copies and memsets, summed."""
+    return sum(row["ms"] for row in kernel_times(function, repeats))
 
 
 def forms(module, input_edge):
@@ -121,7 +145,7 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
             reference = candidates["native"](x, module.weight, module.bias).float()
         passes = 3 if x.requires_grad else 2
         row = {"layer": name, "input_shape": list(x.shape), "forward_gflop": flops[name] * batch / 1e9, "ms": {},
-               "forward_ms": {}, "kernel_ms": {}, "tflops": {}, "relative_error_bf16": {}}
+               "forward_ms": {}, "kernel_ms": {}, "kernels": {}, "tflops": {}, "relative_error_bf16": {}}
         for form, function in candidates.items():
             def forward(function=function):
                 with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -136,7 +160,10 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
             row["relative_error_bf16"][form] = float((y - reference).norm() / reference.norm())
             row["ms"][form] = round(timed(run, device, repeats), 3)
             row["forward_ms"][form] = round(timed(forward, device, repeats), 3)
-            row["kernel_ms"][form] = round(kernel_ms(run), 3) if device.type == "cuda" else None
+            kernels = kernel_times(run) if device.type == "cuda" else None
+            row["kernel_ms"][form] = None if kernels is None else round(sum(k["ms"] for k in kernels), 3)
+            row["kernels"][form] = None if kernels is None else [
+                {**k, "ms": round(k["ms"], 4)} for k in kernels[:KERNELS_KEPT]]
             busy = row["kernel_ms"][form] or row["ms"][form]
             row["tflops"][form] = float(f"{passes * row['forward_gflop'] / busy:.3g}")  # GFLOP/ms = TFLOP/s
             module.zero_grad(set_to_none=True)
@@ -151,6 +178,9 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
             + f", {row['tflops'][form]:g} TFLOP/s)" for form, ms in row["ms"].items())
             + f"  -> {row['best']} ({speedup:.2f}x)")
     del inputs
+    for name, form, total, kernels in slowest_layers(results):
+        log(f"{name} ({form}), {total:.3f} ms of kernels: " + "; ".join(
+            f"{k['ms']:.3f} ms {k['kernel'][:60]}" for k in kernels[:3]))
 
     data = (torch.rand(batch, 4, crop, crop, crop, device=device) * 2 - 1,
             torch.rand(batch, 5, crop, crop, crop, device=device) * 2 - 1)
@@ -187,6 +217,15 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     log(f"fastest step: {fastest} ({results['steps']['native']['ms'] / results['steps'][fastest]['ms']:.2f}x native); "
         f"train with --conv_forms {results['fastest_conv_forms']}")
     return results
+
+
+def slowest_layers(results, count=3):
+    """[(layer, form, kernel ms, its longest kernels)] of the ``count`` layers whose fastest form has the most
+    kernel time (none on a CPU, which records no kernels)."""
+    timed_layers = [row for row in results["layers"] if (row.get("kernels") or {}).get(row["best"]) is not None]
+    timed_layers.sort(key=lambda row: row["kernel_ms"][row["best"]], reverse=True)
+    return [(row["layer"], row["best"], row["kernel_ms"][row["best"]], row["kernels"][row["best"]])
+            for row in timed_layers[:count]]
 
 
 def main(argv=None):

@@ -39,7 +39,8 @@ g. tests/test_gpu.py, the CUDA tests, on ``TEST_WORKERS`` pytest-xdist workers w
    with apt-get, which may wait up to their 900 s timeout on a machine with no network);
 h. benchmarks/conv_variants.py: each convolution's forward + backward time (beside it the forward alone, the
    kernel time and the rate in TFLOP/s) in its native form and in the other forms of networks/conv_forms.py,
-   and whole steps with each layer in its fastest form (where the step's time goes), with the
+   the longest kernels of the three slowest layers (which pass or copy a faster form must shorten), and whole
+   steps with each layer in its fastest form (where the step's time goes), with the
    ``--conv_forms`` value of the fastest step and the throughput goal checked again for it;
 i. two levers the ladder leaves out, each in a fresh process of benchmarks/ladder.py (cuDNN keeps its
    choices for the life of a process): torch.compile with channels-last, which train.py allows once up0
@@ -93,6 +94,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks import conv_variants  # noqa: E402
 from benchmarks.kernel_probe import CUDNN_MARKERS, SLOW_MARKERS, environment  # noqa: E402
 from networks.conv_forms import FORMS  # noqa: E402
 from utils.errors import ReportedError  # noqa: E402
@@ -575,10 +577,9 @@ class Suite:
 
     # --- h. convolution forms -----------------------------------------------------------------------
     def conv_forms(self):
-        from benchmarks.conv_variants import measure
         size = dict(batch=self.size["batch"], crop=self.size["crop"], channels=self.size["channels"])
         with self.quiet():
-            result = measure(**size, device=torch.device("cuda" if self.cuda else "cpu"), log=self.log,
+            result = conv_variants.measure(**size, device=torch.device("cuda" if self.cuda else "cpu"), log=self.log,
                              repeats=10 if self.cuda else 1)
         self.results["conv_forms"] = result
         worst = max(max(row["relative_error_bf16"].values()) for row in result["layers"])
@@ -852,6 +853,12 @@ def markdown(results):
                                                 for variant, step in forms["steps"].items())
                   + f"; the convolutions alone are {100 * forms['conv_share_of_native_step']:.0f}% of the native step. "
                   f"Fastest: `--conv_forms {forms['fastest_conv_forms']}`"]
+        slowest = conv_variants.slowest_layers(forms)
+        if slowest:
+            lines += ["", "Where the slowest layers' kernel time goes (fastest form, per forward + backward):", "",
+                      "| layer | kernel | calls | ms | share |", "| --- | --- | ---: | ---: | ---: |"]
+            lines += [f"| {name} ({form}) | `{k['kernel']}` | {k['calls']:g} | {k['ms']:.3f} | {k['ms'] / total:.0%} |"
+                      for name, form, total, kernels in slowest for k in kernels]
     levers = results.get("levers")
     if levers and levers["samples_per_s"]:
         lines += ["", f"## More levers (fresh ladder processes, --conv_forms {levers['conv_forms']})", "",

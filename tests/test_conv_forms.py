@@ -149,7 +149,7 @@ def test_a_wrong_rearrangement_would_be_caught():
 
 def test_conv_variants_times_every_form_of_every_layer():
     """benchmarks/conv_variants.py (the GPU suite's part h) on a tiny model: every layer, every form, whole steps."""
-    from benchmarks.conv_variants import measure
+    from benchmarks.conv_variants import measure, slowest_layers
     lines = []
     results = measure(batch=1, crop=16, channels=[8, 16], device=torch.device("cpu"), log=lines.append, repeats=1)
     assert [row["layer"] for row in results["layers"]] == ["down0", "down1", "up0", "last"]
@@ -158,7 +158,8 @@ def test_conv_variants_times_every_form_of_every_layer():
         assert set(row["ms"]) == set(row["forward_ms"]) == set(row["tflops"]) == expected
         assert all(ms > 0 for ms in row["ms"].values()) and all(ms > 0 for ms in row["forward_ms"].values())
         assert row["forward_gflop"] == UNet([8, 16]).conv_flops(16)[row["layer"]] / 1e9
-        assert set(row["kernel_ms"].values()) == {None}  # GPU kernel times: on a GPU only (tests/test_gpu.py)
+        # GPU kernel times and the longest kernels: on a GPU only (tests/test_gpu.py)
+        assert set(row["kernel_ms"].values()) == set(row["kernels"].values()) == {None}
         passes = 2 if row["layer"] == "down0" else 3  # forward, weight gradient (and input gradient)
         for form, ms in row["ms"].items():
             assert row["tflops"][form] == pytest.approx(passes * row["forward_gflop"] / ms, rel=0.01)
@@ -169,13 +170,28 @@ def test_conv_variants_times_every_form_of_every_layer():
     assert results["steps"]["rewritten"]["conv_forms"] == "rewritten"
     assert results["fastest_step"] == min(results["steps"], key=lambda variant: results["steps"][variant]["ms"])
     assert results["fastest_conv_forms"] == results["steps"][results["fastest_step"]]["conv_forms"]
-    assert 0 < results["conv_share_of_native_step"] and len(lines) == 4 + 3 + 2
+    assert 0 < results["conv_share_of_native_step"] and len(lines) == 4 + 3 + 2  # no kernel lines on a CPU
+    assert slowest_layers(results) == []
     assert lines[-1].endswith(f"train with --conv_forms {results['fastest_conv_forms']}")
     # On 8^3 crops a 3-level model's down2 sees 2^3 and up0 1^3: there the matmul form is a candidate too.
     results = measure(batch=1, crop=8, channels=[4, 8, 8], device=torch.device("cpu"), log=lines.append, repeats=1)
     candidates = {row["layer"]: set(row["ms"]) for row in results["layers"]}
     assert {name for name, forms in candidates.items() if "matmul" in forms} == {"down2", "up0"}
     assert all(row["relative_error_bf16"].get("matmul", 0) < 0.02 for row in results["layers"])
+
+
+def test_kernel_rows_sum_each_kernels_time_per_call_longest_first():
+    """conv_variants' kernel breakdown from (name, microseconds) GPU events of ``repeats`` calls: one row per
+    kernel name, per call, longest first; template-heavy names shown cut, without "void "."""
+    from benchmarks.conv_variants import kernel_rows
+    long = "void at::native::elementwise_kernel<128, 4, " + "x" * 200
+    events = [("sm90_xmma_dgrad", 300.0), ("sm90_xmma_fprop", 100.0), (long, 40.0), ("sm90_xmma_dgrad", 300.0),
+              (long, 40.0)]
+    rows = kernel_rows(events, repeats=2)
+    assert [(row["ms"], row["calls"]) for row in rows] == [(0.3, 1), (0.05, 0.5), (0.04, 1)]
+    assert [row["kernel"][:15] for row in rows] == ["sm90_xmma_dgrad", "sm90_xmma_fprop", "at::native::ele"]
+    assert len(rows[2]["kernel"]) == 110 and rows[2]["kernel"].endswith("x…")
+    assert kernel_rows([], repeats=5) == []
 
 
 # --- the forms inside the model: the conv_forms key ---------------------------------------------------------------

@@ -501,7 +501,7 @@ def test_bf16_3d_convolutions_run_on_cudnn(layer, mode):
 def test_kernel_time_counts_the_gpus_work_and_not_its_waits_for_launches():
     """benchmarks/conv_variants.py's kernel time: the wall time of GPU-bound work, and less than the wall time of
     work whose kernels are shorter than their launches."""
-    from benchmarks.conv_variants import kernel_ms, timed
+    from benchmarks.conv_variants import kernel_ms, kernel_times, timed
     matrix = torch.randn(4096, 4096, device=CUDA)
 
     def product():
@@ -515,6 +515,10 @@ def test_kernel_time_counts_the_gpus_work_and_not_its_waits_for_launches():
 
     assert kernel_ms(product) == pytest.approx(timed(product, CUDA), rel=0.25)
     assert 0 < kernel_ms(launches) < 0.7 * timed(launches, CUDA)
+    gemm = kernel_times(product)[0]  # the breakdown part h records: the longest kernel, once per call
+    assert gemm["calls"] == 1 and gemm["ms"] == pytest.approx(kernel_ms(product), rel=0.25)
+    add = kernel_times(launches)[0]
+    assert add["calls"] == 200 and "at::native" in add["kernel"]
 
 
 def test_peak_memory_of_a_known_allocation():

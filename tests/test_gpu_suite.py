@@ -8,7 +8,7 @@ import torch
 
 from utils.config import REPO_ROOT
 
-from benchmarks import gpu_suite, kernel_probe
+from benchmarks import conv_variants, gpu_suite, kernel_probe
 from utils.checkpoint_manager import stall_message
 
 
@@ -114,6 +114,31 @@ def test_the_trace_tells_how_much_of_each_copy_hid_and_what_made_the_host_wait()
     assert gpu_suite.blocking_calls(events) == {"cudaStreamSynchronize": 1, "cudaFree": 2}
     unlinked = gpu_event("gpu_memcpy", 400, 100, 20)  # no correlation id in the trace
     assert gpu_suite.copy_rows([unlinked], kernels, events)[0]["start_after_queued_ms"] is None
+
+
+def test_the_summary_shows_where_the_slowest_layers_kernel_time_goes():
+    """Part h's summary lists the longest kernels of the three layers with the most kernel time in their fastest
+    form, each with its share of that layer's kernel time."""
+    def layer(name, kernel_ms):
+        kernels = [{"kernel": f"{name}_dgrad", "calls": 1, "ms": 0.75 * kernel_ms},
+                   {"kernel": "copy", "calls": 8, "ms": 0.25 * kernel_ms}]
+        return {"layer": name, "input_shape": [2, 8, 4, 4, 4], "best": "rewritten",
+                "ms": {"native": 3 * kernel_ms, "rewritten": 2 * kernel_ms},
+                "forward_ms": {"native": kernel_ms, "rewritten": kernel_ms},
+                "kernel_ms": {"native": 2 * kernel_ms, "rewritten": kernel_ms},
+                "kernels": {"native": kernels, "rewritten": kernels}, "tflops": {"native": 1.0, "rewritten": 2.0}}
+    forms = {"layers": [layer("down0", 1.0), layer("up4", 5.0), layer("last", 6.0), layer("down1", 3.0)],
+             "steps": {"native": {"samples_per_s": 1700.0}}, "conv_share_of_native_step": 0.9,
+             "fastest_conv_forms": "rewritten"}
+    slowest = conv_variants.slowest_layers(forms)
+    assert [(name, form, ms) for name, form, ms, _ in slowest] == [
+        ("last", "rewritten", 6.0), ("up4", "rewritten", 5.0), ("down1", "rewritten", 3.0)]
+    text = gpu_suite.markdown({"command": "gpu_suite.py OUT", "mode": "full", "conv_forms": forms})
+    assert "| last (rewritten) | `last_dgrad` | 1 | 4.500 | 75% |" in text
+    assert "| up4 (rewritten) | `copy` | 8 | 1.250 | 25% |" in text and "down0 (rewritten)" not in text
+    for row in forms["layers"]:  # results of a CPU, or from before the breakdown: no table
+        row["kernels"] = {"native": None, "rewritten": None}
+    assert "slowest layers" not in gpu_suite.markdown({"command": "OUT", "mode": "full", "conv_forms": forms})
 
 
 def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
