@@ -35,8 +35,10 @@ f. a torch.profiler trace of a few training steps with the fast loader: cuDNN co
    hide under has nothing to overlap);
 g. tests/test_gpu.py, the CUDA tests, on ``TEST_WORKERS`` pytest-xdist workers where it is installed (the GPU
    image has it); the whole test suite on a GPU is a command of its own, `python -m pytest -q -n 14 --full
-   --ignore=tests/test_slurm.py --ignore=tests/test_slurm_two_nodes.py tests` (the Slurm tests install Slurm
-   with apt-get, which may wait up to their 900 s timeout on a machine with no network);
+   --timeout 300 --durations 20 --ignore=tests/test_slurm.py --ignore=tests/test_slurm_two_nodes.py tests`
+   (the Slurm tests install Slurm with apt-get, which may wait up to their 900 s timeout on a machine with no
+   network; ``--timeout``, from pytest-timeout, which the GPU image has, fails a hung test alone, with its
+   stack, instead of the whole call);
 h. benchmarks/conv_variants.py: each convolution's forward + backward time (beside it the forward alone, the
    kernel time and the rate in TFLOP/s) in its native form and in the other forms of networks/conv_forms.py,
    the longest kernels of the three slowest layers (which pass or copy a faster form must shorten), and whole
