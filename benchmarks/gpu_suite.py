@@ -49,8 +49,9 @@ i. two levers the ladder leaves out, each in a fresh process of benchmarks/ladde
    runs in the rewritten form (pytorch#171622), against the eager channels-last rung of the same
    process; and every cuDNN engine timed per convolution shape (``--cudnn_benchmark_limit 0``)
    against that eager rung's default of 10. Both with ``--conv_forms`` plus ``up0=rewritten`` (0.03
-   of the 27.2 GFLOP), so the two ratios compare like with like. Its guess is 240 s, so within the
-   default budget it runs in a call without b: ``--parts i`` (or ``ghi``).
+   of the 27.2 GFLOP), so the two ratios compare like with like. It runs only when named (``--parts i``):
+   the H100 answered both questions on 2026-11-24 (compile 1.19x; every engine 1.00x, so the default of 10
+   finds the fastest), and compile with the faster forms is now the ladder's last rung in part b.
 
 ``--conv_forms FORMS`` (default native) trains parts b-f and i with train.py's ``--conv_forms``, e.g.
 the fastest value part h printed, to measure the loaders, CUDA graphs and checkpoints at that speed.
@@ -63,8 +64,9 @@ time budget (``--budget_s``, default 560 s): a part whose rough duration (``PART
 from the H100 runs of 2026-11-24 plus a margin) would overrun it is not started but reported as SKIP
 with the command that runs it alone, and every finished part's results are saved as soon as it ends.
 On the H100 that took three calls (``OUT``: a-f and h; ``OUT --parts g``; ``OUT --parts i``). Part g now runs
-its tests on ``TEST_WORKERS`` pytest-xdist workers, so two calls should do (not yet timed): ``OUT`` (a-f, and g
-if time is left) and ``OUT --parts ghi`` (or whichever of g, h and i the first skipped). The first part that
+its tests on ``TEST_WORKERS`` pytest-xdist workers and part i runs only when named, so two calls should do (not
+yet timed): ``OUT`` (a-f, and g or h if time is left) and ``OUT --parts gh`` (whichever of them the first
+skipped). The first part that
 trains in a process without the ladder (b) before it is given ``FIRST_TRAINING_PART_S`` more: cuDNN's
 autotuning of a fresh process.
 
@@ -120,6 +122,7 @@ SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6
 # (about 8 s each), f the prefetch probe's convolution step, and h a forward timing and a profiled run per form
 # (about 30 profiler sessions; h took 19 s before). A part is started only if it fits the budget.
 # g: 164 s in one process for 30 tests; now with TEST_WORKERS pytest-xdist workers, a guess not yet measured.
+DEFAULT_PARTS = "abcdefgh"
 PART_SECONDS = {"b": 330, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 60, "i": 240}
 TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
@@ -879,8 +882,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="folder for the (at most 8) result files")
     parser.add_argument("--small", action="store_true", help="CPU smoke mode: tiny model, few steps, GPU parts skip")
-    parser.add_argument("--parts", default="abcdefghi", help="subset of the parts a-i to run (default: all; the "
-                                                              "environment is recorded in any case)")
+    parser.add_argument("--parts", default=DEFAULT_PARTS,
+                        help=f"subset of the parts a-i to run (default {DEFAULT_PARTS}: i, answered on the H100, runs "
+                             f"only when named; the environment is recorded in any case)")
     parser.add_argument("--conv_forms", default="native",
                         help="train.py's --conv_forms for the training runs of parts b-f and i (part i adds "
                              "up0=rewritten); part h times every form whatever this says")
