@@ -524,8 +524,10 @@ class Suite:
         slow = [name for name in by_name if any(m in name.lower() for m in SLOW_MARKERS)]
         result["conv_kernel_share"] = round(sum(by_name[n] for n in conv) / total, 4) if total else None
         result["copy_overlap_share"] = copy_compute_overlap(copies, kernels)  # low when the loader is behind
-        # Why (the fp32 trace of 2026-11-24 had 0% with the loader ahead): when each copy started after the host
-        # queued it, how much of it ran under a kernel, and the calls in the window that make the host wait.
+        # Why (the fp32 trace of 2026-11-24 had 0% with the loader ahead, most likely because the trace window
+        # then missed the kernels the copies ran under; utils/profiling.py now waits for the GPU at its edges):
+        # when each copy started after the host queued it, how much of it ran under a kernel, and the calls in
+        # the window that make the host wait.
         result["copies"], result["blocking_calls"] = copy_rows(copies, kernels, events)[:8], blocking_calls(events)
         self.log(f"training trace: blocking calls {result['blocking_calls']}; copies {result['copies']}")
         self.results["profile"] = result

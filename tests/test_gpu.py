@@ -521,6 +521,27 @@ def test_kernel_time_counts_the_gpus_work_and_not_its_waits_for_launches():
     assert add["calls"] == 200 and "at::native" in add["kernel"]
 
 
+def test_a_trace_window_holds_its_own_steps_kernels_while_the_host_runs_ahead(tmp_path):
+    """utils/profiling.py's torch.profiler window on a loop whose host runs steps ahead of the GPU (each step one
+    ~5 ms sleep kernel, queued in microseconds): the trace holds the window's three sleeps, no more and no fewer.
+    Without the waits at the window's edges the sleeps of earlier steps would run inside it unrecorded and the
+    window's own after it, dropped: a trace of copies beside no kernels (the H100's 0% copy overlap in fp32)."""
+    import json
+    from utils.profiling import Profiler
+    params = load_config("quickstart", overrides={"profile_dir": "profile", "profile_window": [3, 6]})
+    profiler = Profiler(params, tmp_path, CUDA)
+    torch.cuda._sleep(SLEEP_CYCLES)  # warm up: the first launch sets up the kernel
+    torch.cuda.synchronize()
+    for step in range(9):
+        profiler.step(step)
+        torch.cuda._sleep(SLEEP_CYCLES)
+    profiler.close()
+    torch.cuda.synchronize()
+    [trace] = (tmp_path / "profile").glob("*.pt.trace.json")
+    kernels = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    assert len([k for k in kernels if k["dur"] > 1000]) == 3, [(k["name"], k["dur"]) for k in kernels]
+
+
 def test_peak_memory_of_a_known_allocation():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -172,6 +172,41 @@ def test_the_nvtx_window_brackets_its_steps_for_nsys(tmp_path, monkeypatch):
     assert [c[0] for c in calls].count("range_push") == [c[0] for c in calls].count("range_pop") == 6 * 5
 
 
+@pytest.mark.parametrize("num_steps", [6, 3], ids=["whole window", "run ends inside"])
+def test_a_trace_window_on_cuda_waits_for_the_gpu_at_its_edges(tmp_path, monkeypatch, num_steps):
+    """profile_dir on CUDA, its calls recorded (no GPU here): the host waits for the GPU before the window's first
+    step and before the trace closes. The host runs steps ahead and a trace keeps only the GPU work between its
+    start and stop, so without the waits earlier steps' kernels would run inside it unrecorded and the window's
+    own would run after it (tests/test_gpu.py checks the kernels that land in a real trace)."""
+    calls = []
+
+    class Trace:
+        def step(self):
+            calls.append("profiler step")
+
+        def stop(self):
+            calls.append("profiler stop")
+
+    def start_trace(profiler):
+        calls.append("profiler start")
+        profiler.torch_profiler = Trace()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: calls.append("synchronize"))
+    monkeypatch.setattr(Profiler, "_start_trace", start_trace)
+    monkeypatch.setattr(Profiler, "_check_trace_written", lambda profiler: None)
+    params = load_config("quickstart", overrides={"profile_dir": "profile", "profile_window": [2, 4]})
+    profiler = Profiler(params, tmp_path, torch.device("cuda"))
+    for step in range(num_steps):
+        profiler.step(step)
+        calls.append(f"step {step}")
+    profiler.close()
+    window = ["step 0", "profiler start", "step 1", "synchronize", "profiler step", "step 2"]
+    if num_steps == 6:
+        assert calls == window + ["profiler step", "step 3", "synchronize", "profiler step", "profiler stop",
+                                  "step 4", "step 5"]
+    else:
+        assert calls == window + ["synchronize", "profiler stop"]
+
+
 def test_profile_window_must_be_a_nonempty_range(tmp_path):
     params = load_config("quickstart", overrides={"profile_window": [5, 5]})
     with pytest.raises(ConfigError, match="0 < start < stop"):

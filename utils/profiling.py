@@ -54,6 +54,7 @@ class Profiler:
         self.torch_profiler = None
         self.cuda_profiler_running = False
         self.last_step = None
+        self.cuda_window = device.type == "cuda" and (self.nvtx or self.trace_dir is not None)
 
     def range(self, name):
         """A context manager marking ``name`` in the Nsight timeline and/or the torch.profiler trace."""
@@ -77,6 +78,14 @@ class Profiler:
 
     def step(self, global_step):
         self.last_step = global_step
+        if self.cuda_window and global_step in (self.start, self.stop):
+            # The host runs steps ahead of the GPU (as far as the loader and CUDA's launch queue let it), so at
+            # a window edge the GPU is still on earlier steps: wait for them. Then no earlier step's kernels run
+            # inside the window, and the window's own kernels have all run before it closes. A torch.profiler
+            # trace keeps only the GPU work that runs between its start and its stop (Kineto drops the rest), so
+            # without these waits the copies queued in the window would show beside few or none of the kernels
+            # they ran under, and the window's steps would be missing most of their kernels.
+            torch.cuda.synchronize()
         if self.trace_dir is not None:
             if global_step == self.start - 1:
                 self._start_trace()
@@ -86,7 +95,6 @@ class Profiler:
                     self._stop_trace(self.stop)
         if self.nvtx:
             if global_step == self.start:
-                torch.cuda.synchronize()  # the host runs steps ahead: earlier steps' kernels stay out of the range
                 torch.cuda.profiler.start()  # cudaProfilerStart: nsys --capture-range=cudaProfilerApi begins here
                 self.cuda_profiler_running = True
             elif global_step == self.stop:
@@ -94,6 +102,8 @@ class Profiler:
 
     def close(self):
         """Stop whatever is still running (the run ended inside the window); writes the partial trace."""
+        if self.cuda_window and (self.torch_profiler is not None or self.cuda_profiler_running):
+            torch.cuda.synchronize()  # the last steps' kernels finish inside the window (see step)
         if self.torch_profiler is not None:
             self._stop_trace(self.last_step + 1)
         if self.cuda_profiler_running:
@@ -138,7 +148,6 @@ class Profiler:
             raise StorageError(f"torch.profiler trace: {what}, though torch reported no error; {free:.1f} MiB free "
                                f"there: free space or choose another --profile_dir")
 
-    def _stop_cuda_profiler(self):
-        torch.cuda.synchronize()  # the window's kernels must finish before the capture range closes
+    def _stop_cuda_profiler(self):  # after a synchronize: the window's kernels have finished
         torch.cuda.profiler.stop()
         self.cuda_profiler_running = False
