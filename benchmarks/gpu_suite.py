@@ -33,8 +33,8 @@ f. a torch.profiler trace of a few training steps with the fast loader: cuDNN co
    hidden under a fixed GPU step (a sleep kernel; bf16 convolutions) where the loader is ahead by
    construction (in training at bf16 it is behind, and a copy that starts after the step it could
    hide under has nothing to overlap);
-g. tests/test_gpu.py, the CUDA tests, on ``TEST_WORKERS`` pytest-xdist workers where it is installed (the GPU
-   image has it); the whole test suite on a GPU is a command of its own, `python -m pytest -q -n 14 --full
+g. tests/test_gpu.py, the CUDA tests, on ``TEST_WORKERS`` pytest-xdist workers and with ``TEST_TIMEOUT_S`` per
+   test where pytest-xdist and pytest-timeout are installed (the GPU image has both); the whole test suite on a GPU is a command of its own, `python -m pytest -q -n 14 --full
    --timeout 300 --durations 20 --ignore=tests/test_slurm.py --ignore=tests/test_slurm_two_nodes.py tests`
    (the Slurm tests install Slurm with apt-get, which may wait up to their 900 s timeout on a machine with no
    network; ``--timeout``, from pytest-timeout, which the GPU image has, fails a hung test alone, with its
@@ -124,6 +124,7 @@ SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6
 # g: 164 s in one process for 30 tests; now with TEST_WORKERS pytest-xdist workers, a guess not yet measured.
 DEFAULT_PARTS = "abcdefgh"
 PART_SECONDS = {"b": 330, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 60, "i": 240}
+TEST_TIMEOUT_S = 240  # part g's limit per test where pytest-timeout is installed (the GPU image has it)
 TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
 
@@ -565,6 +566,8 @@ class Suite:
                      f"H100), longer than the {PART_SECONDS['g']} s the budget gives part g")
         else:  # the compile-heavy tests side by side; each worker is its own process with its own CUDA context
             command += ["-n", str(TEST_WORKERS)]
+        if _importable("pytest_timeout"):  # a hung test fails alone, with its stack, and the others still report
+            command += ["--timeout", str(TEST_TIMEOUT_S)]
         command.append("tests/test_gpu.py")
         # Within the budget, so the suite still ends with its PASS/FAIL lines (and h still gets its turn to SKIP).
         left = None if self.budget_s is None else self.budget_s - (time.perf_counter() - self.started)

@@ -141,6 +141,31 @@ def test_the_summary_shows_where_the_slowest_layers_kernel_time_goes():
     assert "slowest layers" not in gpu_suite.markdown({"command": "OUT", "mode": "full", "conv_forms": forms})
 
 
+@pytest.mark.parametrize("plugins", [True, False], ids=["xdist and pytest-timeout", "neither"])
+def test_part_g_runs_the_cuda_tests_on_workers_with_a_limit_per_test(tmp_path, monkeypatch, plugins):
+    """Part g's pytest command (no GPU here: the command is recorded, not run): on TEST_WORKERS xdist workers and
+    with a per-test timeout where those plugins are installed, within the time left in the budget."""
+    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560)
+    suite.cuda = True  # as on a GPU: the part runs
+    commands = []
+
+    def run(command, timeout, **kwargs):
+        commands.append((command, timeout))
+        return subprocess.CompletedProcess(command, 0, stdout="30 passed in 60.00s\n", stderr="")
+    monkeypatch.setattr(gpu_suite.subprocess, "run", run)
+    monkeypatch.setattr(gpu_suite, "_importable", lambda name: plugins)
+    suite.tests()
+    [(command, timeout)] = commands
+    assert command[-1] == "tests/test_gpu.py" and 500 < timeout <= 550
+    if plugins:
+        assert command[command.index("-n") + 1] == str(gpu_suite.TEST_WORKERS)
+        assert command[command.index("--timeout") + 1] == str(gpu_suite.TEST_TIMEOUT_S)
+    else:
+        assert "-n" not in command and "--timeout" not in command
+    assert suite.checks[-1]["status"] == "PASS" and suite.checks[-1]["detail"] == "30 passed in 60.00s"
+    assert (tmp_path / "pytest.log").read_text() == "30 passed in 60.00s\n"
+
+
 def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
     """Part i's bookkeeping, on the CPU with the tiny ladder in place of the full one: the compile + channels-last
     rung needs CUDA, so its run is a FAIL naming why; every cuDNN engine's run is compared with the eager rung."""
