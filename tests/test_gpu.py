@@ -513,10 +513,16 @@ def test_kernel_time_counts_the_gpus_work_and_not_its_waits_for_launches():
         for _ in range(200):
             counter.add_(1)  # a microsecond-long kernel after each few microseconds of Python and dispatch
 
-    assert kernel_ms(product) == pytest.approx(timed(product, CUDA), rel=0.25)
-    assert 0 < kernel_ms(launches) < 0.7 * timed(launches, CUDA)
+    def least(measure, function):  # other pytest-xdist workers' contexts take turns on the GPU: the least of 3
+        return min(measure(function) for _ in range(3))
+
+    def wall(function):
+        return timed(function, CUDA)
+
+    assert least(kernel_ms, product) == pytest.approx(least(wall, product), rel=0.25)
+    assert 0 < least(kernel_ms, launches) < 0.7 * least(wall, launches)
     gemm = kernel_times(product)[0]  # the breakdown part h records: the longest kernel, once per call
-    assert gemm["calls"] == 1 and gemm["ms"] == pytest.approx(kernel_ms(product), rel=0.25)
+    assert gemm["calls"] == 1 and gemm["ms"] == pytest.approx(least(kernel_ms, product), rel=0.25)
     add = kernel_times(launches)[0]
     assert add["calls"] == 200 and "at::native" in add["kernel"]
 
