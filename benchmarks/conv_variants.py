@@ -18,7 +18,11 @@ gradient), to hold against the GPU's peak:
 - ``padded`` (first and last layer only, where it differs from native): the 4 input / 5 output
   channels zero-padded to 8;
 - ``matmul`` (down5 and up0 only, on a 2^3 and a 1^3 input): one matrix product over the kernel's
-  central taps, the only ones that see data there.
+  central taps, the only ones that see data there;
+- ``overlap_add`` (the transposed layers): one matrix product to every tap's contribution, added where each
+  lands. Timed eager here; its passes over the products are what torch.compile may fuse, so time it compiled
+  too (``benchmarks/ladder.py --conv_forms down0=rewritten,last=overlap_add,up0=rewritten --rungs
+  channels_last,compile_channels_last``, against the same with ``last=rewritten``).
 
 Then whole training steps (model, L1 loss, backward, fused Adam) with every layer native, every layer
 rewritten, and every layer in its fastest form (by kernel time on a GPU, by wall time on a CPU), set as
@@ -104,13 +108,14 @@ def kernel_ms(function, repeats=5):
 
 def forms(module, input_edge):
     """{form name: function(x, weight, bias)} of one convolution whose input has edge ``input_edge``: native,
-    rewritten, padded where its channel counts are not multiples of 8 (elsewhere padded is the native form), and
-    matmul where it fits (a 2^3 input, or 1^3 for a transposed convolution)."""
+    rewritten, padded where its channel counts are not multiples of 8 (elsewhere padded is the native form),
+    matmul where it fits (a 2^3 input, or 1^3 for a transposed convolution), and overlap_add for a transposed
+    one."""
     transposed = isinstance(module, nn.ConvTranspose3d)
     ragged = (module.out_channels if transposed else module.in_channels) % 8
     return {form: lambda x, w, b, form=form: stride2_conv(x, w, b, transposed, form)
             for form in ("native", "rewritten") + (("padded",) if ragged else ())
-            + (("matmul",) if matmul_fits(transposed, input_edge) else ())}
+            + (("matmul",) if matmul_fits(transposed, input_edge) else ()) + (("overlap_add",) if transposed else ())}
 
 
 def layer_inputs(model, batch, crop, device):

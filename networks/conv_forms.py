@@ -22,6 +22,14 @@ convolution of a 1^3 input gives 2^3 outputs, each from one central tap. There `
 form): 1/8 of the multiply-adds the kernel counts, and no 3D convolution kernel at all. It fits only
 those input sizes (``matmul_fits``), which the reference model has at 64^3 crops in down5 and up0.
 
+``conv_transpose3d_overlap_add`` (the ``overlap_add`` form, transposed convolutions only) computes the layer the
+other way round from the sub-pixel form: one matrix product of every input voxel's C_in channels with the weight
+as a (C_in, 4^3 C_out) matrix, then each of the 4^3 products added where it lands in the output (along one axis,
+input m with tap k lands on 2m - 1 + k), one axis at a time. For the last layer (128 -> 5 channels) that is a
+product with 320 columns instead of the sub-pixel convolution's 40, and plain additions instead of a
+convolution kernel; the price is the products' memory (4^3 C_out values per input voxel) and, in eager
+PyTorch, several passes over it, which torch.compile can fuse.
+
 All take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
 few MB), so the modules, parameters and checkpoints stay the reference's.
 
@@ -43,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-FORMS = ("native", "rewritten", "padded", "matmul")
+FORMS = ("native", "rewritten", "padded", "matmul", "overlap_add")
 MATMUL_INPUT_EDGE = {False: 2, True: 1}  # transposed -> the input edge where the matmul form is exact
 CHANNELS_LAST = torch.channels_last_3d
 
@@ -193,6 +201,39 @@ def conv_transpose3d_matmul(x, weight, bias):
     return y.view(b, -1, 2, 2, 2).contiguous(memory_format=memory_format)
 
 
+def _shift(t, dim, step):
+    """``t`` moved by ``step`` (1 or -1) along ``dim``, zeros entering: out[i] = t[i - step]."""
+    n = t.shape[dim]
+    kept = t.narrow(dim, 0, n - 1) if step > 0 else t.narrow(dim, 1, n - 1)
+    return F.pad(kept, [0, 0] * (t.dim() - 1 - dim) + ([1, 0] if step > 0 else [0, 1]))
+
+
+def _overlap_add_axis(y, dim):
+    """Sum the 4 taps at dim 4 of ``y`` into the output along spatial dim ``dim`` (length n -> 2n): input m with
+    tap k lands on 2m - 1 + k, so output 2m takes tap 1 of m and tap 3 of m - 1, output 2m + 1 tap 2 of m and
+    tap 0 of m + 1."""
+    k0, k1, k2, k3 = y.unbind(4)
+    even, odd = k1 + _shift(k3, dim, 1), k2 + _shift(k0, dim, -1)
+    return torch.stack((even, odd), dim + 1).flatten(dim, dim + 1)
+
+
+def conv_transpose3d_overlap_add(x, weight, bias):
+    """``F.conv_transpose3d(x, weight, bias, stride=2, padding=1)`` for a kernel-4 ``weight`` as one matrix product,
+    (B S^3, C_in) @ (C_in, 4^3 C_out), and an overlap-add of its products, one axis at a time."""
+    b, c_in, s = x.shape[0], x.shape[1], x.shape[2]
+    c_out = weight.shape[1]
+    memory_format = _layout(x, weight)
+    x = _compute_dtype(x)
+    rows = x.permute(0, 2, 3, 4, 1).reshape(b * s ** 3, c_in)             # a view when x is channels-last
+    taps = weight.to(x.dtype).permute(0, 2, 3, 4, 1).reshape(c_in, 64 * c_out)  # columns (k_z, k_y, k_x, o)
+    y = (rows @ taps).view(b, s, s, s, 4, 4, 4, c_out)
+    for dim in (1, 2, 3):  # (B, S, S, S, 4, 4, 4, C) -> (B, 2S, S, S, 4, 4, C) -> ... -> (B, 2S, 2S, 2S, C)
+        y = _overlap_add_axis(y, dim)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.permute(0, 4, 1, 2, 3).contiguous(memory_format=memory_format)  # channels-last storage already
+
+
 def matmul_fits(transposed, input_edge):
     """Whether the ``matmul`` form computes a layer (transposed or not) whose input has this edge."""
     return input_edge == MATMUL_INPUT_EDGE[transposed]
@@ -208,6 +249,11 @@ def stride2_conv(x, weight, bias, transposed, form="native"):
         return (conv_transpose3d_padded_out if transposed else conv3d_padded_in)(x, weight, bias)
     if form == "matmul":
         return (conv_transpose3d_matmul if transposed else conv3d_matmul)(x, weight, bias)
+    if form == "overlap_add":
+        if not transposed:
+            raise ValueError("the overlap_add form computes transposed convolutions only (the up layers and last); "
+                             "compute this layer in another form (native or rewritten)")
+        return conv_transpose3d_overlap_add(x, weight, bias)
     raise ValueError(f"unknown convolution form {form!r}; choose from {', '.join(FORMS)}")
 
 
@@ -234,7 +280,8 @@ def parse_conv_forms(spec, names, input_sizes=None):
     inputs, the last layer's 5 outputs) and is the native form on layers whose counts already are. ``matmul``
     fits only a convolution of a 2^3 input and a transposed convolution of a 1^3 input (``down5=matmul,
     up0=matmul`` for the reference model on 64^3 crops); with ``input_sizes`` ({name: input edge}, from
-    ``conv_input_sizes``) any other layer given it is refused. Raises ValueError naming what was wrong.
+    ``conv_input_sizes``) any other layer given it is refused. ``overlap_add`` fits the transposed convolutions
+    only (``up4=overlap_add,last=overlap_add``). Raises ValueError naming what was wrong.
     """
     forms = dict.fromkeys(names, "native")
     items = [item.strip() for item in str(spec).split(",")]
@@ -251,6 +298,10 @@ def parse_conv_forms(spec, names, input_sizes=None):
         else:
             raise ValueError(f"conv_forms item {item!r}: this model has no layer {name!r}; its layers are "
                              f"{', '.join(names)}")
+    down = [name for name, form in forms.items() if form == "overlap_add" and name.startswith("down")]
+    if down:
+        raise ValueError(f"conv_forms {spec!r}: the overlap_add form computes transposed convolutions only, not "
+                         f"{', '.join(down)}; give it to the up layers or last, e.g. 'last=overlap_add'")
     if input_sizes is not None:
         fits = [name for name in names if matmul_fits(not name.startswith("down"), input_sizes[name])]
         wrong = [name for name, form in forms.items() if form == "matmul" and name not in fits]

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from conftest import run_train_cli
 from networks.conv_forms import (conv3d_matmul, conv3d_padded_in, conv3d_s2d, conv_input_sizes,
-                                 conv_transpose3d_matmul, conv_transpose3d_padded_out, conv_transpose3d_subpixel,
-                                 describe_conv_forms, parse_conv_forms)
+                                 conv_transpose3d_matmul, conv_transpose3d_overlap_add, conv_transpose3d_padded_out,
+                                 conv_transpose3d_subpixel, describe_conv_forms, parse_conv_forms, stride2_conv)
 from networks.UNet import UPSAMPLE_MODES, UNet
 from utils.config import load_config
 from utils.errors import ConfigError
@@ -66,6 +66,27 @@ def test_subpixel_conv_transpose3d_equals_the_stride_2_transposed_convolution(si
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     if layout == "channels_last" and size > 1:  # the layout the GPU path trains in is kept
         assert rewritten.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+@pytest.mark.parametrize("layout", FORMATS)
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_overlap_add_conv_transpose3d_equals_the_stride_2_transposed_convolution(size, layout):
+    """One matrix product to every tap's contribution, each added where it lands: the same outputs, gradients and
+    layout as the native layer, on every input size (1^3 is up0's); a convolution is refused."""
+    torch.manual_seed(20 + size)
+    x = torch.randn(2, 6, size, size, size, dtype=torch.float64).to(memory_format=FORMATS[layout]).requires_grad_()
+    weight = torch.randn(6, 5, 4, 4, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    reference = F.conv_transpose3d(x, weight, bias, stride=2, padding=1)
+    got = conv_transpose3d_overlap_add(x, weight, bias)
+    assert got.shape == reference.shape == (2, 5, 2 * size, 2 * size, 2 * size)
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
+    for got_grad, want in zip(grads(got, (x, weight, bias), 7), grads(reference, (x, weight, bias), 7)):
+        torch.testing.assert_close(got_grad, want, rtol=0, atol=1e-12)
+    if size > 1:  # a 1^3 input is contiguous in both layouts, and the output follows it as the sub-pixel form's does
+        assert got.is_contiguous(memory_format=FORMATS[layout])
+    with pytest.raises(ValueError, match="the overlap_add form computes transposed convolutions only"):
+        stride2_conv(x, weight.transpose(0, 1), bias, transposed=False, form="overlap_add")
 
 
 @pytest.mark.parametrize("layout", FORMATS)
@@ -136,6 +157,23 @@ def test_the_matmul_form_in_the_model_and_where_it_fits():
         load_config("base", overrides={"conv_forms": "down5=matmul", "data_size": 128, "box_size": [1024, 512]})
 
 
+def test_the_overlap_add_form_in_the_model_and_where_it_fits():
+    """Every transposed layer in the overlap_add form (up0 on a 1^3 input among them): the native model's outputs and
+    gradients; load_config refuses the form on a convolution, naming which."""
+    torch.manual_seed(0)
+    native = UNet([4, 8, 8]).to(torch.float64, memory_format=torch.channels_last_3d)
+    other = copy.deepcopy(native)
+    forms = other.set_conv_forms("up0=overlap_add,up1=overlap_add,last=overlap_add")
+    assert [name for name, form in forms.items() if form == "overlap_add"] == ["up0", "up1", "last"]
+    x, upstream = torch.randn(2, 4, 8, 8, 8, dtype=torch.float64), torch.randn(2, 5, 8, 8, 8, dtype=torch.float64)
+    assert_same_model(native, other, x.to(memory_format=torch.channels_last_3d), upstream)
+    assert load_config("base", overrides={"conv_forms": "down0=rewritten,up4=overlap_add,last=overlap_add"})
+    for spec, wrong in (("overlap_add", "down0, down1, down2, down3, down4, down5"), ("down1=overlap_add", "down1")):
+        with pytest.raises(ConfigError, match=re.escape(f"the overlap_add form computes transposed convolutions only, "
+                                                        f"not {wrong}; give it to the up layers or last")):
+            load_config("base", overrides={"conv_forms": spec})
+
+
 def test_a_wrong_rearrangement_would_be_caught():
     """The checks above are sensitive: swapping two kernel taps changes the result far beyond the tolerance."""
     torch.manual_seed(0)
@@ -154,7 +192,8 @@ def test_conv_variants_times_every_form_of_every_layer():
     results = measure(batch=1, crop=16, channels=[8, 16], device=torch.device("cpu"), log=lines.append, repeats=1)
     assert [row["layer"] for row in results["layers"]] == ["down0", "down1", "up0", "last"]
     for row in results["layers"]:
-        expected = {"native", "rewritten"} | ({"padded"} if row["layer"] in ("down0", "last") else set())
+        expected = {"native", "rewritten"} | ({"padded"} if row["layer"] in ("down0", "last") else set()) | (
+            {"overlap_add"} if row["layer"] in ("up0", "last") else set())
         assert set(row["ms"]) == set(row["forward_ms"]) == set(row["tflops"]) == expected
         assert all(ms > 0 for ms in row["ms"].values()) and all(ms > 0 for ms in row["forward_ms"].values())
         assert row["forward_gflop"] == UNet([8, 16]).conv_flops(16)[row["layer"]] / 1e9
@@ -311,7 +350,7 @@ def test_compile_with_channels_last_is_refused_on_cuda_only_for_a_native_transpo
         "up0=rewritten (the same maths as a stride-1 convolution), or drop --channels_last or --enable_jit")
     model = UNet([4, 8, 8], upsample=upsample)
     for spec, blockers in (("native", ["up0"]), ("padded", ["up0"]), ("up0=rewritten", []), ("rewritten", []),
-                           ("rewritten,up0=padded", ["up0"]), ("up0=matmul", [])):
+                           ("rewritten,up0=padded", ["up0"]), ("up0=matmul", []), ("up0=overlap_add", [])):
         model.set_conv_forms(spec)
         assert compile_channels_last_blockers(model, 8) == blockers, spec
     model.set_conv_forms("native")

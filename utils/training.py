@@ -87,13 +87,13 @@ def compile_channels_last_blockers(model, crop_size):
     transposed-convolution backward takes the weight gradient's layout from its input and output gradient
     (ATen's ConvShared.cpp), while Inductor predicts it from the input and the channels-last weight. The
     ``rewritten`` form pads the input to 3^3 and runs a stride-1 convolution instead, with no ambiguous layout;
-    the ``matmul`` form runs no convolution at all.
+    the ``matmul`` and ``overlap_add`` forms run no convolution at all.
     On an H100 with torch 2.11 (2026-11-24) tests/test_gpu.py checked both sides of the rule and the compiled
     channels-last model with up0 rewritten trained (benchmarks/results/h100.md).
     """
     edges = model.conv_input_sizes(crop_size)
     return [name for name, module in model.conv_layers()
-            if module.transposed and module.form not in ("rewritten", "matmul") and edges[name] == 1]
+            if module.transposed and module.form not in ("rewritten", "matmul", "overlap_add") and edges[name] == 1]
 
 
 def build_training(params, info, capturable=False, run_dir=None):
