@@ -159,7 +159,8 @@ def random_batches(size, count=3, seed=0):
                                                    (8, "up0=rewritten", "resize_conv"),
                                                    (8, "up0=rewritten", "linear_conv"),
                                                    (8, "down2=matmul,up0=matmul", "transposed"),
-                                                   (8, "up0=overlap_add,up1=overlap_add,last=overlap_add", "transposed")],
+                                                   (8, "up0=overlap_add,up1=overlap_add,last=overlap_add",
+                                                    "transposed")],
                          ids=["1^3 bottom, up0 rewritten", "2^3 bottom, native", "1^3 bottom, blurred, up0 rewritten",
                               "1^3 bottom, resize_conv, up0 rewritten", "1^3 bottom, linear_conv, up0 rewritten",
                               "1^3 bottom, down2 and up0 as matmuls", "1^3 bottom, every up layer an overlap-add"])
