@@ -21,8 +21,7 @@ gradient), to hold against the GPU's peak:
   central taps, the only ones that see data there;
 - ``overlap_add`` (the transposed layers): one matrix product to every tap's contribution, added where each
   lands. Timed eager here; its passes over the products are what torch.compile may fuse, so time it compiled
-  too (``benchmarks/ladder.py --conv_forms down0=rewritten,last=overlap_add,up0=rewritten --rungs
-  channels_last,compile_channels_last``, against the same with ``last=rewritten``).
+  too (``benchmarks/ladder.py --rungs compile_conv_forms,compile_overlap_add``).
 
 Then whole training steps (model, L1 loss, backward, fused Adam) with every layer native, every layer
 rewritten, and every layer in its fastest form (by kernel time on a GPU, by wall time on a CPU), set as

@@ -11,9 +11,11 @@ Each rung adds one optimisation to the previous rung (bf16 replaces fp16):
     -> channels-last-3d -> CUDA graph of the whole step (train_graph.py)
 
 plus two side rungs: the CUDA graph of the compiled model, and torch.compile with channels-last-3d; and
-two last rungs that end at the ``*_opt`` configs' settings: channels-last with the convolution forms that
+two rungs that end at the ``*_opt`` configs' settings: channels-last with the convolution forms that
 measured fastest on an H100 (``down0=rewritten,last=rewritten``, compile off), then torch.compile on top
-(``up0`` rewritten too). These two set their own forms; ``--conv_forms`` sets every other rung's. A
+(``up0`` rewritten too); and a last candidate rung, the same compiled step with ``last`` as an overlap-add
+(``last=overlap_add``, not yet measured on a GPU). These three set their own forms; ``--conv_forms`` sets
+every other rung's. A
 rung means the rungs above it plus its own change, also when ``--rungs`` runs it alone
 (``--rungs channels_last`` is bf16, fused Adam and channels-last).
 
@@ -109,7 +111,13 @@ RUNGS = (
     Rung("compile_conv_forms", "+ torch.compile, up0 rewritten too (the *_opt configs)",
          {"enable_jit": True, "conv_forms": f"{FASTEST_EAGER_FORMS},up0=rewritten"},
          needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
+    # A candidate beyond the *_opt configs: the last layer as a matrix product and an overlap-add, whose passes
+    # compile can fuse (networks/conv_forms.py), against the rung above's sub-pixel last layer.
+    Rung("compile_overlap_add", "the same, last as an overlap-add",
+         {"conv_forms": "down0=rewritten,last=overlap_add,up0=rewritten"},
+         needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
 )
+OPT_RUNG = "compile_conv_forms"  # the rung the *_opt configs (config/UNet.yaml) train as
 
 PYTORCH_CUDNN_BENCHMARK_LIMIT = 10  # torch.backends.cudnn.benchmark_limit's default
 
