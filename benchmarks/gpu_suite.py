@@ -341,7 +341,8 @@ class Suite:
                            f"{100 * (best['mfu'] or 0):.1f}%", kind="goal")
             rates = {r["rung"]: r["samples_per_s"] for r in ok}
             if {"compile_conv_forms", "compile_overlap_add"} <= set(rates):  # the candidate against the *_opt step
-                self.results["overlap_add_vs_opt"] = round(rates["compile_overlap_add"] / rates["compile_conv_forms"], 3)
+                ratio = rates["compile_overlap_add"] / rates["compile_conv_forms"]
+                self.results["overlap_add_vs_opt"] = round(ratio, 3)
                 self.log(f"last as an overlap-add: {self.results['overlap_add_vs_opt']}x the *_opt step")
             plot_ladder(rows, self.out / "ladder.png", self.results.get("device", "?"))
 

@@ -29,7 +29,8 @@ def test_reference_values():
 
 def test_the_opt_configs_are_the_ladders_last_rung_and_build_on_a_cuda_model():
     """short_opt and bs64_opt (and the large-batch configs built on it) train as the ladder's OPT_RUNG
-    (compile_conv_forms) measured on the H100, and train.py's compile + channels-last rule (pytorch#171622) lets them through."""
+    (compile_conv_forms) measured on the H100, and train.py's compile + channels-last rule (pytorch#171622) lets
+    them through."""
     from benchmarks import ladder
     from networks.UNet import build_model
     from utils.training import compile_channels_last_blockers
