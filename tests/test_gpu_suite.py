@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,6 +165,30 @@ def test_part_g_runs_the_cuda_tests_on_workers_with_a_limit_per_test(tmp_path, m
         assert "-n" not in command and "--timeout" not in command
     assert suite.checks[-1]["status"] == "PASS" and suite.checks[-1]["detail"] == "30 passed in 60.00s"
     assert (tmp_path / "pytest.log").read_text() == "30 passed in 60.00s\n"
+
+
+def test_part_b_compares_the_overlap_add_candidate_with_the_opt_rung(tmp_path, monkeypatch):
+    """Part b on a ladder report (made up here: no GPU) where both compiled rungs ran: the candidate's rate over the
+    *_opt configs' rung is recorded; the 2,500 goal is judged on the best rung."""
+    from benchmarks import ladder
+
+    def rung(name, rate):
+        return {"name": name, "label": name, "status": "ok", "settings": "bf16", "samples_per_sec": rate, "mfu": 0.2,
+                "peak_memory_gb": 5.0, "loss_last": 0.0556, "loss_first": 0.06}
+
+    def fake_ladder(argv):
+        out = Path(argv[argv.index("--out") + 1])
+        out.write_text(json.dumps({"setup": {}, "rungs": [rung("fp32", 310.0), rung("compile_conv_forms", 2700.0),
+                                                           rung("compile_overlap_add", 3240.0)]}))
+        return 0
+    monkeypatch.setattr(ladder, "main", fake_ladder)
+    monkeypatch.setattr(gpu_suite, "plot_ladder", lambda *args: None)
+    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560)
+    suite.cuda = True
+    suite.ladder()
+    assert suite.results["overlap_add_vs_opt"] == 1.2 and suite.results["best_rung"] == "compile_overlap_add"
+    goal = next(c for c in suite.checks if c["name"].startswith("compute-only throughput"))
+    assert goal["status"] == "PASS" and goal["kind"] == "goal" and "compile_overlap_add: 3240" in goal["detail"]
 
 
 def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
