@@ -27,8 +27,8 @@ other way round from the sub-pixel form: one matrix product of every input voxel
 as a (C_in, 4^3 C_out) matrix, then each of the 4^3 products added where it lands in the output (along one axis,
 input m with tap k lands on 2m - 1 + k), one axis at a time. For the last layer (128 -> 5 channels) that is a
 product with 320 columns instead of the sub-pixel convolution's 40, and plain additions instead of a
-convolution kernel; the price is the products' memory (4^3 C_out values per input voxel) and, in eager
-PyTorch, several passes over it, which torch.compile can fuse.
+convolution kernel; the price is the products' memory (4^3 C_out values per input voxel) and three passes
+over it (one per axis, each halving it), which torch.compile can fuse.
 
 All take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
 few MB), so the modules, parameters and checkpoints stay the reference's.
@@ -211,10 +211,47 @@ def _shift(t, dim, step):
 def _overlap_add_axis(y, dim):
     """Sum the 4 taps at dim 4 of ``y`` into the output along spatial dim ``dim`` (length n -> 2n): input m with
     tap k lands on 2m - 1 + k, so output 2m takes tap 1 of m and tap 3 of m - 1, output 2m + 1 tap 2 of m and
-    tap 0 of m + 1."""
+    tap 0 of m + 1. Under torch.compile in plain ops, which Inductor fuses; eager in ``_OverlapAddAxis``."""
+    if not torch.compiler.is_compiling():
+        return _OverlapAddAxis.apply(y, dim)
     k0, k1, k2, k3 = y.unbind(4)
     even, odd = k1 + _shift(k3, dim, 1), k2 + _shift(k0, dim, -1)
     return torch.stack((even, odd), dim + 1).flatten(dim, dim + 1)
+
+
+class _OverlapAddAxis(torch.autograd.Function):
+    """Eager ``_overlap_add_axis``: the sums written straight into the output, which in plain ops would take a
+    padded copy of two taps and a stacking copy more; its backward hands each output's gradient back to the taps
+    that landed there (zero where a tap landed outside)."""
+
+    @staticmethod
+    def forward(ctx, y, dim):
+        ctx.dim = dim
+        n = y.shape[dim]
+        k0, k1, k2, k3 = y.unbind(4)
+        out = y.new_empty(k0.shape[:dim] + (n, 2) + k0.shape[dim + 1:])
+        even, odd = out.select(dim + 1, 0), out.select(dim + 1, 1)
+        even.narrow(dim, 0, 1).copy_(k1.narrow(dim, 0, 1))
+        torch.add(k1.narrow(dim, 1, n - 1), k3.narrow(dim, 0, n - 1), out=even.narrow(dim, 1, n - 1))
+        odd.narrow(dim, n - 1, 1).copy_(k2.narrow(dim, n - 1, 1))
+        torch.add(k2.narrow(dim, 0, n - 1), k0.narrow(dim, 1, n - 1), out=odd.narrow(dim, 0, n - 1))
+        return out.flatten(dim, dim + 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim = ctx.dim
+        n = grad.shape[dim] // 2
+        pairs = grad.unflatten(dim, (n, 2))  # splitting one dimension is a view whatever the strides
+        even, odd = pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)
+        grad_y = grad.new_empty(even.shape[:4] + (4,) + even.shape[4:])
+        t0, t1, t2, t3 = grad_y.unbind(4)
+        t1.copy_(even)
+        t2.copy_(odd)
+        t3.narrow(dim, 0, n - 1).copy_(even.narrow(dim, 1, n - 1))
+        t3.narrow(dim, n - 1, 1).zero_()
+        t0.narrow(dim, 1, n - 1).copy_(odd.narrow(dim, 0, n - 1))
+        t0.narrow(dim, 0, 1).zero_()
+        return grad_y, None
 
 
 def conv_transpose3d_overlap_add(x, weight, bias):

@@ -68,11 +68,15 @@ def test_subpixel_conv_transpose3d_equals_the_stride_2_transposed_convolution(si
         assert rewritten.is_contiguous(memory_format=torch.channels_last_3d)
 
 
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "plain ops, as under compile"])
 @pytest.mark.parametrize("layout", FORMATS)
 @pytest.mark.parametrize("size", [1, 2, 4])
-def test_overlap_add_conv_transpose3d_equals_the_stride_2_transposed_convolution(size, layout):
+def test_overlap_add_conv_transpose3d_equals_the_stride_2_transposed_convolution(size, layout, compiling,
+                                                                                 monkeypatch):
     """One matrix product to every tap's contribution, each added where it lands: the same outputs, gradients and
-    layout as the native layer, on every input size (1^3 is up0's); a convolution is refused."""
+    layout as the native layer, on every input size (1^3 is up0's), in both of its paths (eager writes the sums
+    into one output; under torch.compile it is plain ops); a convolution is refused."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     torch.manual_seed(20 + size)
     x = torch.randn(2, 6, size, size, size, dtype=torch.float64).to(memory_format=FORMATS[layout]).requires_grad_()
     weight = torch.randn(6, 5, 4, 4, 4, dtype=torch.float64, requires_grad=True)
@@ -155,6 +159,22 @@ def test_the_matmul_form_in_the_model_and_where_it_fits():
             load_config("base", overrides={"conv_forms": spec})
     with pytest.raises(ConfigError, match="not down5; at this crop size it fits no layer of this model"):
         load_config("base", overrides={"conv_forms": "down5=matmul", "data_size": 128, "box_size": [1024, 512]})
+
+
+def test_the_overlap_add_form_compiles_to_the_native_layer():
+    """torch.compile (Inductor's C++ on the CPU) of the overlap_add form, traced through its plain-ops path in one
+    graph: the native layer's outputs and gradients."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 4, 4, 4).to(memory_format=torch.channels_last_3d).requires_grad_()
+    weight, bias = torch.randn(6, 5, 4, 4, 4, requires_grad=True), torch.randn(5, requires_grad=True)
+    compiled = torch.compile(conv_transpose3d_overlap_add, fullgraph=True)
+    got, reference = compiled(x, weight, bias), F.conv_transpose3d(x, weight, bias, stride=2, padding=1)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+    for got_grad, want in zip(grads(got, (x, weight, bias), 8), grads(reference, (x, weight, bias), 8)):
+        torch.testing.assert_close(got_grad, want, rtol=1e-5, atol=1e-4)
+    torch._dynamo.reset()
 
 
 def test_the_overlap_add_form_in_the_model_and_where_it_fits():
