@@ -114,16 +114,20 @@ def test_graph_replay_trains_like_eager_steps(tiny_params):
     assert difference.norm() <= 1e-3 * update.norm(), (difference.norm().item(), update.norm().item())
 
 
-def test_rewritten_convolutions_capture_in_a_graph_and_give_the_native_gradients(tiny_params):
+@pytest.mark.parametrize("spec, expected", [("rewritten,down0=padded,last=padded",
+                                              ["padded", "rewritten", "rewritten", "padded"]),
+                                             ("up0=overlap_add,last=overlap_add",
+                                              ["native", "native", "overlap_add", "overlap_add"])],
+                         ids=["rewritten and padded", "overlap_add"])
+def test_rewritten_convolutions_capture_in_a_graph_and_give_the_native_gradients(tiny_params, spec, expected):
     """conv_forms (networks/conv_forms.py) in the optimised settings (bf16, fused Adam, channels-last batches): the
     forms capture (no sync or host tensor in them), and each replay's gradients are the native model's eager
     gradients on the same batch within bf16 rounding (a wrong form gives a difference of order 1)."""
     settings = {**TINY_CUDA, "amp_mode": "bf16", "enable_fused": True, "channels_last": True, "Nsamples": 4 * NUM_STEPS}
     info = init_distributed("cuda")
     native = training.build_training(tiny_params(**settings), info)
-    forms = training.build_training(tiny_params(**settings, conv_forms="rewritten,down0=padded,last=padded"), info,
-                                    capturable=True)
-    assert [module.form for _, module in forms.model.conv_layers()] == ["padded", "rewritten", "rewritten", "padded"]
+    forms = training.build_training(tiny_params(**settings, conv_forms=spec), info, capturable=True)
+    assert [module.form for _, module in forms.model.conv_layers()] == expected
     assert torch.equal(flat_weights(native.model), flat_weights(forms.model))
     batches = [tuple(t.contiguous(memory_format=torch.channels_last_3d) for t in batch)
                for batch in device_batches(tiny_params, count=3)]
