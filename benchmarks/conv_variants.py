@@ -19,6 +19,7 @@ gradient), to hold against the GPU's peak:
   channels zero-padded to 8;
 - ``matmul`` (down5 and up0 only, on a 2^3 and a 1^3 input): one matrix product over the kernel's
   central taps, the only ones that see data there;
+- ``unfold`` (the convolutions): every output voxel's window copied into a row (im2col), times the weight;
 - ``overlap_add`` (the transposed layers): one matrix product to every tap's contribution, added where each
   lands. Timed eager here; its passes over the products are what torch.compile may fuse, so time it compiled
   too (``benchmarks/ladder.py --rungs compile_conv_forms,compile_overlap_add``).
@@ -108,13 +109,14 @@ def kernel_ms(function, repeats=5):
 def forms(module, input_edge):
     """{form name: function(x, weight, bias)} of one convolution whose input has edge ``input_edge``: native,
     rewritten, padded where its channel counts are not multiples of 8 (elsewhere padded is the native form),
-    matmul where it fits (a 2^3 input, or 1^3 for a transposed convolution), and overlap_add for a transposed
-    one."""
+    matmul where it fits (a 2^3 input, or 1^3 for a transposed convolution), and unfold for a convolution,
+    overlap_add for a transposed one."""
     transposed = isinstance(module, nn.ConvTranspose3d)
     ragged = (module.out_channels if transposed else module.in_channels) % 8
     return {form: lambda x, w, b, form=form: stride2_conv(x, w, b, transposed, form)
             for form in ("native", "rewritten") + (("padded",) if ragged else ())
-            + (("matmul",) if matmul_fits(transposed, input_edge) else ()) + (("overlap_add",) if transposed else ())}
+            + (("matmul",) if matmul_fits(transposed, input_edge) else ()) + (("overlap_add",) if transposed
+                                                                                 else ("unfold",))}
 
 
 def layer_inputs(model, batch, crop, device):

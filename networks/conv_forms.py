@@ -22,8 +22,12 @@ convolution of a 1^3 input gives 2^3 outputs, each from one central tap. There `
 form): 1/8 of the multiply-adds the kernel counts, and no 3D convolution kernel at all. It fits only
 those input sizes (``matmul_fits``), which the reference model has at 64^3 crops in down5 and up0.
 
-``conv_transpose3d_overlap_add`` (the ``overlap_add`` form, transposed convolutions only) computes the layer the
-other way round from the sub-pixel form: one matrix product of every input voxel's C_in channels with the weight
+Two forms compute a layer as one matrix product, where cuDNN's kernels for a shape are slow (few output voxels
+and wide channels at the bottom of the U-Net, 5 channels at the top). ``conv3d_unfold`` (the ``unfold`` form,
+convolutions only) copies every output voxel's 4^3 C_in window into a row (im2col: 8 times the input's size)
+and multiplies the rows by the weight as a (C_in 4^3, C_out) matrix. ``conv_transpose3d_overlap_add`` (the
+``overlap_add`` form, transposed convolutions only) computes the layer the other way round from the sub-pixel
+form: one matrix product of every input voxel's C_in channels with the weight
 as a (C_in, 4^3 C_out) matrix, then each of the 4^3 products added where it lands in the output (along one axis,
 input m with tap k lands on 2m - 1 + k), one axis at a time. For the last layer (128 -> 5 channels) that is a
 product with 320 columns instead of the sub-pixel convolution's 40, and plain additions instead of a
@@ -51,7 +55,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-FORMS = ("native", "rewritten", "padded", "matmul", "overlap_add")
+FORMS = ("native", "rewritten", "padded", "matmul", "unfold", "overlap_add")
+CONV_ONLY, TRANSPOSED_ONLY = ("unfold",), ("overlap_add",)  # forms that compute one kind of layer
 MATMUL_INPUT_EDGE = {False: 2, True: 1}  # transposed -> the input edge where the matmul form is exact
 CHANNELS_LAST = torch.channels_last_3d
 
@@ -271,6 +276,19 @@ def conv_transpose3d_overlap_add(x, weight, bias):
     return y.permute(0, 4, 1, 2, 3).contiguous(memory_format=memory_format)  # channels-last storage already
 
 
+def conv3d_unfold(x, weight, bias):
+    """``F.conv3d(x, weight, bias, stride=2, padding=1)`` for a kernel-4 ``weight`` as one matrix product: every
+    output voxel's 4^3 C_in window of the padded input (a row of B (S/2)^3 rows) times the weight."""
+    b, c_in, s = x.shape[0], x.shape[1], x.shape[2]
+    c_out, half = weight.shape[0], s // 2
+    memory_format = _layout(x, weight)
+    xp = F.pad(_compute_dtype(x), (1, 1, 1, 1, 1, 1))
+    windows = xp.unfold(2, 4, 2).unfold(3, 4, 2).unfold(4, 4, 2)   # (B, C, S/2, S/2, S/2, 4, 4, 4), a view
+    rows = windows.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(b * half ** 3, c_in * 64)  # the copy: im2col
+    y = F.linear(rows, weight.to(rows.dtype).reshape(c_out, c_in * 64), bias)          # (B (S/2)^3, C_out)
+    return y.view(b, half, half, half, c_out).permute(0, 4, 1, 2, 3).contiguous(memory_format=memory_format)
+
+
 def matmul_fits(transposed, input_edge):
     """Whether the ``matmul`` form computes a layer (transposed or not) whose input has this edge."""
     return input_edge == MATMUL_INPUT_EDGE[transposed]
@@ -286,11 +304,11 @@ def stride2_conv(x, weight, bias, transposed, form="native"):
         return (conv_transpose3d_padded_out if transposed else conv3d_padded_in)(x, weight, bias)
     if form == "matmul":
         return (conv_transpose3d_matmul if transposed else conv3d_matmul)(x, weight, bias)
-    if form == "overlap_add":
-        if not transposed:
-            raise ValueError("the overlap_add form computes transposed convolutions only (the up layers and last); "
-                             "compute this layer in another form (native or rewritten)")
-        return conv_transpose3d_overlap_add(x, weight, bias)
+    if form in CONV_ONLY + TRANSPOSED_ONLY:
+        if transposed != (form in TRANSPOSED_ONLY):
+            raise ValueError(f"the {form} form computes {'transposed ' * (form in TRANSPOSED_ONLY)}convolutions only; "
+                             f"compute this layer in another form (native or rewritten)")
+        return (conv_transpose3d_overlap_add if transposed else conv3d_unfold)(x, weight, bias)
     raise ValueError(f"unknown convolution form {form!r}; choose from {', '.join(FORMS)}")
 
 
@@ -317,8 +335,9 @@ def parse_conv_forms(spec, names, input_sizes=None):
     inputs, the last layer's 5 outputs) and is the native form on layers whose counts already are. ``matmul``
     fits only a convolution of a 2^3 input and a transposed convolution of a 1^3 input (``down5=matmul,
     up0=matmul`` for the reference model on 64^3 crops); with ``input_sizes`` ({name: input edge}, from
-    ``conv_input_sizes``) any other layer given it is refused. ``overlap_add`` fits the transposed convolutions
-    only (``up4=overlap_add,last=overlap_add``). Raises ValueError naming what was wrong.
+    ``conv_input_sizes``) any other layer given it is refused. ``unfold`` fits the convolutions only
+    (``down4=unfold``), ``overlap_add`` the transposed ones (``up1=overlap_add,last=overlap_add``). Raises
+    ValueError naming what was wrong.
     """
     forms = dict.fromkeys(names, "native")
     items = [item.strip() for item in str(spec).split(",")]
@@ -335,10 +354,14 @@ def parse_conv_forms(spec, names, input_sizes=None):
         else:
             raise ValueError(f"conv_forms item {item!r}: this model has no layer {name!r}; its layers are "
                              f"{', '.join(names)}")
-    down = [name for name, form in forms.items() if form == "overlap_add" and name.startswith("down")]
-    if down:
-        raise ValueError(f"conv_forms {spec!r}: the overlap_add form computes transposed convolutions only, not "
-                         f"{', '.join(down)}; give it to the up layers or last, e.g. 'last=overlap_add'")
+    for form, kind, example in (("unfold", "convolutions", "the down layers, e.g. 'down4=unfold'"),
+                                ("overlap_add", "transposed convolutions", "the up layers or last, e.g. "
+                                                                           "'last=overlap_add'")):
+        wrong = [name for name, chosen in forms.items()
+                 if chosen == form and name.startswith("down") != (form in CONV_ONLY)]
+        if wrong:
+            raise ValueError(f"conv_forms {spec!r}: the {form} form computes {kind} only, not {', '.join(wrong)}; "
+                             f"give it to {example}")
     if input_sizes is not None:
         fits = [name for name in names if matmul_fits(not name.startswith("down"), input_sizes[name])]
         wrong = [name for name, form in forms.items() if form == "matmul" and name not in fits]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_train_cli
-from networks.conv_forms import (conv3d_matmul, conv3d_padded_in, conv3d_s2d, conv_input_sizes,
+from networks.conv_forms import (conv3d_matmul, conv3d_padded_in, conv3d_s2d, conv3d_unfold, conv_input_sizes,
                                  conv_transpose3d_matmul, conv_transpose3d_overlap_add, conv_transpose3d_padded_out,
                                  conv_transpose3d_subpixel, describe_conv_forms, parse_conv_forms, stride2_conv)
 from networks.UNet import UPSAMPLE_MODES, UNet
@@ -94,6 +94,26 @@ def test_overlap_add_conv_transpose3d_equals_the_stride_2_transposed_convolution
 
 
 @pytest.mark.parametrize("layout", FORMATS)
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_unfold_conv3d_equals_the_stride_2_convolution(size, layout):
+    """Every output voxel's window as a row (im2col) times the weight: the same outputs, gradients and layout as the
+    native layer; a transposed convolution is refused."""
+    torch.manual_seed(30 + size)
+    x = torch.randn(2, 3, size, size, size, dtype=torch.float64).to(memory_format=FORMATS[layout]).requires_grad_()
+    weight = torch.randn(5, 3, 4, 4, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    reference, got = F.conv3d(x, weight, bias, stride=2, padding=1), conv3d_unfold(x, weight, bias)
+    assert got.shape == reference.shape == (2, 5, size // 2, size // 2, size // 2)
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
+    for got_grad, want in zip(grads(got, (x, weight, bias), 9), grads(reference, (x, weight, bias), 9)):
+        torch.testing.assert_close(got_grad, want, rtol=0, atol=1e-12)
+    if size > 2:  # a 1^3 output is contiguous in both layouts
+        assert got.is_contiguous(memory_format=FORMATS[layout])
+    with pytest.raises(ValueError, match="the unfold form computes convolutions only"):
+        stride2_conv(x, weight.transpose(0, 1), bias, transposed=True, form="unfold")
+
+
+@pytest.mark.parametrize("layout", FORMATS)
 def test_channel_padded_forms_equal_the_first_and_last_layers(layout):
     """The first layer (4 input channels) and the last (5 output channels), padded to 8 and back."""
     torch.manual_seed(3)
@@ -161,36 +181,44 @@ def test_the_matmul_form_in_the_model_and_where_it_fits():
         load_config("base", overrides={"conv_forms": "down5=matmul", "data_size": 128, "box_size": [1024, 512]})
 
 
-def test_the_overlap_add_form_compiles_to_the_native_layer():
-    """torch.compile (Inductor's C++ on the CPU) of the overlap_add form, traced through its plain-ops path in one
-    graph: the native layer's outputs and gradients."""
+@pytest.mark.parametrize("form, native", [(conv3d_unfold, F.conv3d),
+                                          (conv_transpose3d_overlap_add, F.conv_transpose3d)],
+                         ids=["unfold", "overlap_add"])
+def test_the_matrix_product_forms_compile_to_the_native_layer(form, native):
+    """torch.compile (Inductor's C++ on the CPU) of the unfold and overlap_add forms in one graph each (overlap_add
+    through its plain-ops path): the native layer's outputs and gradients."""
     import torch._dynamo
     torch._dynamo.reset()
     torch.manual_seed(0)
     x = torch.randn(2, 6, 4, 4, 4).to(memory_format=torch.channels_last_3d).requires_grad_()
-    weight, bias = torch.randn(6, 5, 4, 4, 4, requires_grad=True), torch.randn(5, requires_grad=True)
-    compiled = torch.compile(conv_transpose3d_overlap_add, fullgraph=True)
-    got, reference = compiled(x, weight, bias), F.conv_transpose3d(x, weight, bias, stride=2, padding=1)
+    weight = torch.randn(5, 6, 4, 4, 4) if native is F.conv3d else torch.randn(6, 5, 4, 4, 4)
+    weight, bias = weight.requires_grad_(), torch.randn(5, requires_grad=True)
+    got, reference = torch.compile(form, fullgraph=True)(x, weight, bias), native(x, weight, bias, stride=2, padding=1)
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
     for got_grad, want in zip(grads(got, (x, weight, bias), 8), grads(reference, (x, weight, bias), 8)):
         torch.testing.assert_close(got_grad, want, rtol=1e-5, atol=1e-4)
     torch._dynamo.reset()
 
 
-def test_the_overlap_add_form_in_the_model_and_where_it_fits():
-    """Every transposed layer in the overlap_add form (up0 on a 1^3 input among them): the native model's outputs and
-    gradients; load_config refuses the form on a convolution, naming which."""
+def test_the_matrix_product_forms_in_the_model_and_where_they_fit():
+    """Every convolution unfolded and every transposed layer an overlap-add (up0 on a 1^3 input among them): the
+    native model's outputs and gradients; load_config refuses each form on the other kind of layer, naming which."""
     torch.manual_seed(0)
     native = UNet([4, 8, 8]).to(torch.float64, memory_format=torch.channels_last_3d)
     other = copy.deepcopy(native)
-    forms = other.set_conv_forms("up0=overlap_add,up1=overlap_add,last=overlap_add")
-    assert [name for name, form in forms.items() if form == "overlap_add"] == ["up0", "up1", "last"]
+    forms = other.set_conv_forms("unfold,up0=overlap_add,up1=overlap_add,last=overlap_add")
+    assert forms == {"down0": "unfold", "down1": "unfold", "down2": "unfold", "up0": "overlap_add",
+                     "up1": "overlap_add", "last": "overlap_add"}
     x, upstream = torch.randn(2, 4, 8, 8, 8, dtype=torch.float64), torch.randn(2, 5, 8, 8, 8, dtype=torch.float64)
     assert_same_model(native, other, x.to(memory_format=torch.channels_last_3d), upstream)
-    assert load_config("base", overrides={"conv_forms": "down0=rewritten,up4=overlap_add,last=overlap_add"})
-    for spec, wrong in (("overlap_add", "down0, down1, down2, down3, down4, down5"), ("down1=overlap_add", "down1")):
-        with pytest.raises(ConfigError, match=re.escape(f"the overlap_add form computes transposed convolutions only, "
-                                                        f"not {wrong}; give it to the up layers or last")):
+    assert load_config("base", overrides={"conv_forms": "down0=rewritten,down4=unfold,up4=overlap_add,"
+                                                        "last=overlap_add"})
+    for spec, message in (("overlap_add", "the overlap_add form computes transposed convolutions only, not down0, "
+                                          "down1, down2, down3, down4, down5; give it to the up layers or last"),
+                          ("down1=overlap_add", "overlap_add form computes transposed convolutions only, not down1;"),
+                          ("unfold", "the unfold form computes convolutions only, not up0, up1, up2, up3, up4, last; "
+                                     "give it to the down layers, e.g. 'down4=unfold'")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             load_config("base", overrides={"conv_forms": spec})
 
 
@@ -213,7 +241,7 @@ def test_conv_variants_times_every_form_of_every_layer():
     assert [row["layer"] for row in results["layers"]] == ["down0", "down1", "up0", "last"]
     for row in results["layers"]:
         expected = {"native", "rewritten"} | ({"padded"} if row["layer"] in ("down0", "last") else set()) | (
-            {"overlap_add"} if row["layer"] in ("up0", "last") else set())
+            {"overlap_add"} if row["layer"] in ("up0", "last") else {"unfold"})
         assert set(row["ms"]) == set(row["forward_ms"]) == set(row["tflops"]) == expected
         assert all(ms > 0 for ms in row["ms"].values()) and all(ms > 0 for ms in row["forward_ms"].values())
         assert row["forward_gflop"] == UNet([8, 16]).conv_flops(16)[row["layer"]] / 1e9

@@ -116,9 +116,9 @@ def test_graph_replay_trains_like_eager_steps(tiny_params):
 
 @pytest.mark.parametrize("spec, expected", [("rewritten,down0=padded,last=padded",
                                               ["padded", "rewritten", "rewritten", "padded"]),
-                                             ("up0=overlap_add,last=overlap_add",
-                                              ["native", "native", "overlap_add", "overlap_add"])],
-                         ids=["rewritten and padded", "overlap_add"])
+                                             ("unfold,up0=overlap_add,last=overlap_add",
+                                              ["unfold", "unfold", "overlap_add", "overlap_add"])],
+                         ids=["rewritten and padded", "unfold and overlap_add"])
 def test_rewritten_convolutions_capture_in_a_graph_and_give_the_native_gradients(tiny_params, spec, expected):
     """conv_forms (networks/conv_forms.py) in the optimised settings (bf16, fused Adam, channels-last batches): the
     forms capture (no sync or host tensor in them), and each replay's gradients are the native model's eager
@@ -163,11 +163,12 @@ def random_batches(size, count=3, seed=0):
                                                    (8, "up0=rewritten", "resize_conv"),
                                                    (8, "up0=rewritten", "linear_conv"),
                                                    (8, "down2=matmul,up0=matmul", "transposed"),
-                                                   (8, "up0=overlap_add,up1=overlap_add,last=overlap_add",
+                                                   (8, "unfold,up0=overlap_add,up1=overlap_add,last=overlap_add",
                                                     "transposed")],
                          ids=["1^3 bottom, up0 rewritten", "2^3 bottom, native", "1^3 bottom, blurred, up0 rewritten",
                               "1^3 bottom, resize_conv, up0 rewritten", "1^3 bottom, linear_conv, up0 rewritten",
-                              "1^3 bottom, down2 and up0 as matmuls", "1^3 bottom, every up layer an overlap-add"])
+                              "1^3 bottom, down2 and up0 as matmuls",
+                              "1^3 bottom, matrix products: unfold and overlap_add"])
 def test_compile_with_channels_last_trains_like_eager_where_build_training_allows_it(tiny_params, size, forms,
                                                                                       upsample):
     """What utils/training.py's compile_channels_last_blockers lets through: no native transposed convolution on a

@@ -224,8 +224,8 @@ SCHEMA = {
     "enable_jit": Key(_bool, "torch.compile the model and loss"),
     "channels_last": Key(_bool, "channels-last-3d memory format"),
     "conv_forms": Key(_str, "how the stride-2 convolutions are computed: native, rewritten, padded, or per layer "
-                            "NAME=FORM items, also NAME=matmul for the layers at the bottom and NAME=overlap_add for "
-                            "the transposed ones (networks/conv_forms.py); "
+                            "NAME=FORM items, also NAME=matmul for the layers at the bottom, NAME=unfold for the "
+                            "down layers and NAME=overlap_add for the up layers and last (networks/conv_forms.py); "
                             "same maths, speed and rounding differ"),
     "enable_tf32": Key(_bool, "TF32 matmuls and convolutions on GPU"),
     "cudnn_benchmark_limit": Key(_non_negative_int, "cuDNN engines timed per new convolution shape when "
