@@ -23,6 +23,15 @@ def grads(output, inputs, seed):
     return torch.autograd.grad(output, inputs, upstream)
 
 
+def assert_same_layer(got, reference, inputs, seed):
+    """A form's output ``got`` is the native layer's ``reference``, and so are its gradients with respect to
+    ``inputs`` for a random upstream gradient, to float64 rounding."""
+    assert got.shape == reference.shape
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
+    for got_grad, want in zip(grads(got, inputs, seed), grads(reference, inputs, seed)):
+        torch.testing.assert_close(got_grad, want, rtol=0, atol=1e-12)
+
+
 def assert_same_model(native, other, x, upstream):
     """``other`` (the same parameters in other forms) gives ``native``'s output on ``x`` and its gradients for the
     upstream gradient ``upstream``, to float64 rounding."""
@@ -44,11 +53,8 @@ def test_space_to_depth_conv3d_equals_the_stride_2_convolution(size, layout):
     weight = torch.randn(5, 3, 4, 4, 4, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
     reference = F.conv3d(x, weight, bias, stride=2, padding=1)
-    rewritten = conv3d_s2d(x, weight, bias)
-    assert rewritten.shape == reference.shape == (2, 5, size // 2, size // 2, size // 2)
-    torch.testing.assert_close(rewritten, reference, rtol=0, atol=1e-12)
-    for got, want in zip(grads(rewritten, (x, weight, bias), 1), grads(reference, (x, weight, bias), 1)):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert reference.shape == (2, 5, size // 2, size // 2, size // 2)
+    assert_same_layer(conv3d_s2d(x, weight, bias), reference, (x, weight, bias), 1)
 
 
 @pytest.mark.parametrize("layout", FORMATS)
@@ -59,11 +65,9 @@ def test_subpixel_conv_transpose3d_equals_the_stride_2_transposed_convolution(si
     weight = torch.randn(6, 5, 4, 4, 4, dtype=torch.float64, requires_grad=True)  # (C_in, C_out, k, k, k)
     bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
     reference = F.conv_transpose3d(x, weight, bias, stride=2, padding=1)
+    assert reference.shape == (2, 5, 2 * size, 2 * size, 2 * size)
     rewritten = conv_transpose3d_subpixel(x, weight, bias)
-    assert rewritten.shape == reference.shape == (2, 5, 2 * size, 2 * size, 2 * size)
-    torch.testing.assert_close(rewritten, reference, rtol=0, atol=1e-12)
-    for got, want in zip(grads(rewritten, (x, weight, bias), 2), grads(reference, (x, weight, bias), 2)):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert_same_layer(rewritten, reference, (x, weight, bias), 2)
     if layout == "channels_last" and size > 1:  # the layout the GPU path trains in is kept
         assert rewritten.is_contiguous(memory_format=torch.channels_last_3d)
 
@@ -83,10 +87,7 @@ def test_overlap_add_conv_transpose3d_equals_the_stride_2_transposed_convolution
     bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
     reference = F.conv_transpose3d(x, weight, bias, stride=2, padding=1)
     got = conv_transpose3d_overlap_add(x, weight, bias)
-    assert got.shape == reference.shape == (2, 5, 2 * size, 2 * size, 2 * size)
-    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
-    for got_grad, want in zip(grads(got, (x, weight, bias), 7), grads(reference, (x, weight, bias), 7)):
-        torch.testing.assert_close(got_grad, want, rtol=0, atol=1e-12)
+    assert_same_layer(got, reference, (x, weight, bias), 7)
     if size > 1:  # a 1^3 input is contiguous in both layouts, and the output follows it as the sub-pixel form's does
         assert got.is_contiguous(memory_format=FORMATS[layout])
     with pytest.raises(ValueError, match="the overlap_add form computes transposed convolutions only"):
@@ -103,10 +104,7 @@ def test_unfold_conv3d_equals_the_stride_2_convolution(size, layout):
     weight = torch.randn(5, 3, 4, 4, 4, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
     reference, got = F.conv3d(x, weight, bias, stride=2, padding=1), conv3d_unfold(x, weight, bias)
-    assert got.shape == reference.shape == (2, 5, size // 2, size // 2, size // 2)
-    torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
-    for got_grad, want in zip(grads(got, (x, weight, bias), 9), grads(reference, (x, weight, bias), 9)):
-        torch.testing.assert_close(got_grad, want, rtol=0, atol=1e-12)
+    assert_same_layer(got, reference, (x, weight, bias), 9)
     if size > 2:  # a 1^3 output is contiguous in both layouts
         assert got.is_contiguous(memory_format=FORMATS[layout])
     with pytest.raises(ValueError, match="the unfold form computes convolutions only"):
@@ -150,10 +148,8 @@ def test_matmul_forms_equal_the_layers_at_the_bottom(layout):
         weight = torch.randn(w_shape, dtype=torch.float64).to(memory_format=FORMATS[layout]).requires_grad_()
         bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
         reference, got = native(x, weight, bias, stride=2, padding=1), matmul(x, weight, bias)
-        assert got.shape == reference.shape == y_shape
-        torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
-        for got_grad, want in zip(grads(got, (x, weight, bias), 6), grads(reference, (x, weight, bias), 6)):
-            torch.testing.assert_close(got_grad, want, rtol=0, atol=1e-12)
+        assert reference.shape == y_shape
+        assert_same_layer(got, reference, (x, weight, bias), 6)
         assert got.is_contiguous(memory_format=FORMATS[layout])
         with pytest.raises(ValueError, match="matmul form .* needs a"):
             matmul(torch.randn(3, 6, 4, 4, 4, dtype=torch.float64), weight, bias)
