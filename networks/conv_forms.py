@@ -27,12 +27,12 @@ and wide channels at the bottom of the U-Net, 5 channels at the top). ``conv3d_u
 convolutions only) copies every output voxel's 4^3 C_in window into a row (im2col: 8 times the input's size)
 and multiplies the rows by the weight as a (C_in 4^3, C_out) matrix. ``conv_transpose3d_overlap_add`` (the
 ``overlap_add`` form, transposed convolutions only) computes the layer the other way round from the sub-pixel
-form: one matrix product of every input voxel's C_in channels with the weight
-as a (C_in, 4^3 C_out) matrix, then each of the 4^3 products added where it lands in the output (along one axis,
-input m with tap k lands on 2m - 1 + k), one axis at a time. For the last layer (128 -> 5 channels) that is a
-product with 320 columns instead of the sub-pixel convolution's 40, and plain additions instead of a
-convolution kernel; the price is the products' memory (4^3 C_out values per input voxel) and three passes
-over it (one per axis, each halving it), which torch.compile can fuse.
+form: one matrix product of every input voxel's C_in channels with the weight as a (C_in, 4^3 C_out) matrix,
+then each of the 4^3 products added where it lands in the output (along one axis, input m with tap k lands on
+2m - 1 + k), one axis at a time. For the last layer (128 -> 5 channels) that is a product with 320 columns
+instead of the sub-pixel convolution's 40, and plain additions instead of a convolution kernel; the price is
+the products' memory (4^3 C_out values per input voxel) and three passes over it (one per axis, each halving
+it), which torch.compile can fuse.
 
 All take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
 few MB), so the modules, parameters and checkpoints stay the reference's.
@@ -278,7 +278,7 @@ def conv_transpose3d_overlap_add(x, weight, bias):
 
 def conv3d_unfold(x, weight, bias):
     """``F.conv3d(x, weight, bias, stride=2, padding=1)`` for a kernel-4 ``weight`` as one matrix product: every
-    output voxel's 4^3 C_in window of the padded input (a row of B (S/2)^3 rows) times the weight."""
+    output voxel's 4^3 C_in window of the padded input as a row (B (S/2)^3 rows), times the weight."""
     b, c_in, s = x.shape[0], x.shape[1], x.shape[2]
     c_out, half = weight.shape[0], s // 2
     memory_format = _layout(x, weight)
