@@ -51,7 +51,7 @@ i. two levers the ladder leaves out, each in a fresh process of benchmarks/ladde
    against that eager rung's default of 10. Both with ``--conv_forms`` plus ``up0=rewritten`` (0.03
    of the 27.2 GFLOP), so the two ratios compare like with like. It runs only when named (``--parts i``):
    the H100 answered both questions on 2026-11-24 (compile 1.19x; every engine 1.00x, so the default of 10
-   finds the fastest), and compile with the faster forms is now the ladder's last rung in part b.
+   finds the fastest), and compile with the faster forms is now a ladder rung in part b (compile_conv_forms).
 
 ``--conv_forms FORMS`` (default native) trains parts b-f and i with train.py's ``--conv_forms``, e.g.
 the fastest value part h printed, to measure the loaders, CUDA graphs and checkpoints at that speed.
