@@ -45,7 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from networks.UNet import UNet  # noqa: E402
-from networks.conv_forms import describe_conv_forms, matmul_fits, stride2_conv  # noqa: E402
+from networks.conv_forms import FORMS, describe_conv_forms, form_computes, matmul_fits, stride2_conv  # noqa: E402
 
 REFERENCE_CHANNELS = [64, 128, 256, 512, 512, 512]
 
@@ -113,10 +113,9 @@ def forms(module, input_edge):
     overlap_add for a transposed one."""
     transposed = isinstance(module, nn.ConvTranspose3d)
     ragged = (module.out_channels if transposed else module.in_channels) % 8
-    return {form: lambda x, w, b, form=form: stride2_conv(x, w, b, transposed, form)
-            for form in ("native", "rewritten") + (("padded",) if ragged else ())
-            + (("matmul",) if matmul_fits(transposed, input_edge) else ()) + (("overlap_add",) if transposed
-                                                                                 else ("unfold",))}
+    return {form: lambda x, w, b, form=form: stride2_conv(x, w, b, transposed, form) for form in FORMS
+            if form_computes(form, transposed) and (form != "padded" or ragged)
+            and (form != "matmul" or matmul_fits(transposed, input_edge))}
 
 
 def layer_inputs(model, batch, crop, device):

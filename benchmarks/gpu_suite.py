@@ -34,8 +34,9 @@ f. a torch.profiler trace of a few training steps with the fast loader: cuDNN co
    construction (in training at bf16 it is behind, and a copy that starts after the step it could
    hide under has nothing to overlap);
 g. tests/test_gpu.py, the CUDA tests, on ``TEST_WORKERS`` pytest-xdist workers and with ``TEST_TIMEOUT_S`` per
-   test where pytest-xdist and pytest-timeout are installed (the GPU image has both); the whole test suite on a GPU is a command of its own, `python -m pytest -q -n 14 --full
-   --timeout 300 --durations 20 --ignore=tests/test_slurm.py --ignore=tests/test_slurm_two_nodes.py tests`
+   test where pytest-xdist and pytest-timeout are installed (the GPU image has both); the whole test suite on a
+   GPU is a command of its own, `python -m pytest -q -n 14 --full --timeout 300 --durations 20
+   --ignore=tests/test_slurm.py --ignore=tests/test_slurm_two_nodes.py tests`
    (the Slurm tests install Slurm with apt-get, which may wait up to their 900 s timeout on a machine with no
    network; ``--timeout``, from pytest-timeout, which the GPU image has, fails a hung test alone, with its
    stack, instead of the whole call);

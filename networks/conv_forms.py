@@ -289,6 +289,12 @@ def conv3d_unfold(x, weight, bias):
     return y.view(b, half, half, half, c_out).permute(0, 4, 1, 2, 3).contiguous(memory_format=memory_format)
 
 
+def form_computes(form, transposed):
+    """Whether ``form`` computes this kind of layer: ``unfold`` convolutions only, ``overlap_add`` transposed ones
+    only, every other form both."""
+    return not (form in CONV_ONLY and transposed or form in TRANSPOSED_ONLY and not transposed)
+
+
 def matmul_fits(transposed, input_edge):
     """Whether the ``matmul`` form computes a layer (transposed or not) whose input has this edge."""
     return input_edge == MATMUL_INPUT_EDGE[transposed]
@@ -305,7 +311,7 @@ def stride2_conv(x, weight, bias, transposed, form="native"):
     if form == "matmul":
         return (conv_transpose3d_matmul if transposed else conv3d_matmul)(x, weight, bias)
     if form in CONV_ONLY + TRANSPOSED_ONLY:
-        if transposed != (form in TRANSPOSED_ONLY):
+        if not form_computes(form, transposed):
             raise ValueError(f"the {form} form computes {'transposed ' * (form in TRANSPOSED_ONLY)}convolutions only; "
                              f"compute this layer in another form (native or rewritten)")
         return (conv_transpose3d_overlap_add if transposed else conv3d_unfold)(x, weight, bias)
@@ -358,7 +364,7 @@ def parse_conv_forms(spec, names, input_sizes=None):
                                 ("overlap_add", "transposed convolutions", "the up layers or last, e.g. "
                                                                            "'last=overlap_add'")):
         wrong = [name for name, chosen in forms.items()
-                 if chosen == form and name.startswith("down") != (form in CONV_ONLY)]
+                 if chosen == form and not form_computes(form, transposed=not name.startswith("down"))]
         if wrong:
             raise ValueError(f"conv_forms {spec!r}: the {form} form computes {kind} only, not {', '.join(wrong)}; "
                              f"give it to {example}")
