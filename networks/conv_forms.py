@@ -169,7 +169,9 @@ def conv_transpose3d_padded_out(x, weight, bias, multiple=8):
     c_out = weight.shape[1]
     memory_format = _layout(x, weight)
     x = _compute_dtype(x)
-    padded_bias = None if bias is None else _pad_dim1(bias.view(1, -1), multiple).view(-1)
+    # F.pad of the 1-D bias itself, not a view of a padded (1, C) view: torch 2.11's Inductor cannot lower a
+    # convolution whose bias is a view (freeze_layout raises NotImplementedError: View).
+    padded_bias = None if bias is None else F.pad(bias, (0, -bias.shape[0] % multiple))
     out = F.conv_transpose3d(x, _pad_dim1(weight.to(x.dtype), multiple), padded_bias, stride=2, padding=1)
     return out[:, :c_out].contiguous(memory_format=memory_format)
 
