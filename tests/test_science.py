@@ -57,6 +57,35 @@ def test_perfect_prediction_and_the_generators_temperature_density_relation(gene
     assert scalars["T_rho/T0_true_K"] == pytest.approx(md.DEFAULT_PHYSICS["temperature_mean_density"], rel=0.02)
 
 
+# Ops that read a device tensor on the host on CUDA (bincount sizes its output from the values' min and max).
+HOST_READS = {"_local_scalar_dense", "bincount", "nonzero", "masked_select", "unique", "_unique2", "equal"}
+
+
+def ops_run_by(function):
+    """The names of the aten ops ``function()`` runs (recorded on the CPU with a dispatch mode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    ops = set()
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.add(func.overloadpacket.__name__.rstrip("_"))
+            return func(*args, **(kwargs or {}))
+    with Recorder():
+        function()
+    return ops
+
+
+def test_validation_updates_never_wait_for_the_device(generated):
+    """ScienceMetrics.update, with the Lyman-alpha statistics, runs none of the ops that on a GPU would wait for it,
+    so validation batches queue back to back; the host reads the sums once, in compute."""
+    from utils import lyman_alpha
+    assert {"bincount", "_local_scalar_dense"} <= ops_run_by(lambda: torch.tensor([1, 2]).bincount()[0].item())
+    _, hydro = generated
+    metrics = science.ScienceMetrics(CROP, "cpu", lyman_alpha=lyman_alpha.LymanAlphaSettings(skewer_stride=4))
+    ops = ops_run_by(lambda: metrics.update(hydro[:4] * 0.9, hydro[:4]))
+    assert "index_add" in ops and not ops & HOST_READS, sorted(ops & HOST_READS)
+
+
 def test_density_scaled_prediction(generated):
     _, hydro = generated
     scale = 1.3

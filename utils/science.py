@@ -204,7 +204,8 @@ class ScienceMetrics:
             density_bin = _histogram_bin(fields[:, DENSITY], NUM_DENSITY_BINS)            # (B, S, S, S)
             temperature_bin = _histogram_bin(fields[:, TEMPERATURE], NUM_TEMPERATURE_BINS)
             flat = (density_bin * NUM_TEMPERATURE_BINS + temperature_bin).flatten()
-            histogram += torch.bincount(flat, minlength=histogram.numel())
+            # index_add_, not bincount: CUDA's bincount reads the bins' min and max on the host (two waits)
+            histogram.index_add_(0, flat, torch.ones_like(flat, dtype=histogram.dtype))
         if self.flux is not None:
             self.flux.update(prediction, target)
 
