@@ -113,9 +113,21 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: an integration test, run with --full")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each pytest-xdist worker (-n N)
-    if workers > 1:  # share the cores: each worker's torch would otherwise start a thread per core
-        import torch
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+    if workers > 1:
+        share_the_cores(workers)
+
+
+def share_the_cores(workers):
+    """One pytest-xdist worker's share of the cores, for its torch threads and its Inductor compile processes
+    (each would otherwise take one per core, up to 32 for Inductor, ``workers`` times over; 14 workers on a
+    16-core GPU machine start 224 compile processes). The environment variable reaches the tests' subprocesses;
+    one already set is kept."""
+    import torch
+    import torch._inductor.config as inductor_config
+    share = max(1, len(os.sched_getaffinity(0)) // workers)
+    torch.set_num_threads(share)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(share))
+    inductor_config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
 def pytest_collection_modifyitems(config, items):
