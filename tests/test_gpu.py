@@ -528,7 +528,7 @@ def test_kernel_time_counts_the_gpus_work_and_not_its_waits_for_launches():
 
     assert least(kernel_ms, product) == pytest.approx(least(wall, product), rel=0.25)
     assert 0 < least(kernel_ms, launches) < 0.7 * least(wall, launches)
-    gemm = kernel_times(product)[0]  # the breakdown part h records: the longest kernel, once per call
+    gemm = min((kernel_times(product)[0] for _ in range(3)), key=lambda row: row["ms"])  # part h's breakdown
     assert gemm["calls"] == 1 and gemm["ms"] == pytest.approx(least(kernel_ms, product), rel=0.25)
     add = kernel_times(launches)[0]
     assert add["calls"] == 200 and "at::native" in add["kernel"]
