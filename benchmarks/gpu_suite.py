@@ -63,13 +63,14 @@ down0=rewritten,last=rewritten --compile`` gives its FULL against SYNTHETIC for 
 A GPU call of the device tool this suite was written for ends after 600 s, so the suite keeps to a
 time budget (``--budget_s``, default 560 s): a part whose rough duration (``PART_SECONDS``, guesses
 from the H100 runs of 2026-11-24 plus a margin) would overrun it is not started but reported as SKIP
-with the command that runs it alone, and every finished part's results are saved as soon as it ends.
-On the H100 that took three calls (``OUT``: a-f and h; ``OUT --parts g``; ``OUT --parts i``). Part g now runs
-its tests on ``TEST_WORKERS`` pytest-xdist workers and part i runs only when named, so two calls should do (not
-yet timed): ``OUT`` (a-f, and g or h if time is left) and ``OUT --parts gh`` (whichever of them the first
-skipped). The first part that
-trains in a process without the ladder (b) before it is given ``FIRST_TRAINING_PART_S`` more: cuDNN's
-autotuning of a fresh process.
+with the command that runs it alone, and every finished part's results are saved as soon as it ends. The
+suite ends by printing the fewest further calls that run every skipped part (packed in order by the same
+guesses), each into a folder of its own. On the H100 that took three calls (``OUT``: a-f and h; ``OUT --parts
+g``; ``OUT --parts i``). Part g now runs its tests on ``TEST_WORKERS`` pytest-xdist workers and part i runs
+only when named, so two calls should do (not yet timed): by the guesses ``OUT`` runs a-c and the call it
+prints, ``OUT2 --parts defgh``, the rest. The first part that trains in a process without the ladder (b)
+before it is given ``FIRST_TRAINING_PART_S`` more: cuDNN's autotuning of a fresh process. The budget's clock
+starts at the suite's import, before torch's.
 
 OUT_DIR receives at most 8 files: summary.json (the results behind benchmarks/results/h100.json),
 summary.md, probe.json, ladder.json, ladder.md, ladder.png, suite.log (every step and its output)
@@ -93,8 +94,10 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-import torch
-import yaml
+LOADED = time.perf_counter()  # the budget's clock starts before torch's import and CUDA's start-up, which take seconds
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -129,6 +132,7 @@ PART_SECONDS = {"b": 370, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 60
 TEST_TIMEOUT_S = 240  # part g's limit per test where pytest-timeout is installed (the GPU image has it)
 TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
+CALL_START_S = 30  # a call's own start: torch's import, CUDA, the environment (part a without its probe), the data
 
 # Acceptance: checks must pass; goals are the issue's performance targets, reported beside them.
 LOSS_TOLERANCE = 0.02          # train.py vs train_graph.py in bf16: max |loss_graph - loss_eager| / loss_eager
@@ -139,7 +143,7 @@ GRAPH_SPEEDUP_GOAL = 1.05
 
 
 class Suite:
-    def __init__(self, out, small, budget_s=None, conv_forms="native", train_compile=False):
+    def __init__(self, out, small, budget_s=None, conv_forms="native", train_compile=False, started=None):
         self.out, self.small, self.budget_s, self.train_forms = out, small, budget_s, conv_forms
         self.train_compile = train_compile  # torch.compile in parts c-f's runs, with up0 rewritten (pytorch#171622)
         self.size = SMALL if small else GPU
@@ -149,7 +153,8 @@ class Suite:
         self.checks = []     # {name, status PASS/FAIL/SKIP, detail, kind check/goal}
         self.results = {"command": " ".join(["python", "benchmarks/gpu_suite.py", *sys.argv[1:]]),
                         "mode": "small (CPU smoke test)" if small else "full"}
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started
+        self.skipped_for_time = []  # the parts' keys the budget did not start
         self.autotuned = False  # whether a part has run this process's first convolutions (cuDNN's autotuning)
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -179,12 +184,11 @@ class Suite:
         """Run one part; a crash is a FAIL of that part, and the suite goes on. A part that would overrun the
         time budget is not started (SKIP, with the command that runs it alone)."""
         elapsed = time.perf_counter() - self.started
-        needs = PART_SECONDS.get(key, 0) if self.cuda else 0
-        if self.cuda and key and key in "cdefh" and not self.autotuned:  # this process's first convolutions
-            needs += FIRST_TRAINING_PART_S  # (b's guess has them)
+        needs = self.needs(key, self.autotuned) if key else 0
         if self.budget_s is not None and key and elapsed + needs > self.budget_s:
             self.skip(name, f"not started: {elapsed:.0f} s of the {self.budget_s:.0f} s budget spent, it needs about "
-                            f"{needs} s; run it alone with `python benchmarks/gpu_suite.py OUT --parts {key}`")
+                            f"{needs} s; run it alone with `{self.rerun_command(key)}`")
+            self.skipped_for_time.append(key)
             return
         self.log(f"=== {name}")
         self.autotuned = self.autotuned or bool(key and key in "bcdefh")
@@ -195,6 +199,36 @@ class Suite:
             self.check(name, False, f"crashed: {type(err).__name__}: {err}".splitlines()[0])
         release_memory()
         self.save()
+
+    def needs(self, key, autotuned):
+        """Part ``key``'s budget guess in seconds on a GPU (0 on the CPU), with cuDNN's autotuning of a fresh
+        process for a training part unless an earlier part (``autotuned``) ran it; b's guess has it."""
+        if not self.cuda:
+            return 0
+        return PART_SECONDS.get(key, 0) + (FIRST_TRAINING_PART_S if key in "cdefh" and not autotuned else 0)
+
+    def calls_for(self, keys):
+        """``keys`` split in order into calls that each keep to the budget by the guesses, every call a fresh
+        process that first spends ``CALL_START_S`` on its start, the environment and the data. d and e stay in
+        one call: e's rate without checkpoints is d's."""
+        calls, used, autotuned = [""], CALL_START_S, False
+        for unit in re.findall("de|.", keys):
+            needs = sum(self.needs(key, autotuned or index > 0) for index, key in enumerate(unit))
+            if calls[-1] and used + needs > self.budget_s:
+                calls, used, autotuned = calls + [""], CALL_START_S, False
+                needs = sum(self.needs(key, index > 0) for index, key in enumerate(unit))
+            calls[-1] += unit
+            used += needs
+            autotuned = autotuned or unit[0] in "bcdefh"
+        return calls
+
+    def rerun_command(self, keys, out="OUT2"):
+        """The suite's command for the parts ``keys`` with this run's settings, into another folder (OUT's files
+        would be overwritten)."""
+        command = f"python benchmarks/gpu_suite.py {out} --parts {keys}"
+        if self.train_forms != "native":
+            command += f" --conv_forms {self.train_forms}"
+        return command + (" --compile" if self.train_compile else "")
 
     def save(self):
         self.results["checks"] = self.checks
@@ -583,10 +617,10 @@ class Suite:
         try:
             result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
             code, output = result.returncode, result.stdout + result.stderr
-            summary = last_line(output)
+            summary = pytest_summary(result.stdout) or last_line(output)  # not a worker's stray line on stderr
         except subprocess.TimeoutExpired as err:
             code, output = None, timeout_output(err)
-            summary = f"killed after {timeout:.0f} s; run it alone with `python benchmarks/gpu_suite.py OUT --parts g`"
+            summary = f"killed after {timeout:.0f} s; run it alone with `{self.rerun_command('g')}`"
         (self.out / "pytest.log").write_text(output)
         self.results["tests"] = {"command": " ".join(["python", *command[1:]]), "exit_code": code,
                                  "summary": summary}
@@ -665,6 +699,12 @@ class Suite:
         self.log(f"suite finished in {time.perf_counter() - self.started:.0f} s")
         print("\n" + "\n".join(f"{'GOAL ' if c['kind'] == 'goal' else ''}{c['status']} {c['name']}: {c['detail']}"
                                 for c in self.checks), flush=True)
+        if self.skipped_for_time:  # few calls for all of them, not one each (each pays start-up and autotuning)
+            calls = self.calls_for("".join(self.skipped_for_time))
+            print(f"\nNot started for time: part(s) {', '.join(self.skipped_for_time)}. By the budget's guesses "
+                  f"{'they fit one more call' if len(calls) == 1 else f'they need {len(calls)} more calls'}: "
+                  + ", then ".join(f"`{self.rerun_command(keys, f'OUT{index}')}`"
+                                   for index, keys in enumerate(calls, start=2)), flush=True)
         self.log_file.close()
         return 1 if any(c["status"] == "FAIL" and c["kind"] == "check" for c in self.checks) else 0
 
@@ -689,6 +729,12 @@ def timeout_output(err):
 def last_line(output):
     lines = [line for line in output.strip().splitlines() if line.strip()]
     return lines[-1][-300:] if lines else "(no output)"
+
+
+def pytest_summary(output):
+    """pytest's closing line ('30 passed, 2 skipped in 60.00s'), the last such line of ``output``, or None."""
+    lines = [line for line in output.splitlines() if re.search(r"\b(passed|failed|errors?|no tests ran)\b", line)]
+    return lines[-1].strip(" =")[-300:] if lines else None
 
 
 def epoch_rate(out_log, epoch):
@@ -913,7 +959,8 @@ def main(argv=None):
     if not args.small and not torch.cuda.is_available():
         parser.error("no CUDA GPU is visible; run with --small for the CPU smoke mode")
     args.out.mkdir(parents=True, exist_ok=True)
-    suite = Suite(args.out, args.small, args.budget_s, args.conv_forms, args.compile)
+    suite = Suite(args.out, args.small, args.budget_s, args.conv_forms, args.compile,
+                  started=LOADED if argv is None else None)  # the command line's clock starts at the import
     try:
         if "a" in args.parts:
             suite.part("a. environment and kernel probe", suite.probe)

@@ -1,7 +1,9 @@
 """benchmarks/gpu_suite.py's CPU smoke mode, so the one-command GPU suite cannot rot between GPU sessions."""
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +62,7 @@ def test_a_part_that_would_overrun_the_budget_is_skipped_with_its_command(tmp_pa
     summary = json.loads((tmp_path / "summary.json").read_text())
     skipped = summary["checks"][-1]
     assert skipped["name"] == "h. convolution forms" and skipped["status"] == "SKIP"
-    assert "budget spent" in skipped["detail"] and "`python benchmarks/gpu_suite.py OUT --parts h`" in skipped["detail"]
+    assert "budget spent" in skipped["detail"] and "`python benchmarks/gpu_suite.py OUT2 --parts h`" in skipped["detail"]
     assert "SKIP h. convolution forms: not started" in capsys.readouterr().out
     # Without part a the environment is still recorded, but neither the kernel probe nor the data set-up runs
     # (a second GPU call for the parts the first one skipped spends its time on them).
@@ -142,6 +144,52 @@ def test_the_summary_shows_where_the_slowest_layers_kernel_time_goes():
     assert "slowest layers" not in gpu_suite.markdown({"command": "OUT", "mode": "full", "conv_forms": forms})
 
 
+def test_parts_the_budget_skips_are_named_with_the_fewest_calls_that_run_them(tmp_path, capsys):
+    """Late in a call (500 s of 560 spent) every part is skipped; the suite ends by naming the calls that run them,
+    packed in order by the budget's guesses (d-h fit one call; b and i, 370 and 240 s, do not), with this run's
+    settings, and never with d and e apart (e compares with d's rate)."""
+    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560, conv_forms="last=rewritten", train_compile=True,
+                            started=time.perf_counter() - 500)
+    suite.cuda = True  # as on a GPU: the guesses count
+
+    def never():
+        raise AssertionError("a part over the budget was started")
+    for key in "bdefghi":
+        suite.part(f"{key}. part", never, key)
+    assert [check["status"] for check in suite.checks] == ["SKIP"] * 7
+    assert "`python benchmarks/gpu_suite.py OUT2 --parts d --conv_forms last=rewritten --compile`" in \
+        suite.checks[1]["detail"]
+    assert suite.calls_for("defgh") == ["defgh"] and suite.calls_for("bi") == ["b", "i"]
+    suite.budget_s = 480  # b's 370 s and d's 70 s fit after the call's start (30 s), d and e's 110 s do not
+    assert suite.calls_for("bde") == ["b", "de"]
+    suite.budget_s = 560
+    assert suite.finish() == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "Not started for time: part(s) b, d, e, f, g, h, i. By the budget's guesses they need 2 more calls: "
+        "`python benchmarks/gpu_suite.py OUT2 --parts bde --conv_forms last=rewritten --compile`, then "
+        "`python benchmarks/gpu_suite.py OUT3 --parts fghi --conv_forms last=rewritten --compile`")
+
+
+def test_an_xdist_worker_takes_its_share_of_the_cores_for_threads_and_compile_processes(monkeypatch):
+    """conftest's share for one of 4 pytest-xdist workers on a 16-core machine (part g's case): 4 torch threads and 4
+    Inductor compile processes, the latter also in the environment the tests' subprocesses inherit."""
+    import torch._inductor.config as inductor_config
+    from conftest import share_the_cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    threads = torch.get_num_threads()
+    try:
+        share_the_cores(4)
+        assert torch.get_num_threads() == 4 and inductor_config.compile_threads == 4
+        assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "4"
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")  # one the user set is kept
+        share_the_cores(4)
+        assert inductor_config.compile_threads == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("plugins", [True, False], ids=["xdist and pytest-timeout", "neither"])
 def test_part_g_runs_the_cuda_tests_on_workers_with_a_limit_per_test(tmp_path, monkeypatch, plugins):
     """Part g's pytest command (no GPU here: the command is recorded, not run): on TEST_WORKERS xdist workers and
@@ -152,7 +200,8 @@ def test_part_g_runs_the_cuda_tests_on_workers_with_a_limit_per_test(tmp_path, m
 
     def run(command, timeout, **kwargs):
         commands.append((command, timeout))
-        return subprocess.CompletedProcess(command, 0, stdout="30 passed in 60.00s\n", stderr="")
+        return subprocess.CompletedProcess(command, 0, stdout="30 passed in 60.00s\n",
+                                           stderr="[W] a worker's warning at its exit\n")
     monkeypatch.setattr(gpu_suite.subprocess, "run", run)
     monkeypatch.setattr(gpu_suite, "_importable", lambda name: plugins)
     suite.tests()
@@ -164,7 +213,7 @@ def test_part_g_runs_the_cuda_tests_on_workers_with_a_limit_per_test(tmp_path, m
     else:
         assert "-n" not in command and "--timeout" not in command
     assert suite.checks[-1]["status"] == "PASS" and suite.checks[-1]["detail"] == "30 passed in 60.00s"
-    assert (tmp_path / "pytest.log").read_text() == "30 passed in 60.00s\n"
+    assert (tmp_path / "pytest.log").read_text() == "30 passed in 60.00s\n[W] a worker's warning at its exit\n"
 
 
 def test_part_b_compares_the_overlap_add_candidate_with_the_opt_rung(tmp_path, monkeypatch):
