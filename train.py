@@ -261,9 +261,11 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
                 resumed_loss_sum = 0.0
     finally:
         ending_with = sys.exc_info()[1]  # a failed close must not replace it (a preemption must exit with 3)
-        profiler.close()
-        if writer:
-            writer.close(ending_with)
+        try:
+            profiler.close(ending_with)
+        finally:
+            if writer:
+                writer.close(ending_with)
 
     baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
     if baseline is not None:

@@ -11,6 +11,7 @@ import train_graph
 from benchmarks import ladder
 from networks.UNet import UNet, loss_func
 from utils.config import ConfigError, load_config
+from utils.errors import Preempted, StorageError
 from utils.profiling import Profiler
 
 
@@ -144,6 +145,28 @@ def test_profile_window_writes_a_trace_of_exactly_its_steps(tmp_path, num_steps,
     for name in ("step", "data copy", "forward", "backward", "optimizer"):
         assert names.count(name) == recorded, name  # the warm-up step (1) and steps after the window: not recorded
     assert sum(1 for name in names if name and name.startswith("ProfilerStep#")) == recorded
+
+
+@pytest.mark.parametrize("ending_with", [None, Preempted("stop signal")], ids=["alone", "while a stop ends the run"])
+def test_a_close_that_fails_does_not_replace_the_exception_ending_the_run(tmp_path, monkeypatch, caplog,
+                                                                         ending_with):
+    """The run ends inside the window and the trace cannot be written: alone that is the error; when the run is
+    already ending with an exception (a preemption must still exit with 3), it is one logged line."""
+    params = load_config("quickstart", overrides={"profile_dir": "profile", "profile_window": [2, 4]})
+    profiler = Profiler(params, tmp_path, torch.device("cpu"))
+
+    def full_disk(self):
+        raise StorageError("torch.profiler trace: no trace file arrived")
+    monkeypatch.setattr(Profiler, "_check_trace_written", full_disk)
+    for global_step in range(3):
+        profiler.step(global_step)
+    if ending_with is None:
+        with pytest.raises(StorageError, match="no trace file arrived"):
+            profiler.close()
+    else:
+        profiler.close(ending_with)
+        assert "closing it failed too (StorageError: torch.profiler trace: no trace file arrived)" in caplog.text
+    assert profiler.torch_profiler is None  # stopped either way
 
 
 def test_profiling_off_costs_nothing_and_writes_nothing(tmp_path):

@@ -100,14 +100,21 @@ class Profiler:
             elif global_step == self.stop:
                 self._stop_cuda_profiler()
 
-    def close(self):
-        """Stop whatever is still running (the run ended inside the window); writes the partial trace."""
-        if self.cuda_window and (self.torch_profiler is not None or self.cuda_profiler_running):
-            torch.cuda.synchronize()  # the last steps' kernels finish inside the window (see step)
-        if self.torch_profiler is not None:
-            self._stop_trace(self.last_step + 1)
-        if self.cuda_profiler_running:
-            self._stop_cuda_profiler()
+    def close(self, ending_with=None):
+        """Stop whatever is still running (the run ended inside the window); writes the partial trace.
+        ``ending_with``: the exception ending the run, which a failure here must not replace (a GPU error that the
+        wait below raises again, a trace the disk could not hold); it is then logged in one line."""
+        try:
+            if self.cuda_window and (self.torch_profiler is not None or self.cuda_profiler_running):
+                torch.cuda.synchronize()  # the last steps' kernels finish inside the window (see step)
+            if self.torch_profiler is not None:
+                self._stop_trace(self.last_step + 1)
+            if self.cuda_profiler_running:
+                self._stop_cuda_profiler()
+        except Exception as err:
+            if ending_with is None:
+                raise
+            logger.warning(f"profiler: closing it failed too ({type(err).__name__}: {err})".splitlines()[0])
 
     def _start_trace(self):
         self.traces_before = set(self.trace_dir.glob("*.pt.trace.json")) if self.trace_dir.is_dir() else set()
