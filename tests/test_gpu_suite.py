@@ -177,8 +177,7 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_for_threads_and_compile_pr
     from conftest import share_the_cores
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
-    threads = torch.get_num_threads()
+    threads, compile_threads = torch.get_num_threads(), inductor_config.compile_threads
     try:
         share_the_cores(4)
         assert torch.get_num_threads() == 4 and inductor_config.compile_threads == 4
@@ -188,6 +187,7 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_for_threads_and_compile_pr
         assert inductor_config.compile_threads == 2
     finally:
         torch.set_num_threads(threads)
+        inductor_config.compile_threads = compile_threads  # not monkeypatch: pytest 9.2 would delete the entry
 
 
 @pytest.mark.parametrize("plugins", [True, False], ids=["xdist and pytest-timeout", "neither"])
