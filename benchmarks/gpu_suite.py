@@ -213,12 +213,12 @@ class Suite:
         one call: e's rate without checkpoints is d's."""
         calls, used, autotuned = [""], CALL_START_S, False
         for unit in re.findall("de|.", keys):
-            needs = sum(self.needs(key, autotuned or index > 0) for index, key in enumerate(unit))
-            if calls[-1] and used + needs > self.budget_s:
+            def cost(warm):  # the unit's guesses; after d, e finds cuDNN's autotuning done
+                return sum(self.needs(key, warm or index > 0) for index, key in enumerate(unit))
+            if calls[-1] and used + cost(autotuned) > self.budget_s:
                 calls, used, autotuned = calls + [""], CALL_START_S, False
-                needs = sum(self.needs(key, index > 0) for index, key in enumerate(unit))
             calls[-1] += unit
-            used += needs
+            used += cost(autotuned)
             autotuned = autotuned or unit[0] in "bcdefh"
         return calls
 
@@ -694,17 +694,20 @@ class Suite:
                        kind="goal")
 
     def finish(self):
+        calls = self.calls_for("".join(self.skipped_for_time)) if self.skipped_for_time else []
+        if calls:
+            self.results["not_started_for_time"] = {"parts": "".join(self.skipped_for_time), "calls": [
+                self.rerun_command(keys, f"OUT{index}") for index, keys in enumerate(calls, start=2)]}
         self.save()
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.log(f"suite finished in {time.perf_counter() - self.started:.0f} s")
         print("\n" + "\n".join(f"{'GOAL ' if c['kind'] == 'goal' else ''}{c['status']} {c['name']}: {c['detail']}"
                                 for c in self.checks), flush=True)
-        if self.skipped_for_time:  # few calls for all of them, not one each (each pays start-up and autotuning)
-            calls = self.calls_for("".join(self.skipped_for_time))
+        if calls:  # few calls for all of them, not one each (each pays start-up and autotuning)
             print(f"\nNot started for time: part(s) {', '.join(self.skipped_for_time)}. By the budget's guesses "
                   f"{'they fit one more call' if len(calls) == 1 else f'they need {len(calls)} more calls'}: "
-                  + ", then ".join(f"`{self.rerun_command(keys, f'OUT{index}')}`"
-                                   for index, keys in enumerate(calls, start=2)), flush=True)
+                  + ", then ".join(f"`{command}`" for command in self.results["not_started_for_time"]["calls"]),
+                  flush=True)
         self.log_file.close()
         return 1 if any(c["status"] == "FAIL" and c["kind"] == "check" for c in self.checks) else 0
 

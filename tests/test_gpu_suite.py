@@ -168,6 +168,7 @@ def test_parts_the_budget_skips_are_named_with_the_fewest_calls_that_run_them(tm
         "Not started for time: part(s) b, d, e, f, g, h, i. By the budget's guesses they need 2 more calls: "
         "`python benchmarks/gpu_suite.py OUT2 --parts bde --conv_forms last=rewritten --compile`, then "
         "`python benchmarks/gpu_suite.py OUT3 --parts fghi --conv_forms last=rewritten --compile`")
+    assert json.loads((tmp_path / "summary.json").read_text())["not_started_for_time"]["parts"] == "bdefghi"
 
 
 def test_an_xdist_worker_takes_its_share_of_the_cores_for_threads_and_compile_processes(monkeypatch):
