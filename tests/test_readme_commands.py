@@ -132,6 +132,22 @@ def test_readme_marks_the_walkthrough():
     assert PIP_PREFIX.sub("", "pip install -r requirements.txt && python x.py") == "python x.py"
 
 
+def test_every_conv_forms_value_the_readme_quotes_is_accepted():
+    """The README quotes --conv_forms values (after the flag, or as `layer=form,...`) that no walk-through runs:
+    each must pass the config's check for the model it names (the reference's on 64^3 crops), or a reader's
+    paste fails at start-up."""
+    from networks.conv_forms import FORMS
+    from utils.config import load_config
+    text = README.read_text()
+    spec = r"[a-z0-9_]+(?:=[a-z_]+)?(?:,[a-z0-9_]+=[a-z_]+)*"
+    values = set(re.findall(rf"--conv_forms[ =]({spec})(?![a-z0-9_=,.])", text))
+    values |= {value for value in re.findall(rf"`({spec})`", text)
+               if "=" in value and set(re.findall(r"=([a-z_]+)", value)) <= set(FORMS)}
+    assert len(values) >= 8, sorted(values)  # the extraction still finds them
+    for value in sorted(values):
+        load_config("base", overrides={"conv_forms": value})  # raises ConfigError naming what was wrong
+
+
 # --- running it ----------------------------------------------------------------------------------
 
 def fresh_clone(target):
