@@ -1,6 +1,7 @@
 """train_graph.py's refusals and warm-up undo, the profiler window, and the ladder's CPU smoke run."""
 import gzip
 import json
+import logging
 from contextlib import nullcontext
 
 import pytest
@@ -164,7 +165,12 @@ def test_a_close_that_fails_does_not_replace_the_exception_ending_the_run(tmp_pa
         with pytest.raises(StorageError, match="no trace file arrived"):
             profiler.close()
     else:
-        profiler.close(ending_with)
+        logger = logging.getLogger("train")  # a training run in this process stops it propagating (utils/run_log.py)
+        logger.addHandler(caplog.handler)
+        try:
+            profiler.close(ending_with)
+        finally:
+            logger.removeHandler(caplog.handler)
         assert "closing it failed too (StorageError: torch.profiler trace: no trace file arrived)" in caplog.text
     assert profiler.torch_profiler is None  # stopped either way
 
