@@ -61,16 +61,18 @@ measured, where the GPU-resident loader's cost is the largest share (``OUT --par
 down0=rewritten,last=rewritten --compile`` gives its FULL against SYNTHETIC for every loader row).
 
 A GPU call of the device tool this suite was written for ends after 600 s, so the suite keeps to a
-time budget (``--budget_s``, default 560 s): a part whose rough duration (``PART_SECONDS``, guesses
-from the H100 runs of 2026-11-24 plus a margin) would overrun it is not started but reported as SKIP
-with the command that runs it alone, and every finished part's results are saved as soon as it ends. The
-suite ends by printing the fewest further calls that run every skipped part (packed in order by the same
-guesses), each into a folder of its own. On the H100 that took three calls (``OUT``: a-f and h; ``OUT --parts
-g``; ``OUT --parts i``). Part g now runs its tests on ``TEST_WORKERS`` pytest-xdist workers and part i runs
-only when named, so two calls should do (not yet timed): by the guesses ``OUT`` runs a-c and the call it
-prints, ``OUT2 --parts defgh``, the rest. The first part that trains in a process without the ladder (b)
-before it is given ``FIRST_TRAINING_PART_S`` more: cuDNN's autotuning of a fresh process. The budget's clock
-starts at the suite's import, before torch's.
+time budget (``--budget_s``, default 560 s, on a clock started at the suite's import, before torch's): a
+part whose rough duration (``PART_SECONDS``, guesses from the H100 runs of 2026-11-24 plus a margin) would
+overrun it is not started but reported as SKIP with the command that runs it alone, and every finished
+part's results are saved as soon as it ends. Part c, whose guess holds the most not yet measured, also
+starts each of its runs only while the budget lasts. The suite ends by printing the fewest further calls
+that run every skipped part (packed in order by the same guesses), each into a folder of its own. On the
+H100 the parts took three calls (``OUT``: a-f and h; ``--parts cfg`` and ``--parts dfi`` with the
+rewritten forms; benchmarks/results/h100.md). Part g now runs its tests on ``TEST_WORKERS`` pytest-xdist
+workers and part i runs only when named, so two calls should do (not yet timed): by the guesses ``OUT``
+runs a-c and prints the call for the rest, ``OUT2 --parts defgh``. The first part that trains in a process
+without the ladder (b) before it is given ``FIRST_TRAINING_PART_S`` more: cuDNN's autotuning of a fresh
+process.
 
 OUT_DIR receives at most 8 files: summary.json (the results behind benchmarks/results/h100.json),
 summary.md, probe.json, ladder.json, ladder.md, ladder.png, suite.log (every step and its output)
@@ -199,6 +201,17 @@ class Suite:
             self.check(name, False, f"crashed: {type(err).__name__}: {err}".splitlines()[0])
         release_memory()
         self.save()
+
+    def out_of_time(self, what, key):
+        """Whether the budget is spent (a part ran past its guess); if so, ``what``, the rest of part ``key``, is
+        reported as SKIP: part c's runs of about 10 s each then end the call in time, not the device's limit."""
+        if self.budget_s is None or time.perf_counter() - self.started < self.budget_s:
+            return False
+        self.skip(what, f"not started: the {self.budget_s:.0f} s budget is spent; run the part again alone with "
+                        f"`{self.rerun_command(key)}`")
+        if key not in self.skipped_for_time:  # the calls printed at the end run it again
+            self.skipped_for_time.append(key)
+        return True
 
     def needs(self, key, autotuned):
         """Part ``key``'s budget guess in seconds on a GPU (0 on the CPU), with cuDNN's autotuning of a fresh
@@ -400,6 +413,8 @@ class Suite:
         else:
             self.skip("benchmark mode, GPU-resident loader", "no GPU")
         for index, (name, flags) in enumerate(loaders.items()):
+            if self.out_of_time(f"benchmark mode, {name}", "c"):
+                continue
             rc, message, run_dir = self.train(f"benchy{index}", "--enable_benchy", *flags)
             path = run_dir / "benchy.json"
             if rc != 0 or not path.exists():
@@ -420,6 +435,8 @@ class Suite:
         """benchmarks/gather_probe.py: the GPU-resident loader's gather against one-pass candidates on the
         reference's 1024^3 box (what FULL loses to SYNTHETIC with that loader)."""
         from benchmarks import gather_probe
+        if self.out_of_time("GPU-resident loader: gather candidates (benchmarks/gather_probe.py)", "c"):
+            return
         out = self.tmp / "gather_probe.json"
         flags = ["--out", str(out)] + ([] if self.cuda else ["--device", "cpu", "--box", "24", "--batch", "4",
                                                               "--crop", "8", "--repeats", "1"])

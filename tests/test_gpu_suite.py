@@ -171,6 +171,21 @@ def test_parts_the_budget_skips_are_named_with_the_fewest_calls_that_run_them(tm
     assert json.loads((tmp_path / "summary.json").read_text())["not_started_for_time"]["parts"] == "bdefghi"
 
 
+def test_part_c_stops_starting_runs_once_the_budget_is_spent(tmp_path, monkeypatch):
+    """A part that ran past its guess: part c's remaining benchmark-mode runs and probe are reported as SKIP with
+    the command that runs the part alone, instead of running on into the device's limit (and losing the call)."""
+    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560, started=time.perf_counter() - 561)
+    monkeypatch.setattr(suite, "thread_sweep", lambda: {2: 100.0})
+    monkeypatch.setattr(suite, "train", lambda *args: pytest.fail("a run started after the budget was spent"))
+    suite.benchy()
+    skipped = {check["name"]: check["detail"] for check in suite.checks if check["status"] == "SKIP"}
+    assert "benchmark mode, fast inmem, 2 threads" in skipped
+    assert "GPU-resident loader: gather candidates (benchmarks/gather_probe.py)" in skipped
+    assert all("budget is spent" in detail and "--parts c`" in detail for name, detail in skipped.items()
+               if name != "benchmark mode, GPU-resident loader")  # (that one: no GPU here)
+    assert suite.results["benchy"] == {} and suite.skipped_for_time == ["c"]  # in the calls printed at the end
+
+
 def test_an_xdist_worker_takes_its_share_of_the_cores_for_threads_and_compile_processes(monkeypatch):
     """conftest's share for one of 4 pytest-xdist workers on a 16-core machine (part g's case): 4 torch threads and 4
     Inductor compile processes, the latter also in the environment the tests' subprocesses inherit."""
