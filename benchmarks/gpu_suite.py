@@ -188,9 +188,8 @@ class Suite:
         elapsed = time.perf_counter() - self.started
         needs = self.needs(key, self.autotuned) if key else 0
         if self.budget_s is not None and key and elapsed + needs > self.budget_s:
-            self.skip(name, f"not started: {elapsed:.0f} s of the {self.budget_s:.0f} s budget spent, it needs about "
-                            f"{needs} s; run it alone with `{self.rerun_command(key)}`")
-            self.skipped_for_time.append(key)
+            self.skip_for_time(name, key, f"{elapsed:.0f} s of the {self.budget_s:.0f} s budget spent, it needs about "
+                                          f"{needs} s; run it alone")
             return
         self.log(f"=== {name}")
         self.autotuned = self.autotuned or bool(key and key in "bcdefh")
@@ -207,11 +206,15 @@ class Suite:
         reported as SKIP: part c's runs of about 10 s each then end the call in time, not the device's limit."""
         if self.budget_s is None or time.perf_counter() - self.started < self.budget_s:
             return False
-        self.skip(what, f"not started: the {self.budget_s:.0f} s budget is spent; run the part again alone with "
-                        f"`{self.rerun_command(key)}`")
-        if key not in self.skipped_for_time:  # the calls printed at the end run it again
-            self.skipped_for_time.append(key)
+        self.skip_for_time(what, key, f"the {self.budget_s:.0f} s budget is spent; run the part again alone")
         return True
+
+    def skip_for_time(self, what, key, why):
+        """SKIP ``what`` (part ``key`` or the rest of it) with the command that runs the part, which also joins the
+        calls printed at the end."""
+        self.skip(what, f"not started: {why} with `{self.rerun_command(key)}`")
+        if key not in self.skipped_for_time:
+            self.skipped_for_time.append(key)
 
     def needs(self, key, autotuned):
         """Part ``key``'s budget guess in seconds on a GPU (0 on the CPU), with cuDNN's autotuning of a fresh
