@@ -76,6 +76,23 @@ def check_capturable(optimizer, device):
                                f"tensor when loading optimizer state")
 
 
+def warm_up(state, inp, tar, num_steps, stream=None):
+    """``num_steps`` eager steps of what the graph records, on ``stream`` (None: the current one), then undone, so
+    training starts where train.py's would. They run cuDNN's autotuning, make the optimizer's lazy state and, with
+    --enable_jit, compile the model and loss, so the capture after them runs the compiled code as it is."""
+    snapshot = snapshot_training_state(state.model, state.optimizer)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # after the snapshot's copies
+    with torch.cuda.stream(stream), warnings.catch_warnings():  # torch.cuda.stream(None) changes nothing
+        warnings.filterwarnings("ignore", message=".*capturable=True.*")  # eager steps of a capturable Adam, on purpose
+        for _ in range(num_steps):
+            state.optimizer.zero_grad(set_to_none=True)
+            train_step_body(state, inp, tar)
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+    restore_training_state(state.model, state.optimizer, snapshot)
+
+
 def capture_train_step(state, example_inp, example_tar, num_warmup_steps=NUM_WARMUP_STEPS):
     """Capture one whole training step; returns ``step(state, inp, tar) -> loss`` that replays it.
 
@@ -86,21 +103,11 @@ def capture_train_step(state, example_inp, example_tar, num_warmup_steps=NUM_WAR
     device = state.info.device
     check_capturable(state.optimizer, device)
     static_inp, static_tar = example_inp.clone(), example_tar.clone()  # clone keeps channels-last strides
-    snapshot = snapshot_training_state(state.model, state.optimizer)
-
     # Warm up on a side stream (the PyTorch docs' whole-network recipe), the same stream the capture
     # uses: libraries create per-stream handles and workspaces on first use, which must not happen
     # mid-capture.
     stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*capturable=True.*")  # eager steps of a capturable Adam, on purpose
-        for _ in range(num_warmup_steps):
-            state.optimizer.zero_grad(set_to_none=True)
-            train_step_body(state, static_inp, static_tar)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    restore_training_state(state.model, state.optimizer, snapshot)
-    del snapshot
+    warm_up(state, static_inp, static_tar, num_warmup_steps, stream)
 
     graph = torch.cuda.CUDAGraph()
     # No grads at capture: backward then allocates them from the graph's private pool, and every

@@ -1,8 +1,8 @@
-"""What only a CUDA GPU can check: graph capture and replay, the capturable optimizer's schedule, resuming
-a graph run, training on a high-priority stream, the rewritten convolution forms in a graph, torch.compile
-with channels-last (what the refusal of pytorch#171622 lets through, and a canary of the bug), the GPU-resident
-loader, the pinned prefetcher, cuDNN kernels for bf16 3D convolutions, MFU and peak memory, and the collectives
-and DDP on NCCL (a one-rank group; also compiled and channels-last, as the *_opt configs train).
+"""What only a CUDA GPU can check: graph capture and replay (of eager and compiled steps), the capturable
+optimizer's schedule, resuming a graph run, training on a high-priority stream, the rewritten convolution forms in
+a graph, torch.compile with channels-last (what the refusal of pytorch#171622 lets through, and a canary of the
+bug), the GPU-resident loader, the pinned prefetcher, cuDNN kernels for bf16 3D convolutions, MFU and peak memory,
+and the collectives and DDP on NCCL (a one-rank group; also compiled and channels-last, as the *_opt configs train).
 
     python -m pytest -q tests/test_gpu.py     # on a GPU machine: a minute or two; every test skips elsewhere
 
@@ -77,13 +77,18 @@ def device_batches(tiny_params, count=NUM_STEPS):
 
 
 # --- CUDA graphs ---------------------------------------------------------------------------------
-def test_graph_replay_trains_like_eager_steps(tiny_params):
-    params = tiny_params(**TINY_CUDA, Nsamples=4 * NUM_STEPS)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_graph_replay_trains_like_eager_steps(tiny_params, compiled):
+    """The captured step against the same step run eagerly, NUM_STEPS steps with an lr that moves every step.
+    compiled: train_graph.py --enable_jit, the model and loss compiled during the warm-up and Inductor's kernels
+    captured, against the compiled model run step by step."""
+    params = tiny_params(**TINY_CUDA, Nsamples=4 * NUM_STEPS, enable_jit=compiled)
     info = init_distributed("cuda")
     assert info.device == CUDA
     eager = training.build_training(params, info)
     graphed = training.build_training(params, info, capturable=True)
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert (graphed.train_model is not graphed.model) == compiled
     initial = flat_weights(eager.model)
     assert torch.equal(initial, flat_weights(graphed.model))  # same seed, same initial weights
     batches = device_batches(tiny_params)
@@ -94,17 +99,19 @@ def test_graph_replay_trains_like_eager_steps(tiny_params):
         eager.set_lr(lr)
         eager_losses.append(training.eager_step(eager, inp, tar).item())
 
-    forward_calls = []
+    forward_calls = []  # counted by the Python forward (a compiled forward's hooks are traced into its graph)
     hook = graphed.model.register_forward_hook(lambda *args: forward_calls.append(1))
     step = train_graph.capture_train_step(graphed, *batches[0])
-    assert len(forward_calls) == train_graph.NUM_WARMUP_STEPS + 1  # warm-up steps and the capture
+    if not compiled:
+        assert len(forward_calls) == train_graph.NUM_WARMUP_STEPS + 1  # warm-up steps and the capture
+    calls_at_capture = len(forward_calls)
     assert torch.equal(flat_weights(graphed.model), initial)  # the warm-up was undone
     graph_losses = []
     for lr, (inp, tar) in zip(lrs, batches):
         graphed.set_lr(lr)
         graph_losses.append(step(graphed, inp, tar).item())
     hook.remove()
-    assert len(forward_calls) == train_graph.NUM_WARMUP_STEPS + 1  # replays run no Python forward
+    assert len(forward_calls) == calls_at_capture  # replays run no Python forward
 
     assert len(set(graph_losses)) == NUM_STEPS  # a new loss every replay, not a stale buffer
     assert graph_losses == pytest.approx(eager_losses, rel=1e-4), (eager_losses, graph_losses)

@@ -87,6 +87,37 @@ def test_undoing_the_warm_up_continues_exactly_as_without_it(steps_before):
             assert torch.equal(adam_state[index][key], adam_state_warm[index][key]), (index, key)
 
 
+@pytest.mark.slow  # compiles a model: about half a minute on a 2-core CPU
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+def test_the_capture_after_a_compiled_warm_up_compiles_nothing_new(tiny_params, channels_last):
+    """train_graph.py --enable_jit compiles in the warm-up; the capture must run that compiled code as it is (a
+    recompile would trace, compile and autotune inside the capture, where waiting for the GPU is an error). The
+    warm-up as capture_train_step runs it, on the CPU (compile runs here, graphs do not): the step after it compiles
+    nothing, and the warm-up is undone."""
+    from torch._dynamo.utils import counters
+    from utils.distributed import init_distributed
+    from utils.training import build_training
+    params = tiny_params(enable_jit=True, channels_last=channels_last, amp_mode="bf16")
+    state = build_training(params, init_distributed("cpu"))
+    initial = {name: value.clone() for name, value in state.model.state_dict().items()}
+    memory_format = torch.channels_last_3d if channels_last else torch.contiguous_format
+    inp = torch.rand(4, 4, 8, 8, 8).to(memory_format=memory_format) * 2 - 1
+    tar = torch.rand(4, 5, 8, 8, 8).to(memory_format=memory_format) * 2 - 1
+    counters.clear()
+    try:
+        train_graph.warm_up(state, inp, tar, train_graph.NUM_WARMUP_STEPS)
+        compiled = dict(counters["stats"])
+        assert compiled["unique_graphs"] == 2, compiled  # the model and the loss
+        assert all(torch.equal(value, initial[name]) for name, value in state.model.state_dict().items())
+        state.optimizer.zero_grad(set_to_none=True)
+        train_graph.train_step_body(state, inp, tar)  # what the capture records
+        assert counters["stats"]["unique_graphs"] == compiled["unique_graphs"], dict(counters["stats"])
+        assert not counters["recompiles"], dict(counters["recompiles"])
+    finally:
+        torch._dynamo.reset()
+        counters.clear()
+
+
 def test_a_float_learning_rate_is_refused_for_capture():
     model, optimizer = tiny_model_and_adam(capturable=True)  # lr=1e-2: a float would be baked into the graph
     with pytest.raises(RuntimeError, match="lr must be a tensor on cpu"):
