@@ -54,7 +54,7 @@ i. two levers the ladder leaves out, each in a fresh process of benchmarks/ladde
    the H100 answered both questions on 2026-11-24 (compile 1.19x; every engine 1.00x, so the default of 10
    finds the fastest), and compile with the faster forms is now a ladder rung in part b (compile_conv_forms).
 
-``--conv_forms FORMS`` (default native) trains parts b-f and i with train.py's ``--conv_forms``, e.g.
+``--conv_forms FORMS`` (default native) trains parts c-f and i with train.py's ``--conv_forms``, e.g.
 the fastest value part h printed, to measure the loaders, CUDA graphs and checkpoints at that speed.
 ``--compile`` also compiles parts c-f's runs, with up0 rewritten: the `*_opt` configs' step, the fastest
 measured, where the GPU-resident loader's cost is the largest share (``OUT --parts c --conv_forms
@@ -65,14 +65,15 @@ time budget (``--budget_s``, default 560 s, on a clock started at the suite's im
 part whose rough duration (``PART_SECONDS``, guesses from the H100 runs of 2026-11-24 plus a margin) would
 overrun it is not started but reported as SKIP with the command that runs it alone, and every finished
 part's results are saved as soon as it ends. Part c, whose guess holds the most not yet measured, also
-starts each of its runs only while the budget lasts. The suite ends by printing the fewest further calls
-that run every skipped part (packed in order by the same guesses), each into a folder of its own. On the
-H100 the parts took three calls (``OUT``: a-f and h; ``--parts cfg`` and ``--parts dfi`` with the
-rewritten forms; benchmarks/results/h100.md). Part g now runs its tests on ``TEST_WORKERS`` pytest-xdist
-workers and part i runs only when named, so two calls should do (not yet timed): by the guesses ``OUT``
-runs a-c and prints the call for the rest, ``OUT2 --parts defgh``. The first part that trains in a process
-without the ladder (b) before it is given ``FIRST_TRAINING_PART_S`` more: cuDNN's autotuning of a fresh
-process.
+starts each of its runs only while its guess (``BENCHY_RUN_S``, ``GATHER_PROBE_S``) fits what is left. The
+suite ends by printing the fewest further calls that run every skipped part (packed in order by the same
+guesses), each into a folder of its own. On the H100 the parts took three calls (``OUT``: a-f and h;
+``--parts cfg`` and ``--parts dfi`` with the rewritten forms; benchmarks/results/h100.md). Part g now runs
+its tests on ``TEST_WORKERS`` pytest-xdist workers and part i runs only when named, so two calls should do
+(not yet timed): by the guesses ``OUT`` runs a-c and prints the call for the rest, ``OUT2 --parts defgh``.
+The first part that trains in a process without the ladder (b) before it is given ``FIRST_TRAINING_PART_S``
+more: cuDNN's autotuning of a fresh process. With ``--compile`` each training run of parts c-f is given
+``COMPILE_S`` more, and the parts take three calls by the guesses: ``ab``, ``cde`` and ``fgh``.
 
 OUT_DIR receives at most 8 files: summary.json (the results behind benchmarks/results/h100.json),
 summary.md, probe.json, ladder.json, ladder.md, ladder.png, suite.log (every step and its output)
@@ -134,6 +135,12 @@ PART_SECONDS = {"b": 370, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 60
 TEST_TIMEOUT_S = 240  # part g's limit per test where pytest-timeout is installed (the GPU image has it)
 TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
+BENCHY_RUN_S = 10  # one of part c's benchmark-mode runs, eager, after autotuning: 37 s for four and the sweep
+# --compile: torch.compile of the full model in each training run of parts c-f (guesses, not measured in the suite:
+# the ladder's compile rung took 28 s with its 43 steps; later compiles in one process may hit Inductor's caches)
+COMPILE_S = 25
+TRAINING_RUNS = {"c": 6, "d": 2, "e": 1, "f": 1}
+GATHER_PROBE_S = 20  # part c's gather probe: a 1024^3 box made on the GPU, four candidates (one compiled); a guess
 CALL_START_S = 30  # a call's own start: torch's import, CUDA, the environment (part a without its probe), the data
 
 # Acceptance: checks must pass; goals are the issue's performance targets, reported beside them.
@@ -201,12 +208,16 @@ class Suite:
         release_memory()
         self.save()
 
-    def out_of_time(self, what, key):
-        """Whether the budget is spent (a part ran past its guess); if so, ``what``, the rest of part ``key``, is
-        reported as SKIP: part c's runs of about 10 s each then end the call in time, not the device's limit."""
-        if self.budget_s is None or time.perf_counter() - self.started < self.budget_s:
+    def out_of_time(self, what, key, needs=0):
+        """Whether ``what``, the rest of part ``key``, would overrun the budget (its part ran past the guess), by
+        ``needs`` seconds, its guess on a GPU; if so, it is reported as SKIP: part c then ends the call in time, not
+        the device's limit."""
+        elapsed = time.perf_counter() - self.started
+        needs = needs if self.cuda else 0
+        if self.budget_s is None or elapsed + needs <= self.budget_s:
             return False
-        self.skip_for_time(what, key, f"the {self.budget_s:.0f} s budget is spent; run the part again alone")
+        self.skip_for_time(what, key, f"{elapsed:.0f} s of the {self.budget_s:.0f} s budget spent, it needs about "
+                                      f"{needs} s; run the part again alone")
         return True
 
     def skip_for_time(self, what, key, why):
@@ -218,10 +229,12 @@ class Suite:
 
     def needs(self, key, autotuned):
         """Part ``key``'s budget guess in seconds on a GPU (0 on the CPU), with cuDNN's autotuning of a fresh
-        process for a training part unless an earlier part (``autotuned``) ran it; b's guess has it."""
+        process for a training part unless an earlier part (``autotuned``) ran it (b's guess has it), and with
+        ``--compile`` a compile per training run."""
         if not self.cuda:
             return 0
-        return PART_SECONDS.get(key, 0) + (FIRST_TRAINING_PART_S if key in "cdefh" and not autotuned else 0)
+        return (PART_SECONDS.get(key, 0) + (FIRST_TRAINING_PART_S if key in "cdefh" and not autotuned else 0)
+                + (COMPILE_S * TRAINING_RUNS.get(key, 0) if self.train_compile else 0))
 
     def calls_for(self, keys):
         """``keys`` split in order into calls that each keep to the budget by the guesses, every call a fresh
@@ -353,7 +366,7 @@ class Suite:
     # --- b. ladder --------------------------------------------------------------------------------
     def ladder(self):
         from benchmarks import ladder
-        flags = [*self.size["ladder"], "--conv_forms", self.train_forms]
+        flags = self.size["ladder"]  # the tutorial's ladder whatever --conv_forms says: its last rungs add the forms
         self.log("$ benchmarks/ladder.py " + " ".join(flags))
         with self.quiet():
             rc = ladder.main(["--out", str(self.out / "ladder.json"), *flags])
@@ -416,7 +429,7 @@ class Suite:
         else:
             self.skip("benchmark mode, GPU-resident loader", "no GPU")
         for index, (name, flags) in enumerate(loaders.items()):
-            if self.out_of_time(f"benchmark mode, {name}", "c"):
+            if self.out_of_time(f"benchmark mode, {name}", "c", BENCHY_RUN_S + COMPILE_S * self.train_compile):
                 continue
             rc, message, run_dir = self.train(f"benchy{index}", "--enable_benchy", *flags)
             path = run_dir / "benchy.json"
@@ -438,7 +451,7 @@ class Suite:
         """benchmarks/gather_probe.py: the GPU-resident loader's gather against one-pass candidates on the
         reference's 1024^3 box (what FULL loses to SYNTHETIC with that loader)."""
         from benchmarks import gather_probe
-        if self.out_of_time("GPU-resident loader: gather candidates (benchmarks/gather_probe.py)", "c"):
+        if self.out_of_time("GPU-resident loader: gather candidates (benchmarks/gather_probe.py)", "c", GATHER_PROBE_S):
             return
         out = self.tmp / "gather_probe.json"
         flags = ["--out", str(out)] + ([] if self.cuda else ["--device", "cpu", "--box", "24", "--batch", "4",
@@ -967,8 +980,9 @@ def main(argv=None):
                         help=f"subset of the parts a-i to run (default {DEFAULT_PARTS}: i, answered on the H100, runs "
                              f"only when named; the environment is recorded in any case)")
     parser.add_argument("--conv_forms", default="native",
-                        help="train.py's --conv_forms for the training runs of parts b-f and i (part i adds "
-                             "up0=rewritten); part h times every form whatever this says")
+                        help="train.py's --conv_forms for the training runs of parts c-f and i (part i adds "
+                             "up0=rewritten); part b's ladder ends with the forms rungs and part h times every "
+                             "form, whatever this says")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the training runs of parts c-f (train.py's --enable_jit, as the *_opt "
                              "configs do), with up0 in the rewritten form that compile with channels-last needs")

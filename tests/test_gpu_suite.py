@@ -149,7 +149,7 @@ def test_parts_the_budget_skips_are_named_with_the_fewest_calls_that_run_them(tm
     """Late in a call (500 s of 560 spent) every part is skipped; the suite ends by naming the calls that run them,
     packed in order by the budget's guesses (d-h fit one call; b and i, 370 and 240 s, do not), with this run's
     settings, and never with d and e apart (e compares with d's rate)."""
-    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560, conv_forms="last=rewritten", train_compile=True,
+    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560, conv_forms="last=rewritten",
                             started=time.perf_counter() - 500)
     suite.cuda = True  # as on a GPU: the guesses count
 
@@ -158,7 +158,7 @@ def test_parts_the_budget_skips_are_named_with_the_fewest_calls_that_run_them(tm
     for key in "bdefghi":
         suite.part(f"{key}. part", never, key)
     assert [check["status"] for check in suite.checks] == ["SKIP"] * 7
-    assert "`python benchmarks/gpu_suite.py OUT2 --parts d --conv_forms last=rewritten --compile`" in \
+    assert "`python benchmarks/gpu_suite.py OUT2 --parts d --conv_forms last=rewritten`" in \
         suite.checks[1]["detail"]
     assert suite.calls_for("defgh") == ["defgh"] and suite.calls_for("bi") == ["b", "i"]
     suite.budget_s = 480  # b's 370 s and d's 70 s fit after the call's start (30 s), d and e's 110 s do not
@@ -167,8 +167,8 @@ def test_parts_the_budget_skips_are_named_with_the_fewest_calls_that_run_them(tm
     assert suite.finish() == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "Not started for time: part(s) b, d, e, f, g, h, i. By the budget's guesses they need 2 more calls: "
-        "`python benchmarks/gpu_suite.py OUT2 --parts bde --conv_forms last=rewritten --compile`, then "
-        "`python benchmarks/gpu_suite.py OUT3 --parts fghi --conv_forms last=rewritten --compile`")
+        "`python benchmarks/gpu_suite.py OUT2 --parts bde --conv_forms last=rewritten`, then "
+        "`python benchmarks/gpu_suite.py OUT3 --parts fghi --conv_forms last=rewritten`")
     assert json.loads((tmp_path / "summary.json").read_text())["not_started_for_time"]["parts"] == "bdefghi"
 
 
@@ -182,9 +182,38 @@ def test_part_c_stops_starting_runs_once_the_budget_is_spent(tmp_path, monkeypat
     skipped = {check["name"]: check["detail"] for check in suite.checks if check["status"] == "SKIP"}
     assert "benchmark mode, fast inmem, 2 threads" in skipped
     assert "GPU-resident loader: gather candidates (benchmarks/gather_probe.py)" in skipped
-    assert all("budget is spent" in detail and "--parts c`" in detail for name, detail in skipped.items()
+    assert all("560 s budget spent" in detail and "--parts c`" in detail for name, detail in skipped.items()
                if name != "benchmark mode, GPU-resident loader")  # (that one: no GPU here)
     assert suite.results["benchy"] == {} and suite.skipped_for_time == ["c"]  # in the calls printed at the end
+
+
+def test_compile_gives_each_training_run_a_compile_in_the_guesses(tmp_path, monkeypatch, capsys):
+    """--compile: every training run of parts c-f is given COMPILE_S more (the ladder, the tests and part h's
+    timings are unchanged), so the parts take three calls, carrying the flag; and part c starts a compiled run
+    only if the run and its compile fit what is left (20 s of the budget left: an eager run would start)."""
+    for name in ("eager", "compiled"):
+        (tmp_path / name).mkdir()
+    eager = gpu_suite.Suite(tmp_path / "eager", small=True, budget_s=560, conv_forms="last=rewritten")
+    compiled = gpu_suite.Suite(tmp_path / "compiled", small=True, budget_s=560, conv_forms="last=rewritten",
+                               train_compile=True, started=time.perf_counter() - 540)
+    eager.cuda = compiled.cuda = True  # as on a GPU: the guesses count
+    added = {key: compiled.needs(key, True) - eager.needs(key, True) for key in "bcdefgh"}
+    assert added == {"b": 0, "c": 6 * gpu_suite.COMPILE_S, "d": 2 * gpu_suite.COMPILE_S, "e": gpu_suite.COMPILE_S,
+                     "f": gpu_suite.COMPILE_S, "g": 0, "h": 0}
+    assert eager.calls_for("abcdefgh") == ["abc", "defgh"]
+    assert compiled.calls_for("abcdefgh") == ["ab", "cde", "fgh"]
+
+    monkeypatch.setattr(compiled, "thread_sweep", lambda: {8: 100.0})
+    monkeypatch.setattr(compiled, "train", lambda *args: pytest.fail("a compiled run started without the time"))
+    monkeypatch.setattr(compiled, "gather_probe", lambda: None)
+    compiled.benchy()
+    skipped = [check for check in compiled.checks if check["status"] == "SKIP"]
+    assert len(skipped) == 6 and all(f"it needs about {gpu_suite.BENCHY_RUN_S + gpu_suite.COMPILE_S} s" in
+                                     check["detail"] and "--parts c --conv_forms last=rewritten --compile`" in
+                                     check["detail"] for check in skipped), skipped
+    for suite in (eager, compiled):
+        suite.finish()
+    capsys.readouterr()
 
 
 def test_an_xdist_worker_takes_its_share_of_the_cores_for_threads_and_compile_processes(monkeypatch):
@@ -235,23 +264,27 @@ def test_part_g_runs_the_cuda_tests_on_workers_with_a_limit_per_test(tmp_path, m
 
 def test_part_b_compares_the_overlap_add_candidate_with_the_opt_rung(tmp_path, monkeypatch):
     """Part b on a ladder report (made up here: no GPU) where both compiled rungs ran: the candidate's rate over the
-    *_opt configs' rung is recorded; the 2,500 goal is judged on the best rung."""
+    *_opt configs' rung is recorded; the 2,500 goal is judged on the best rung. The ladder is the tutorial's whatever
+    --conv_forms says (that flag sets the training parts' forms; the ladder's last rungs add forms of their own)."""
     from benchmarks import ladder
+    calls = []
 
     def rung(name, rate):
         return {"name": name, "label": name, "status": "ok", "settings": "bf16", "samples_per_sec": rate, "mfu": 0.2,
                 "peak_memory_gb": 5.0, "loss_last": 0.0556, "loss_first": 0.06}
 
     def fake_ladder(argv):
+        calls.append(argv)
         out = Path(argv[argv.index("--out") + 1])
         out.write_text(json.dumps({"setup": {}, "rungs": [rung("fp32", 310.0), rung("compile_conv_forms", 2700.0),
                                                            rung("compile_overlap_add", 3240.0)]}))
         return 0
     monkeypatch.setattr(ladder, "main", fake_ladder)
     monkeypatch.setattr(gpu_suite, "plot_ladder", lambda *args: None)
-    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560)
+    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560, conv_forms="last=rewritten", train_compile=True)
     suite.cuda = True
     suite.ladder()
+    assert len(calls) == 1 and "--conv_forms" not in calls[0]
     assert suite.results["overlap_add_vs_opt"] == 1.2 and suite.results["best_rung"] == "compile_overlap_add"
     goal = next(c for c in suite.checks if c["name"].startswith("compute-only throughput"))
     assert goal["status"] == "PASS" and goal["kind"] == "goal" and "compile_overlap_add: 3240" in goal["detail"]
