@@ -113,7 +113,9 @@ def capture_train_step(state, example_inp, example_tar, num_warmup_steps=NUM_WAR
     # No grads at capture: backward then allocates them from the graph's private pool, and every
     # replay overwrites them in place, so no zero_grad is needed between replays.
     state.optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph, stream=stream):
+    # With --enable_jit the warm-up compiled everything the step runs; a recompile in the capture would trace,
+    # compile and autotune there, where waiting for the GPU is an error: fail at once, naming the guard that failed.
+    with torch.compiler.set_stance("fail_on_recompile"), torch.cuda.graph(graph, stream=stream):
         static_loss = train_step_body(state, static_inp, static_tar)
 
     def graph_step(state, inp, tar):

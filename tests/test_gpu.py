@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import yaml
+from torch._dynamo.utils import counters
 
 import train
 from utils import training
@@ -98,6 +99,8 @@ def test_graph_replay_trains_like_eager_steps(tiny_params, compiled):
     for lr, (inp, tar) in zip(lrs, batches):
         eager.set_lr(lr)
         eager_losses.append(training.eager_step(eager, inp, tar).item())
+    torch._dynamo.reset()  # the graphed model compiles afresh, in its warm-up on the capture's stream
+    counters.clear()
 
     forward_calls = []  # counted by the Python forward (a compiled forward's hooks are traced into its graph)
     hook = graphed.model.register_forward_hook(lambda *args: forward_calls.append(1))
@@ -105,6 +108,8 @@ def test_graph_replay_trains_like_eager_steps(tiny_params, compiled):
     if not compiled:
         assert len(forward_calls) == train_graph.NUM_WARMUP_STEPS + 1  # warm-up steps and the capture
     calls_at_capture = len(forward_calls)
+    # compiled: the model and the loss compiled once each, in the warm-up; the capture recompiled nothing
+    assert counters["stats"]["unique_graphs"] == (2 if compiled else 0) and not counters["recompiles"]
     assert torch.equal(flat_weights(graphed.model), initial)  # the warm-up was undone
     graph_losses = []
     for lr, (inp, tar) in zip(lrs, batches):
