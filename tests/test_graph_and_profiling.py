@@ -106,13 +106,13 @@ def test_the_capture_after_a_compiled_warm_up_compiles_nothing_new(tiny_params, 
     counters.clear()
     try:
         train_graph.warm_up(state, inp, tar, train_graph.NUM_WARMUP_STEPS)
-        compiled = dict(counters["stats"])
-        assert compiled["unique_graphs"] == 2, compiled  # the model and the loss
+        graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
+        assert graphs == 2  # the model and the loss
         assert all(torch.equal(value, initial[name]) for name, value in state.model.state_dict().items())
         state.optimizer.zero_grad(set_to_none=True)
         train_graph.train_step_body(state, inp, tar)  # what the capture records
-        assert counters["stats"]["unique_graphs"] == compiled["unique_graphs"], dict(counters["stats"])
-        assert not counters["recompiles"], dict(counters["recompiles"])
+        # Dynamo converts a frame only where its compiled code's guards failed (a recompile)
+        assert (counters["stats"]["unique_graphs"], counters["frames"]["total"]) == (graphs, frames)
     finally:
         torch._dynamo.reset()
         counters.clear()
