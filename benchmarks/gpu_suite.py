@@ -209,9 +209,9 @@ class Suite:
         self.save()
 
     def out_of_time(self, what, key, needs=0):
-        """Whether ``what``, the rest of part ``key``, would overrun the budget (its part ran past the guess), by
-        ``needs`` seconds, its guess on a GPU; if so, it is reported as SKIP: part c then ends the call in time, not
-        the device's limit."""
+        """Whether ``what``, the rest of part ``key``, needing ``needs`` seconds (its guess on a GPU; none on the
+        CPU), would overrun the budget: its part ran past the part's guess. If so it is reported as SKIP, and the
+        call ends in time, not at the device's limit."""
         elapsed = time.perf_counter() - self.started
         needs = needs if self.cuda else 0
         if self.budget_s is None or elapsed + needs <= self.budget_s:
