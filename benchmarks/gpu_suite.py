@@ -192,11 +192,7 @@ class Suite:
     def part(self, name, function, key=None):
         """Run one part; a crash is a FAIL of that part, and the suite goes on. A part that would overrun the
         time budget is not started (SKIP, with the command that runs it alone)."""
-        elapsed = time.perf_counter() - self.started
-        needs = self.needs(key, self.autotuned) if key else 0
-        if self.budget_s is not None and key and elapsed + needs > self.budget_s:
-            self.skip_for_time(name, key, f"{elapsed:.0f} s of the {self.budget_s:.0f} s budget spent, it needs about "
-                                          f"{needs} s; run it alone")
+        if key and self.out_of_time(name, key, self.needs(key, self.autotuned)):
             return
         self.log(f"=== {name}")
         self.autotuned = self.autotuned or bool(key and key in "bcdefh")
@@ -209,23 +205,18 @@ class Suite:
         self.save()
 
     def out_of_time(self, what, key, needs=0):
-        """Whether ``what``, the rest of part ``key``, needing ``needs`` seconds (its guess on a GPU; none on the
-        CPU), would overrun the budget: its part ran past the part's guess. If so it is reported as SKIP, and the
-        call ends in time, not at the device's limit."""
+        """Whether ``what``, part ``key`` or the rest of it, needing ``needs`` seconds (its guess on a GPU; none on
+        the CPU), would overrun the budget. If so it is reported as SKIP with the command that runs the part, which
+        also joins the calls printed at the end, and the call ends in time, not at the device's limit."""
         elapsed = time.perf_counter() - self.started
         needs = needs if self.cuda else 0
         if self.budget_s is None or elapsed + needs <= self.budget_s:
             return False
-        self.skip_for_time(what, key, f"{elapsed:.0f} s of the {self.budget_s:.0f} s budget spent, it needs about "
-                                      f"{needs} s; run the part again alone")
-        return True
-
-    def skip_for_time(self, what, key, why):
-        """SKIP ``what`` (part ``key`` or the rest of it) with the command that runs the part, which also joins the
-        calls printed at the end."""
-        self.skip(what, f"not started: {why} with `{self.rerun_command(key)}`")
+        self.skip(what, f"not started: {elapsed:.0f} s of the {self.budget_s:.0f} s budget spent, it needs about "
+                        f"{needs} s; run it alone with `{self.rerun_command(key)}`")
         if key not in self.skipped_for_time:
             self.skipped_for_time.append(key)
+        return True
 
     def needs(self, key, autotuned):
         """Part ``key``'s budget guess in seconds on a GPU (0 on the CPU), with cuDNN's autotuning of a fresh

@@ -87,7 +87,7 @@ def test_undoing_the_warm_up_continues_exactly_as_without_it(steps_before):
             assert torch.equal(adam_state[index][key], adam_state_warm[index][key]), (index, key)
 
 
-@pytest.mark.slow  # compiles a model: about half a minute on a 2-core CPU
+@pytest.mark.slow  # compiles a tiny model with Inductor, twice: left out of the fast run
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
 def test_the_capture_after_a_compiled_warm_up_compiles_nothing_new(tiny_params, channels_last):
     """train_graph.py --enable_jit compiles in the warm-up; the capture must run that compiled code as it is (a
