@@ -2,7 +2,6 @@
 points (train.py, train_graph.py, predict.py) are imported by nothing below them, and the bottom modules
 (errors, units) import nothing of ours."""
 import ast
-from pathlib import Path
 
 from conftest import REPO_ROOT
 
