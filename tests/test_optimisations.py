@@ -1,14 +1,19 @@
 """Each single-GPU optimisation flag takes effect and leaves a short run's loss close to the plain run."""
 import contextlib
+import os
+import signal
+import sys
+import types
 
 import pytest
 import torch
 import torch._dynamo
 
+import train
 from utils import training
 from utils.data import get_data_loader
 from utils.distributed import init_distributed
-from utils.errors import ConfigError
+from utils.errors import ConfigError, Preempted
 
 
 def short_run(params, num_steps=6):
@@ -125,3 +130,70 @@ def test_the_high_priority_stream_is_ordered_after_earlier_work_and_before_later
     assert current[0] == "default"
     assert calls == [("new", -1), ("wait", "priority -1", "default"), "block",
                      ("wait", "default", "priority -1")]
+
+
+class ApexStyleFusedAdam(torch.optim.Optimizer):
+    """apex.optimizers.FusedAdam's interface where it differs from torch's Adam (apex needs CUDA and NVIDIA's
+    containers, so it is not installed here; apex/optimizers/fused_adam.py, NVIDIA/apex at 6424da3): zero_grad()
+    takes no arguments and always sets the grads to None, and the step count lives in each parameter group, made at
+    the first step, not in the per-parameter state. The update is plain Adam (adam_w_mode=False)."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0):
+        assert not adam_w_mode and weight_decay == 0  # what utils/training.py asks for
+        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                                      weight_decay=weight_decay))
+
+    def zero_grad(self):
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            (beta1, beta2), step = group["betas"], group["step"]
+            for param in group["params"]:
+                state = self.state[param]
+                if not state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(param), torch.zeros_like(param)
+                state["exp_avg"].lerp_(param.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+                denominator = (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt_().add_(group["eps"])
+                param.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1 ** step))
+
+
+def test_apex_fused_adam_trains_benchmarks_and_resumes_exactly(tiny_argv, tmp_path, monkeypatch):
+    """--enable_apex with apex's FusedAdam interface (a stand-in in sys.modules): the step runs, benchmark mode
+    undoes its trials' steps (the group's step count too) and a run stopped after epoch 1 resumes exactly."""
+    optimizers = types.ModuleType("apex.optimizers")
+    optimizers.FusedAdam = ApexStyleFusedAdam
+    monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
+    monkeypatch.setitem(sys.modules, "apex.optimizers", optimizers)
+    argv = tiny_argv + ["--enable_apex", "--checkpoint_every_n_steps", "0"]
+    runs = tmp_path / "runs" / "tiny" / "1GPU"
+    steps_per_epoch = 8  # 32 samples, batch 4
+
+    def stop_at_the_end_of_epoch_1(state):
+        def step(state, inp, tar):
+            loss = training.eager_step(state, inp, tar)
+            if state.global_step + 1 == steps_per_epoch:  # as a scheduler would: SIGUSR1 during the last step
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return loss
+        return step
+
+    whole = train.main(argv + ["--run_num", "whole"])
+    benchmarked = train.main(argv + ["--run_num", "benchy", "--enable_benchy", "--benchy_continue"])
+    with pytest.raises(Preempted, match="after epoch 1"):
+        train.main(argv + ["--run_num", "split"], make_step=stop_at_the_end_of_epoch_1)
+    resumed = train.main(argv + ["--run_num", "split"])
+    assert "optimizer: apex FusedAdam" in (runs / "whole" / "out.log").read_text()
+    assert "Resumed from" in (runs / "split" / "out.log").read_text()
+    assert benchmarked == whole and resumed == whole  # the same final validation loss, exactly
+    final = torch.load(runs / "whole" / "checkpoints" / "ckpt_step00000016.pt", weights_only=True)
+    assert final["optimizer"]["param_groups"][0]["step"] == 16
+    for run in ("benchy", "split"):
+        other = torch.load(runs / run / "checkpoints" / "ckpt_step00000016.pt", weights_only=True)
+        assert other["optimizer"]["param_groups"][0]["step"] == 16
+        assert all(torch.equal(final["model"][key], other["model"][key]) for key in final["model"])

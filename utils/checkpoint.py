@@ -256,7 +256,8 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
                               f"parameters per group, this optimizer has {[len(g['params']) for g in groups]}; "
                               f"it comes from a different model config")
     for saved, current in zip(saved_groups, groups):
-        unknown = sorted(set(saved) - set(current) - {"param_names"})
+        # apex FusedAdam counts its steps in the group (made at its first step), where torch's Adam has none
+        unknown = sorted(set(saved) - set(current) - {"param_names", "step"})
         if unknown:
             raise CheckpointError(f"{source} holds the state of a different optimizer (settings {', '.join(unknown)} "
                                   f"are unknown here: apex FusedAdam vs torch Adam, or a newer PyTorch); "
@@ -341,11 +342,13 @@ def check_compatible(saved, current, source="the checkpoint"):
 # In-memory snapshots, for steps that must leave no trace (benchmark trials, CUDA-graph warm-up).
 
 def snapshot_training_state(model, optimizer):
-    """Copies of the weights and of the optimizer state (empty before the first step; full on resume)."""
+    """Copies of the weights and of the optimizer state (empty before the first step; full on resume), with the
+    step count that apex FusedAdam keeps in each parameter group (None where a group has none)."""
     weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     moments = {param: {key: value.clone() for key, value in param_state.items()}
                for param, param_state in optimizer.state.items()}
-    return weights, moments
+    steps = [group.get("step") for group in optimizer.param_groups]
+    return weights, moments, [step.clone() if torch.is_tensor(step) else step for step in steps]
 
 
 @torch.no_grad()
@@ -354,9 +357,10 @@ def restore_training_state(model, optimizer, snapshot):
 
     In place, because a captured CUDA graph records these tensors' addresses. State created after
     the snapshot (a fresh optimizer's first steps) goes to zero, which is exactly a fresh Adam's
-    state (moments 0, step count 0), so training continues as if those steps never ran.
+    state (moments 0, step count 0), so training continues as if those steps never ran. A step count kept in a
+    parameter group (apex FusedAdam's) goes back to its snapshot value, or away where the group had none.
     """
-    weights, moments = snapshot
+    weights, moments, group_steps = snapshot
     for name, tensor in model.state_dict().items():
         tensor.copy_(weights[name])
     for param, param_state in optimizer.state.items():
@@ -366,6 +370,13 @@ def restore_training_state(model, optimizer, snapshot):
                 value.zero_()
             else:
                 value.copy_(saved[key])
+    for group, step in zip(optimizer.param_groups, group_steps):
+        if step is None:
+            group.pop("step", None)
+        elif torch.is_tensor(group.get("step")):
+            group["step"].copy_(step)
+        else:
+            group["step"] = step
 
 
 # Asynchronous checkpoints: the training loop stalls only while the state is copied to host memory.

@@ -176,7 +176,7 @@ def forward_loss(state, model, inp, tar):
 def eager_step(state, inp, tar):
     """One optimiser step; returns the loss as a device tensor (no host sync here)."""
     ranges = state.profiler
-    state.optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad()  # grads to None: torch's default, and apex FusedAdam's, whose zero_grad takes no flag
     with ranges.range("forward"):
         _, loss = forward_loss(state, state.train_model, inp, tar)
     with ranges.range("backward"):
