@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from utils import symmetry  # noqa: E402
 from utils.data.gpu import STORAGE_DTYPES, channel_tables, crop_index, make_crops  # noqa: E402
+from utils.errors import first_line  # noqa: E402
 
 CHANNELS = (4, 5)  # N-body input, hydro target
 
@@ -145,7 +146,7 @@ def main(argv=None):
             try:  # a candidate this torch cannot run (say, mixed index dtypes on this device) is reported, not fatal
                 made = batch_of(candidate, corners, chosen)
             except RuntimeError as err:
-                errors[name], equal[name] = str(err).splitlines()[0], False
+                errors[name], equal[name] = first_line(err), False
                 continue
             equal[name] &= all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(made, reference))
             del made

@@ -254,7 +254,8 @@ def release(params, device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def run_ladder(args, device):
+def run_ladder(args, device, finished=lambda rows: None):
+    """The rungs' rows; ``finished(rows)`` after each rung, so a process killed mid-ladder can keep what ran."""
     batch = make_batch(args.batch_size, args.crop_size, args.seed)
     results, settings = [], {}
     for rung in RUNGS:
@@ -286,6 +287,7 @@ def run_ladder(args, device):
             row.update(status="failed", error=f"{type(err).__name__}: {err}".splitlines()[0])
         release(params, device)
         results.append(row)
+        finished(results)
     add_comparisons(results)
     return results
 
@@ -362,11 +364,15 @@ def main(argv=None):
                                                     "windows", "steps_per_window", "seed")}}
     del model
     print(f"{env['device']}: torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}", flush=True)
-    report = {"environment": env, "setup": setup, "rungs": run_ladder(args, device)}
-
     out = args.out or default_out(env["device"], args.tiny)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+
+    def save(rungs):  # after every rung too: a run stopped mid-ladder (a job's time limit) keeps what it finished
+        report = {"environment": env, "setup": setup, "rungs": rungs}
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        return report
+
+    report = save(run_ladder(args, device, finished=save))
     table = markdown(report)
     out.with_suffix(".md").write_text(table)
     print("\n" + table)

@@ -325,6 +325,25 @@ def test_ladder_runs_every_rung_in_the_conv_forms_it_is_given(tmp_path):
         ladder.main(fast + ["--conv_forms", "up7=padded", "--out", str(tmp_path / "bad.json")])
 
 
+def test_a_ladder_stopped_mid_rung_has_saved_the_rungs_before_it(tmp_path, monkeypatch):
+    """A job's time limit may stop the ladder in any rung: the report on disk already holds the rungs finished."""
+    out = tmp_path / "stopped.json"
+    run_rung = ladder.run_rung
+
+    def stopped_in_bf16(rung, *args):
+        if rung.name == "bf16":
+            raise KeyboardInterrupt  # stands for a kill at the time limit: the rung never finishes
+        return run_rung(rung, *args)
+
+    monkeypatch.setattr(ladder, "run_rung", stopped_in_bf16)
+    with pytest.raises(KeyboardInterrupt):
+        ladder.main(["--tiny", "--rungs", "fp32,bf16", "--out", str(out), "--loss_steps", "2", "--warmup_steps", "0",
+                     "--windows", "1", "--steps_per_window", "1"])
+    report = json.loads(out.read_text())
+    assert [(row["name"], row["status"]) for row in report["rungs"]] == [("fp32", "ok")]
+    assert report["setup"]["batch_size"] == 2 and report["environment"]["device"]
+
+
 def test_a_rung_run_alone_has_the_rungs_above_it_and_a_refused_rung_is_skipped(tmp_path, monkeypatch):
     """--rungs channels_last measures what the table calls + channels-last (bf16 and fused Adam from the rungs
     above it); --cudnn_benchmark_limit reaches every rung; a combination build_training refuses (compile with
