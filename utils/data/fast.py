@@ -279,21 +279,28 @@ class DevicePrefetcher:
         host_batches = iter(self.loader)
         pending = self._copy(next(host_batches, None), copy_stream)
         while pending is not None:
-            host, batch, copied = pending
-            hand_over(batch, copied, self.device)  # the step queued after this yield reads the batch
+            host, batch, copied, ready = pending
+            hand_over(batch, ready, self.device)  # the step queued after this yield reads the batch
             pending = self._copy(next(host_batches, None), copy_stream)  # overlaps with this step
             copied.synchronize()  # only now may the host buffer be refilled (long done: queued a step ago)
             del host
             yield batch
 
     def _copy(self, host, stream):
+        """(host, batch, copied, ready): ``copied`` marks the end of the host-to-device copy, which is all the
+        host buffer waits for; ``ready`` the batch in its memory format. A change of layout is a kernel after the
+        copy (torch copies into a temporary in the host's layout, then converts), which may wait for free SMs
+        behind the step: the host does not wait for it."""
         if host is None:
             return None
         with torch.cuda.stream(stream):
-            batch = tuple(t.to(self.device, non_blocking=True, memory_format=self.memory_format) for t in host)
+            staged = tuple(t.to(self.device, non_blocking=True) for t in host)
             copied = torch.cuda.Event()
             copied.record(stream)
-        return host, batch, copied
+            batch = tuple(t.contiguous(memory_format=self.memory_format) for t in staged)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return host, batch, copied, ready
 
 
 def get_fast_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"),
