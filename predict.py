@@ -111,6 +111,8 @@ def main(argv=None):
                                           fillvalue=np.nan)
             truth = source.get("Hydro")
             if truth is not None and truth.shape != hydro.shape:
+                print(f"The input's Hydro {truth.shape} is not the shape of the prediction {hydro.shape}: "
+                      f"not compared with it")
                 truth = None  # not this box's truth: nothing to compare with
             science = WholeBoxScience(box, truth, settings, args.lya_stride or max(1, box // 64), device)
             for x0, x1, slab in predict_slabs(model, source["Nbody"], tile, overlap, args.batch_size, device,

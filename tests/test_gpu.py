@@ -493,7 +493,8 @@ def test_the_generator_on_the_gpu_agrees_with_float64_physics_and_the_cpu():
 def test_the_generator_checks_gpu_memory_first(tmp_path):
     from utils import make_dataset as md
     with pytest.raises(md.GenerationError, match=r"not enough GPU memory for a 8192\^3 box: it needs about .* free on "
-                                                 r"cuda:0; free GPU memory, use --device cpu or a smaller --box"):
+                                                 r"cuda:0; free GPU memory, or generate it on the CPU first: python -m "
+                                                 r"utils.make_dataset --device cpu --box 8192 --out FILE"):
         md.write_dataset(tmp_path / "huge.h5", 8192, seed=1, progress=False, device="cuda:0")
     assert list(tmp_path.iterdir()) == []
 

@@ -466,9 +466,14 @@ def test_cli_failure_midway_is_one_line_and_leaves_nothing(tmp_path, capsys, mon
     assert os.listdir(tmp_path) == []
 
 
-def test_cli_running_out_of_memory_midway_is_one_line(tmp_path, capsys, monkeypatch):
-    def no_memory(*args, **kwargs):          # what torch raises when a CPU allocation fails
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"),  # the CPU's
+    torch.AcceleratorError("CUDA error: out of memory"),  # no room for a CUDA context
+    RuntimeError("cuFFT error: CUFFT_ALLOC_FAILED"),      # no room for a cuFFT plan
+])
+def test_cli_running_out_of_memory_midway_is_one_line(tmp_path, capsys, monkeypatch, error):
+    def no_memory(*args, **kwargs):
+        raise error
 
     monkeypatch.setattr(md, "_deposit", no_memory)
     argv = ["--box", "16", "--out", str(tmp_path / "x.h5")]

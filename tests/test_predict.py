@@ -203,7 +203,7 @@ def test_without_a_truth_only_the_predictions_own_flux_statistics(run_dir, tmp_p
     source = write_nbody(tmp_path / "nbody.h5", nbody(16))
     output = tmp_path / "hydro.h5"
     predict.main(["--checkpoint", str(run_dir), "--input", str(source), "--output", str(output), "--device", "cpu"])
-    assert "no Hydro in the input to compare with" in capsys.readouterr().out
+    assert "no true Hydro of this shape in the input to compare with" in capsys.readouterr().out
     with h5py.File(output, "r") as f:
         assert "p1d_true_km_s" not in f["lyman_alpha"] and f["lyman_alpha"]["p1d_pred_km_s"].shape == (8,)
         assert "l1_mean" not in f.attrs
@@ -211,6 +211,14 @@ def test_without_a_truth_only_the_predictions_own_flux_statistics(run_dir, tmp_p
                   "--force", "--no-lyman_alpha"])
     with h5py.File(output, "r") as f:
         assert "lyman_alpha" not in f
+    with h5py.File(source, "a") as f:  # a Hydro, but not of this box: said, and not compared
+        f["Hydro"] = np.zeros((5, 8, 8, 8), np.float32)
+    capsys.readouterr()
+    predict.main(["--checkpoint", str(run_dir), "--input", str(source), "--output", str(output), "--device", "cpu",
+                  "--force"])
+    out = capsys.readouterr().out
+    assert "The input's Hydro (5, 8, 8, 8) is not the shape of the prediction (5, 16, 16, 16): not compared" in out
+    assert "no true Hydro of this shape in the input to compare with" in out and "whole-box L1" not in out
 
 
 def test_lyman_alpha_follows_the_checkpoints_config_unless_the_flag_says_otherwise(model, tmp_path, capsys):

@@ -79,6 +79,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -193,15 +194,15 @@ def check_memory(n, slab, device, host_extra=0):
         free = torch.cuda.mem_get_info(device)[0]
         if need > free:
             raise GenerationError(f"not enough GPU memory for a {n}^3 box: it needs about {_gib(need)}, "
-                                  f"{_gib(free)} free on {device}; free GPU memory, use --device cpu "
-                                  f"or a smaller --box")
+                                  f"{_gib(free)} free on {device}; free GPU memory, or generate it on the CPU "
+                                  f"first: python -m utils.make_dataset --device cpu --box {n} --out FILE")
         need = 200 * min(slab, n) * n * n                                   # host: slabs in flight
     need += host_extra
     available = memory_available()
     if available is not None and need > available:
         raise GenerationError(f"not enough memory for a {n}^3 box: it needs about {_gib(need)} more, "
                               f"{_gib(available)} available (MemAvailable); free memory, use a machine with "
-                              f"more or a smaller --box")
+                              f"more, or a smaller box (make_dataset's --box, train.py's --box_size)")
 
 
 def output_bytes(box, npy=False):
@@ -796,24 +797,6 @@ def _file_attrs():
     return {**physical_attrs(), "generator": GENERATOR_VERSION}
 
 
-def write_h5(path, nbody, hydro, attrs=None):
-    """Write datasets Nbody/Hydro (contiguous float32, memory-mappable) and attrs, atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.create_dataset("Nbody", data=np.asarray(nbody, dtype=np.float32))
-            f.create_dataset("Hydro", data=np.asarray(hydro, dtype=np.float32))
-            for key, value in {**_file_attrs(), **(attrs or {})}.items():
-                f.attrs[key] = value
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
-
-
 def npy_paths(path_stem):
     """The DALI-layout files written next to ``path_stem`` (a path with or without .h5)."""
     stem = Path(path_stem)
@@ -866,7 +849,7 @@ def write_npy(path_stem, nbody, hydro, progress=None, then=None):
 
 
 def _attrs(box, seed, box_length, smoothing, physics):
-    """Per-file attributes: what was generated and with which physics (constants are added by write_h5)."""
+    """Per-file attributes: what was generated and with which physics (write_dataset adds the normalisation constants)."""
     length = box_length if box_length is not None else default_box_length(box)
     return dict(box=box, seed=seed, box_size_mpc_h=length, cell_size_mpc_h=length / box,
                 smoothing_cells=smoothing, **{**DEFAULT_PHYSICS, **physics})
@@ -999,9 +982,10 @@ def main(argv=None):
     except GenerationError:
         raise
     except (MemoryError, torch.OutOfMemoryError, RuntimeError) as err:
-        # torch reports a failed CPU allocation as a RuntimeError ("DefaultCPUAllocator: can't allocate").
+        # torch reports a failed CPU allocation as a RuntimeError ("DefaultCPUAllocator: can't allocate"), a CUDA
+        # context it cannot make as "CUDA error: out of memory", a cuFFT plan as "CUFFT_ALLOC_FAILED".
         if isinstance(err, RuntimeError) and not isinstance(err, torch.OutOfMemoryError) \
-                and "allocate" not in str(err):
+                and not re.search("allocat|out of memory|ALLOC_FAILED", str(err), re.IGNORECASE):
             raise
         raise GenerationError(f"ran out of memory generating a {args.box}^3 box ({type(err).__name__}); nothing "
                               f"was written. Free memory or choose a smaller --box") from err
