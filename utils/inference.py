@@ -203,8 +203,8 @@ class WholeBoxScience:
                              f"{stats.summary(scalars)}")
             else:
                 lines.append(f"Lyman-alpha ({num_skewers} skewers along the last axis): no true Hydro of this shape "
-                             f"in the input to compare with; the prediction's own flux PDF and P1D (normalised to mean flux "
-                             f"{self.settings.mean_flux:g}) are in the output's lyman_alpha group")
+                             f"in the input to compare with; the prediction's own flux PDF and P1D (normalised to "
+                             f"mean flux {self.settings.mean_flux:g}) are in the output's lyman_alpha group")
         for line in lines:
             print(line)
         return lines

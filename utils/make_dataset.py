@@ -849,7 +849,8 @@ def write_npy(path_stem, nbody, hydro, progress=None, then=None):
 
 
 def _attrs(box, seed, box_length, smoothing, physics):
-    """Per-file attributes: what was generated and with which physics (write_dataset adds the normalisation constants)."""
+    """Per-file attributes: what was generated and with which physics (write_dataset adds the normalisation
+    constants)."""
     length = box_length if box_length is not None else default_box_length(box)
     return dict(box=box, seed=seed, box_size_mpc_h=length, cell_size_mpc_h=length / box,
                 smoothing_cells=smoothing, **{**DEFAULT_PHYSICS, **physics})
