@@ -116,10 +116,21 @@ def test_a_yaml_written_for_older_code_is_told_what_to_add(tmp_path):
         load_config("old", path)
 
 
-def test_nested_key_checked(tmp_path):
+def test_nested_key_checked_and_named_as_its_flag(tmp_path):
     path = write_yaml(tmp_path, lambda c: c["lr_schedule"].update(start_rate=1.0))
-    with pytest.raises(ConfigError, match="unknown config key start_rate"):
+    with pytest.raises(ConfigError, match="unknown config key start_rate in lr_schedule; valid keys: end_lr, "):
         load_config("base", path)
+    with pytest.raises(ConfigError, match="config key 'lr_schedule.start_lr' must be a finite number, got 'abc'"):
+        load_config("base", overrides={"lr_schedule.start_lr": "abc"})
+    with pytest.raises(ConfigError, match="config key 'generate_data.val_seed' must be an integer >= 0, got -1"):
+        load_config("quickstart", overrides={"generate_data.val_seed": -1})  # a section that may be null
+
+
+@pytest.mark.parametrize("key", ["lr_schedule.start_lr", "lambda_rho", "peak_tflops"])
+@pytest.mark.parametrize("value", ["nan", "inf", float("nan"), float("-inf")])
+def test_a_number_that_is_not_finite_is_refused(key, value):
+    with pytest.raises(ConfigError, match=f"config key '{key}' must be a finite number"):
+        load_config("base", overrides={key: value})
 
 
 def test_malformed_yaml(tmp_path):

@@ -8,6 +8,7 @@ A flag that was not given is ``None`` and changes nothing, so a config that turn
 on is never silently turned off by an absent flag (a defect of the reference tutorial).
 """
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -55,11 +56,11 @@ def _float(value):
     # PyYAML (YAML 1.1) reads `2e-4` as a string; accept it rather than punish the user.
     if isinstance(value, str):
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError("a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError("a finite number")
     return float(value)
 
 
@@ -97,17 +98,17 @@ def _int_list(length=None):
 
 def _section(schema):
     @_flag(section=schema)
-    def check(value):
+    def check(value, name):  # name: the section's key, so that errors name the flag (lr_schedule.start_lr)
         if not isinstance(value, dict):
             raise TypeError(f"a mapping with keys {', '.join(schema)}")
-        _check_keys(value, schema, "")
-        return {key: _validate(f"{key}", value[key], schema[key][0]) for key in schema}
+        _check_keys(value, schema, f" in {name}")
+        return {key: _validate(f"{name}.{key}", value[key], schema[key][0]) for key in schema}
     return check
 
 
 def _optional(check):
-    def optional(value):
-        return None if value is None else check(value)
+    def optional(value, *name):
+        return None if value is None else check(value, *name)
     optional.cli = dict(check.cli)
     if "type" in optional.cli:  # on the command line, `null` sets the key to null
         inner = optional.cli["type"]
@@ -298,7 +299,7 @@ def _missing_hint(missing, yaml_path):
 
 def _validate(key, value, check):
     try:
-        return check(value)
+        return check(value, key) if "section" in check.cli else check(value)
     except TypeError as err:
         raise ConfigError(f"config key '{key}' must be {err}, got {value!r}") from None
 
