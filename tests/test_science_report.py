@@ -44,6 +44,11 @@ def test_page_from_a_prediction_file(pair, tmp_path, capsys):
     assert output == tmp_path / "prediction_report.png"
     assert capsys.readouterr().out == f"wrote {output}\n"
     check_page(output)
+    with h5py.File(prediction, "a") as f:  # the checkpoint that made it has been pruned since
+        f.attrs["checkpoint"] = str(tmp_path / "run" / "checkpoints" / "ckpt_step00000012.pt")
+    science_report.main([str(prediction), "--dpi", str(DPI)])
+    assert capsys.readouterr().out.startswith("Lyman-alpha settings: the defaults (the checkpoint the prediction "
+                                              "names is unreadable: cannot read checkpoint ")
 
 
 def test_page_from_a_run_directory(pair, tmp_path):
@@ -82,8 +87,15 @@ def test_errors_are_one_line(pair, tmp_path, capsys):
     orphan = tmp_path / "orphan.h5"
     with h5py.File(orphan, "w") as f:
         f["Hydro"] = hydro
+    small = tmp_path / "small.h5"
+    with h5py.File(small, "w") as f:
+        f["Hydro"] = hydro[:, :8, :8, :8]
     for argv, message in (([str(tmp_path / "missing")], "does not exist; give a run directory"),
-                          ([str(orphan)], "names no input file; give the true Hydro with --truth")):
+                          ([str(orphan)], "names no input file; give the true Hydro with --truth"),
+                          ([str(orphan), "--truth", str(tmp_path / "gone.h5")],
+                           "gone.h5 does not exist; give the true Hydro with --truth"),
+                          ([str(orphan), "--truth", str(small)], "the prediction (5, 16, 16, 16); give the true "
+                                                                 "Hydro of the predicted box with --truth")):
         with pytest.raises(SystemExit) as caught:
             science_report.cli(argv)
         assert caught.value.code == 2

@@ -7,7 +7,8 @@ With a run directory (or a checkpoint file) the newest checkpoint predicts the w
 (the run config's ``val_path``, or ``--input``: an HDF5 file with ``Nbody`` and the true ``Hydro``) by
 predict.py's overlapping tiles. With a prediction file the truth is ``--truth`` or, by default, the
 file predict.py read (its ``input`` attribute), which must hold ``Hydro``; the Lyman-alpha units come
-from the checkpoint named in its ``checkpoint`` attribute when that file is still there.
+from the checkpoint named in its ``checkpoint`` attribute when that file can still be read (else the defaults,
+said in a line).
 
 The page, for prediction against truth on the whole periodic box (no window: the box is periodic):
 middle slices of the five gas fields, the gas-density power-spectrum ratio, the temperature-density
@@ -34,7 +35,7 @@ from utils.cli import run as run_cli
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
 from utils.data import check_normalisation
-from utils.errors import DataError
+from utils.errors import CheckpointError, DataError
 from utils.science import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
                            log_density_edges, log_temperature_edges)
 from utils.science_plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
@@ -60,13 +61,13 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def _read_hydro(path, what):
+def _read_hydro(path, what, remedy):
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{what} {path} does not exist")
+        raise DataError(f"{what} {path} does not exist; {remedy}")
     with h5py.File(path, "r") as f:
         if "Hydro" not in f:
-            raise DataError(f"{what} {path} has no dataset 'Hydro' (found: {', '.join(f) or 'nothing'})")
+            raise DataError(f"{what} {path} has no dataset 'Hydro' (found: {', '.join(f) or 'nothing'}); {remedy}")
         return f["Hydro"][...].astype(np.float32), dict(f.attrs)
 
 
@@ -82,11 +83,12 @@ def load_from_run(source, input_path, device, cell_size=None):
     """(prediction, truth, description, settings section, cell size) by predicting the box with the newest checkpoint."""
     model, params, checkpoint, step = inference.load_trained_model(source, device)
     path = Path(input_path) if input_path else resolve_path(params.val_path)
-    truth, attrs = _read_hydro(path, "input")
+    truth, attrs = _read_hydro(path, "input", "give a file with Nbody and the true Hydro with --input")
     section, cell = _units(inference.lyman_alpha_section(params), path, cell_size)
     with h5py.File(path, "r") as f:
         if "Nbody" not in f:
-            raise DataError(f"input {path} has no dataset 'Nbody'")
+            raise DataError(f"input {path} has no dataset 'Nbody'; give a file with Nbody and the true Hydro "
+                            f"with --input")
         nbody = f["Nbody"][...].astype(np.float32)
     box, tile = nbody.shape[1], params.data_size
     inference.check_tiling(tile, 2 * (tile // 8), box, model.num_levels)
@@ -98,18 +100,22 @@ def load_from_run(source, input_path, device, cell_size=None):
 
 
 def load_from_prediction(source, truth_path, cell_size=None):
-    prediction, attrs = _read_hydro(source, "prediction")
+    prediction, attrs = _read_hydro(source, "prediction", "give a run directory or a file predict.py wrote")
     truth_path = truth_path or attrs.get("input")
     if truth_path is None:
         raise DataError(f"{source} names no input file; give the true Hydro with --truth")
-    truth, truth_attrs = _read_hydro(truth_path, "truth")
+    truth, truth_attrs = _read_hydro(truth_path, "truth", "give the true Hydro with --truth")
     if truth.shape != prediction.shape:
-        raise DataError(f"truth {truth_path} has shape {truth.shape}, the prediction {prediction.shape}")
+        raise DataError(f"truth {truth_path} has shape {truth.shape}, the prediction {prediction.shape}; give the "
+                        f"true Hydro of the predicted box with --truth")
     description = f"{Path(source).name} (step {attrs.get('step', '?')}) against {Path(truth_path).name}"
     config = {}
     checkpoint = attrs.get("checkpoint")
-    if checkpoint is not None and Path(checkpoint).is_file():   # the units the model was validated with
-        config = load_checkpoint(checkpoint)["config"]
+    try:
+        if checkpoint is not None:  # the units the model was validated with
+            config = load_checkpoint(checkpoint)["config"]
+    except CheckpointError as err:  # pruned or damaged since: the report can still be made
+        print(f"Lyman-alpha settings: the defaults (the checkpoint the prediction names is unreadable: {err})")
     section = inference.lyman_alpha_section(config if isinstance(config, dict) else {})
     section, cell = _units(section, truth_path, cell_size)
     return prediction, truth, description, section, cell

@@ -50,7 +50,8 @@ def check_data_file(path, box, in_channels, out_channels):
                         f"train_path/val_path at the real files (see README, 'Data')")
     shapes = read_volume_shapes(path, {"Nbody": in_channels, "Hydro": out_channels})
     if shapes["Nbody"][1:] != shapes["Hydro"][1:]:
-        raise DataError(f"{path}: Nbody box {shapes['Nbody'][1:]} differs from Hydro box {shapes['Hydro'][1:]}")
+        raise DataError(f"{path}: Nbody box {shapes['Nbody'][1:]} differs from Hydro box {shapes['Hydro'][1:]}; the "
+                        f"two volumes must cover the same cells: rewrite or regenerate the file")
     if shapes["Nbody"][1] != box:
         raise DataError(f"{path} holds a {shapes['Nbody'][1]}^3 box but the config's box_size says {box}; "
                         f"set box_size to match the files")
