@@ -25,11 +25,13 @@ fi
 export RANK=$SLURM_PROCID
 export LOCAL_RANK=$SLURM_LOCALID
 export WORLD_SIZE=$SLURM_NTASKS
+MASTER_ADDR=
 if command -v scontrol >/dev/null; then
-    MASTER_ADDR=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | head -n 1)
-else
-    # Containers often lack the Slurm client: srun's own address is the batch host, which is the
-    # first node of the allocation.
+    MASTER_ADDR=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" 2>/dev/null | head -n 1) || true
+fi
+if [[ -z $MASTER_ADDR ]]; then
+    # Containers often lack a working Slurm client: the address of the host that ran srun, which in an
+    # sbatch script is the first node of the allocation (not so from an salloc shell on a login node).
     MASTER_ADDR=${SLURM_LAUNCH_NODE_IPADDR:-$(hostname)}
 fi
 export MASTER_ADDR

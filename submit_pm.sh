@@ -1,7 +1,9 @@
 #!/bin/bash
 # Train on a Slurm cluster with one task per GPU and DistributedDataParallel over all of them.
 # The #SBATCH defaults are for NERSC Perlmutter (4 A100 per node); edit them for your site.
-# Submit from the repository root; every argument after the script name goes to train.py:
+# Submit from the repository root (elsewhere Slurm cannot open logs/slurm/ for the job's output and the job
+# fails without a log; `sacct -j JOBID -o State,ExitCode` shows it); every argument after the script name goes
+# to train.py:
 #
 #   sbatch -N 1 submit_pm.sh --config=short                     # 1 node  = 4 GPUs
 #   sbatch -N 8 submit_pm.sh --config=bs512_opt                 # 8 nodes = 32 GPUs
@@ -43,8 +45,10 @@ set -euo pipefail
 DATADIR=${DATADIR:-}                       # folder with train.h5 and val.h5; empty: the config's paths
 LOGDIR=${LOGDIR:-$PWD/logs}                # runs go to LOGDIR/<config>/<N>GPU/<run_num>/ (e.g. $SCRATCH/logs)
 CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}          # none | shifter | apptainer
-CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # shifter: e.g. nersc/pytorch:24.06.01; apptainer: a .sif file
+CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # docker/Dockerfile's image: shifter <registry>/<user>/nbody2hydro:latest;
+                                           # apptainer: its .sif file (docker/README.md)
 CPU_ONLY=${CPU_ONLY:-0}                    # 1: no GPU set-up at all (gloo backend); see the header
+REVERSE_GPUS=${REVERSE_GPUS:-1}            # GPU nodes: 1 reverses each task's GPU list (Perlmutter's layout, below)
 ENABLE_PROFILING=${ENABLE_PROFILING:-0}    # 1: Nsight Systems over train.py's profiler window
 PROFILE_OUTPUT=${PROFILE_OUTPUT:-profile}  # nsys report name: <name>.rank<R>.nsys-rep in this folder
 # BENCHY_OUTPUT: path of the --enable_benchy JSON (default: run_dir/benchy.json); read by train.py.
@@ -54,6 +58,7 @@ die() { echo "submit_pm.sh: $*" >&2; exit 2; }
 [[ -f train.py && -f export_DDP_vars.sh ]] || die "no train.py in $PWD; submit from the repository root"
 [[ $CPU_ONLY == 0 || $CPU_ONLY == 1 ]] || die "CPU_ONLY must be 0 or 1, got '$CPU_ONLY'"
 [[ $ENABLE_PROFILING == 0 || $ENABLE_PROFILING == 1 ]] || die "ENABLE_PROFILING must be 0 or 1, got '$ENABLE_PROFILING'"
+[[ $REVERSE_GPUS == 0 || $REVERSE_GPUS == 1 ]] || die "REVERSE_GPUS must be 0 or 1, got '$REVERSE_GPUS'"
 if [[ -n ${BENCHY_OUTPUT:-} ]]; then
     export BENCHY_OUTPUT
 fi
@@ -67,7 +72,7 @@ else
     # Perlmutter: GPU 3 is closest to the first cores, which Slurm gives to local rank 0; each task
     # reverses its GPU list (0,1,2,3 -> 3,2,1,0) in export_DDP_vars.sh, so each rank drives the GPU on
     # its NUMA domain. (Not here: srun sets every task's CUDA_VISIBLE_DEVICES anew.)
-    export REVERSE_GPUS=1
+    export REVERSE_GPUS
     # NERSC's advice for NCCL over Slingshot: libfabric's default memory-registration cache monitor can hang it.
     export FI_MR_CACHE_MONITOR=userfaultfd
 fi
@@ -93,7 +98,8 @@ fi
 case $CONTAINER_RUNTIME in
     none) container=() ;;
     shifter)
-        [[ -n $CONTAINER_IMAGE ]] || die "CONTAINER_RUNTIME=shifter needs CONTAINER_IMAGE (e.g. nersc/pytorch:24.06.01)"
+        [[ -n $CONTAINER_IMAGE ]] ||
+            die "CONTAINER_RUNTIME=shifter needs CONTAINER_IMAGE (docker/Dockerfile's image: docker/README.md)"
         # $SCRATCH, $HOME and /global are mounted in every shifter container on Perlmutter.
         container=(shifter --image="$CONTAINER_IMAGE")
         (( CPU_ONLY )) || container+=("--module=gpu,nccl-plugin")
@@ -107,11 +113,16 @@ case $CONTAINER_RUNTIME in
         ;;
     *) die "CONTAINER_RUNTIME must be none, shifter or apptainer, got '$CONTAINER_RUNTIME'" ;;
 esac
+if [[ $CONTAINER_RUNTIME != none ]]; then
+    # Both runtimes mount $HOME: packages pip put in ~/.local would shadow the image's (numpy, h5py, even torch).
+    export PYTHONNOUSERSITE=1
+fi
 
 mkdir -p "$LOGDIR"
 # srun does not inherit --cpus-per-task from sbatch since Slurm 22.05: pass it on, or the data
-# loader workers of each rank share a single core.
-launch=(srun --unbuffered --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
+# loader workers of each rank share a single core. --kill-on-bad-exit=0 whatever the site's KillOnBadExit: with 1,
+# srun would kill the other ranks when the first exits with code 3 and report their signal, not the 3 that requeues.
+launch=(srun --unbuffered --kill-on-bad-exit=0 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
 # exec: python (or nsys) replaces the task's shell. Slurm signals every process of the step, and a
 # shell would die of SIGUSR1. The command travels as "$@" so arguments with spaces stay intact.
 set -x
