@@ -10,6 +10,7 @@
 #   MASTER_PORT unless already set (MASTER_PORT=29611 sbatch ...): 20000 + job id % 10000, so two jobs
 #               sharing a node (a shared QOS) do not collide on the rendezvous port; 29500 without a job id.
 #               Below Linux's ephemeral range (32768-60999), where outgoing connections take their ports.
+#   HDF5_USE_FILE_LOCKING FALSE unless already set
 #   CUDA_VISIBLE_DEVICES  reversed (0,1,2,3 -> 3,2,1,0) when REVERSE_GPUS=1 (submit_pm.sh on GPU
 #               nodes): on Perlmutter local rank 0's cores are nearest GPU 3. Done here, in the task,
 #               because srun sets each task's CUDA_VISIBLE_DEVICES itself.
@@ -36,6 +37,9 @@ if [[ -z $MASTER_ADDR ]]; then
 fi
 export MASTER_ADDR
 export MASTER_PORT=${MASTER_PORT:-$(( 20000 + ${SLURM_JOB_ID:-9500} % 10000 ))}
+# Parallel file systems (Lustre, GPFS) often do not support the locks HDF5 takes by default; here, not in
+# submit_pm.sh alone, so that srun steps of an salloc (benchmarks/scaling_study.py) get it too.
+export HDF5_USE_FILE_LOCKING=${HDF5_USE_FILE_LOCKING:-FALSE}
 if [[ ${REVERSE_GPUS:-0} == 1 && -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
     IFS=, read -ra _gpus <<<"$CUDA_VISIBLE_DEVICES"
     _reversed=()

@@ -63,8 +63,7 @@ if [[ -n ${BENCHY_OUTPUT:-} ]]; then
     export BENCHY_OUTPUT
 fi
 
-# Parallel file systems (Lustre, GPFS) often do not support the locks HDF5 takes by default.
-export HDF5_USE_FILE_LOCKING=FALSE
+# (HDF5_USE_FILE_LOCKING=FALSE, for parallel file systems: export_DDP_vars.sh, in every task.)
 if (( CPU_ONLY )); then
     # Without this every rank starts one thread per core of the node and the ranks oversubscribe it.
     export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}

@@ -189,9 +189,25 @@ def test_export_ddp_vars_takes_master_from_the_first_node():
     assert result.stdout.split()[-1] == "21987", result.stderr  # a port per job: shared nodes do not collide
 
 
-def test_export_ddp_vars_without_scontrol_uses_the_launch_node(tmp_path):
-    result = source_export_ddp_vars({**TASK_ENV, "MASTER_PORT": "29611"}, str(tmp_path))  # empty PATH
+@pytest.mark.parametrize("scontrol", [None, "#!/bin/sh\necho 'scontrol: error: resolve_ctls_from_dns_srv' >&2\nexit 1\n"],
+                         ids=["no scontrol", "scontrol without a slurm.conf"])
+def test_export_ddp_vars_without_a_working_scontrol_uses_the_launch_node(tmp_path, scontrol):
+    if scontrol:  # as in a container that has the client but not the cluster's configuration
+        (tmp_path / "scontrol").write_text(scontrol)
+        (tmp_path / "scontrol").chmod(0o755)
+        (tmp_path / "head").symlink_to(shutil.which("head"))
+    result = source_export_ddp_vars({**TASK_ENV, "MASTER_PORT": "29611"}, str(tmp_path))  # no other commands
     assert result.stdout.split() == ["5", "1", "8", "10.1.2.3", "29611"], result.stderr
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "FALSE"), ("TRUE", "TRUE")])
+def test_export_ddp_vars_turns_hdf5_file_locking_off_unless_set(tmp_path, given, expected):
+    env = {**TASK_ENV, **({"HDF5_USE_FILE_LOCKING": given} if given else {})}
+    script = f"source {REPO_ROOT / 'export_DDP_vars.sh'} && echo $HDF5_USE_FILE_LOCKING"
+    result = subprocess.run(["/bin/bash", "-c", script], env={"PATH": str(tmp_path), **env}, capture_output=True,
+                            text=True)
+    assert result.stdout.split() == [expected], result.stderr
 
 
 @pytest.mark.parametrize("reverse, visible, expected", [("1", "0,1,2,3", "3,2,1,0"), ("1", "2", "2"),
@@ -217,6 +233,7 @@ def test_export_ddp_vars_refuses_outside_a_slurm_task():
     ({"CONTAINER_RUNTIME": "shifter"}, "CONTAINER_RUNTIME=shifter needs CONTAINER_IMAGE"),
     ({"CPU_ONLY": "yes"}, "CPU_ONLY must be 0 or 1, got 'yes'"),
     ({"CPU_ONLY": "1", "ENABLE_PROFILING": "1"}, "ENABLE_PROFILING=1 needs GPUs"),
+    ({"REVERSE_GPUS": "yes"}, "REVERSE_GPUS must be 0 or 1, got 'yes'"),
 ])
 def test_submit_pm_rejects_bad_settings_before_launching(env, message, tmp_path):
     result = subprocess.run(["bash", str(REPO_ROOT / "submit_pm.sh")], cwd=REPO_ROOT, capture_output=True,
