@@ -189,8 +189,10 @@ def test_export_ddp_vars_takes_master_from_the_first_node():
     assert result.stdout.split()[-1] == "21987", result.stderr  # a port per job: shared nodes do not collide
 
 
-@pytest.mark.parametrize("scontrol", [None, "#!/bin/sh\necho 'scontrol: error: resolve_ctls_from_dns_srv' >&2\nexit 1\n"],
-                         ids=["no scontrol", "scontrol without a slurm.conf"])
+FAILING_SCONTROL = "#!/bin/sh\necho 'scontrol: error: resolve_ctls_from_dns_srv' >&2\nexit 1\n"
+
+
+@pytest.mark.parametrize("scontrol", [None, FAILING_SCONTROL], ids=["no scontrol", "scontrol without a slurm.conf"])
 def test_export_ddp_vars_without_a_working_scontrol_uses_the_launch_node(tmp_path, scontrol):
     if scontrol:  # as in a container that has the client but not the cluster's configuration
         (tmp_path / "scontrol").write_text(scontrol)
