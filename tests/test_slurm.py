@@ -171,9 +171,8 @@ def test_preempted_job_is_requeued_with_the_same_arguments(slurm, tmp_path):
 
 
 # --- without a cluster ------------------------------------------------------------------------------
-def source_export_ddp_vars(env, path):
-    script = (f"source {REPO_ROOT / 'export_DDP_vars.sh'} && "
-              "echo $RANK $LOCAL_RANK $WORLD_SIZE $MASTER_ADDR $MASTER_PORT")
+def source_export_ddp_vars(env, path, shown="$RANK $LOCAL_RANK $WORLD_SIZE $MASTER_ADDR $MASTER_PORT"):
+    script = f"source {REPO_ROOT / 'export_DDP_vars.sh'} && echo {shown}"
     return subprocess.run(["/bin/bash", "-c", script], env={"PATH": path, **env}, capture_output=True, text=True)
 
 
@@ -206,9 +205,7 @@ def test_export_ddp_vars_without_a_working_scontrol_uses_the_launch_node(tmp_pat
 @pytest.mark.parametrize("given, expected", [(None, "FALSE"), ("TRUE", "TRUE")])
 def test_export_ddp_vars_turns_hdf5_file_locking_off_unless_set(tmp_path, given, expected):
     env = {**TASK_ENV, **({"HDF5_USE_FILE_LOCKING": given} if given else {})}
-    script = f"source {REPO_ROOT / 'export_DDP_vars.sh'} && echo $HDF5_USE_FILE_LOCKING"
-    result = subprocess.run(["/bin/bash", "-c", script], env={"PATH": str(tmp_path), **env}, capture_output=True,
-                            text=True)
+    result = source_export_ddp_vars(env, str(tmp_path), shown="$HDF5_USE_FILE_LOCKING")
     assert result.stdout.split() == [expected], result.stderr
 
 
@@ -216,9 +213,7 @@ def test_export_ddp_vars_turns_hdf5_file_locking_off_unless_set(tmp_path, given,
                                                         ("0", "0,1,2,3", "0,1,2,3"), (None, "0,1", "0,1")])
 def test_export_ddp_vars_reverses_the_tasks_gpus_when_asked(tmp_path, reverse, visible, expected):
     env = {**TASK_ENV, "CUDA_VISIBLE_DEVICES": visible, **({"REVERSE_GPUS": reverse} if reverse else {})}
-    script = f"source {REPO_ROOT / 'export_DDP_vars.sh'} && echo $CUDA_VISIBLE_DEVICES $RANK"
-    result = subprocess.run(["/bin/bash", "-c", script], env={"PATH": str(tmp_path), **env}, capture_output=True,
-                            text=True)
+    result = source_export_ddp_vars(env, str(tmp_path), shown="$CUDA_VISIBLE_DEVICES $RANK")
     assert result.stdout.split() == [expected, "5"], result.stderr
 
 

@@ -111,11 +111,11 @@ def load_from_prediction(source, truth_path, cell_size=None):
     description = f"{Path(source).name} (step {attrs.get('step', '?')}) against {Path(truth_path).name}"
     config = {}
     checkpoint = attrs.get("checkpoint")
-    try:
-        if checkpoint is not None:  # the units the model was validated with
+    if checkpoint is not None:  # the units the model was validated with
+        try:
             config = load_checkpoint(checkpoint)["config"]
-    except CheckpointError as err:  # pruned or damaged since: the report can still be made
-        print(f"Lyman-alpha settings: the defaults (the checkpoint the prediction names is unreadable: {err})")
+        except CheckpointError as err:  # pruned or damaged since: the report can still be made
+            print(f"Lyman-alpha settings: the defaults (the checkpoint the prediction names is unreadable: {err})")
     section = inference.lyman_alpha_section(config if isinstance(config, dict) else {})
     section, cell = _units(section, truth_path, cell_size)
     return prediction, truth, description, section, cell
