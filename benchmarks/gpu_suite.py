@@ -136,8 +136,9 @@ TEST_TIMEOUT_S = 240  # part g's limit per test where pytest-timeout is installe
 TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
 BENCHY_RUN_S = 10  # one of part c's benchmark-mode runs, eager, after autotuning: 37 s for four and the sweep
-# --compile: torch.compile of the full model in each training run of parts c-f (guesses, not measured in the suite:
-# the ladder's compile rung took 28 s with its 43 steps; later compiles in one process may hit Inductor's caches)
+# --compile: torch.compile of the full model in each training run of parts c-f (guesses: the ladder's compile rung
+# took 28 s with its 43 steps on the H100; later compiles in one process may hit Inductor's caches). On an H200
+# (2026-11-27, the first part of its call, the rewritten forms) d took 133 s (its guess 170) and e 21 s (guess 65).
 COMPILE_S = 25
 TRAINING_RUNS = {"c": 6, "d": 2, "e": 1, "f": 1}
 GATHER_PROBE_S = 20  # part c's gather probe: a 1024^3 box made on the GPU, four candidates (one compiled); a guess
