@@ -90,6 +90,16 @@ def test_a_directory_as_data_path_is_one_line(tiny_argv, tmp_path, capsys):
     assert code == 2 and f"data path {tmp_path} is a directory" in err
 
 
+
+def test_native_windows_is_one_line_that_names_wsl():
+    """train.py on a non-POSIX system (os.name 'nt', faked after torch's import, which the fake would break, and
+    before ours): one line, exit status 2, no traceback from fcntl's import."""
+    import subprocess
+    import sys
+    fake = "import os, runpy, sys, torch; os.name = 'nt'; sys.argv = ['train.py']; runpy.run_path('train.py', run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", fake], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "needs Linux" in result.stderr and "WSL2" in result.stderr
 def test_a_full_disk_writing_config_yaml_is_one_line(tiny_argv, tmp_path, capsys, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
