@@ -62,6 +62,9 @@ die() { echo "submit_pm.sh: $*" >&2; exit 2; }
 if [[ -n ${BENCHY_OUTPUT:-} ]]; then
     export BENCHY_OUTPUT
 fi
+# Absolute paths: a container binds them at the same place, and train.py reads them from any folder.
+LOGDIR=$(realpath -m -- "$LOGDIR")
+[[ -z $DATADIR ]] || DATADIR=$(realpath -m -- "$DATADIR")
 
 # (HDF5_USE_FILE_LOCKING=FALSE, for parallel file systems: export_DDP_vars.sh, in every task.)
 if (( CPU_ONLY )); then
@@ -113,6 +116,9 @@ case $CONTAINER_RUNTIME in
     *) die "CONTAINER_RUNTIME must be none, shifter or apptainer, got '$CONTAINER_RUNTIME'" ;;
 esac
 if [[ $CONTAINER_RUNTIME != none ]]; then
+    command -v "$CONTAINER_RUNTIME" > /dev/null ||
+        die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME, but this node has no $CONTAINER_RUNTIME command: load its module" \
+            "before sbatch (the job inherits your PATH), or set CONTAINER_RUNTIME to a runtime this site has"
     # Both runtimes mount $HOME: packages pip put in ~/.local would shadow the image's (numpy, h5py, even torch).
     export PYTHONNOUSERSITE=1
 fi

@@ -243,3 +243,48 @@ def test_submit_pm_must_be_submitted_from_the_repository(tmp_path):
     result = subprocess.run(["bash", str(REPO_ROOT / "submit_pm.sh")], cwd=tmp_path, capture_output=True,
                             text=True)
     assert result.returncode == 2 and "submit from the repository root" in result.stderr
+
+
+def stub_commands(folder, stubs=(), links=("realpath", "mkdir")):
+    """A PATH folder: ``stubs`` that print their name and arguments, and links to the real ``links``."""
+    folder.mkdir()
+    for name in stubs:
+        (folder / name).write_text('#!/bin/bash\necho "${0##*/} $*"\n')
+        (folder / name).chmod(0o755)
+    for name in links:
+        (folder / name).symlink_to(shutil.which(name))
+    return str(folder)
+
+
+def fake_repository(tmp_path):
+    """The files submit_pm.sh looks for in the folder it is submitted from; nothing of this repository's is written."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.py").touch()
+    (repo / "export_DDP_vars.sh").touch()
+    return repo
+
+
+def test_submit_pm_names_a_missing_container_runtime_before_launching(tmp_path):
+    env = {**os.environ, "PATH": stub_commands(tmp_path / "bin", stubs=("srun",)), "CONTAINER_RUNTIME": "shifter",
+           "CONTAINER_IMAGE": "registry/user/nbody2hydro:latest"}
+    result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh")], cwd=fake_repository(tmp_path),
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "srun" not in result.stdout + result.stderr
+    assert "CONTAINER_RUNTIME=shifter, but this node has no shifter command: load its module" in result.stderr
+
+
+def test_submit_pm_gives_apptainer_and_train_py_absolute_paths(tmp_path):
+    """LOGDIR and DATADIR given relative: apptainer binds, and train.py gets, the absolute folders (srun and
+    apptainer are stand-ins that print their arguments)."""
+    repo = fake_repository(tmp_path)
+    env = {**os.environ, "PATH": f"{stub_commands(tmp_path / 'bin', stubs=('srun', 'apptainer'))}:{os.environ['PATH']}",
+           "CONTAINER_RUNTIME": "apptainer", "CONTAINER_IMAGE": "image.sif", "LOGDIR": "runs", "DATADIR": "../boxes"}
+    result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh"), "--config=short"], cwd=repo,
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    logs, data = repo / "runs", tmp_path / "boxes"
+    assert f"apptainer exec --bind {logs},{data} --nv image.sif bash -c" in result.stdout
+    assert (f"python train.py --expdir {logs} --train_path {data}/train.h5 --val_path {data}/val.h5 --config=short"
+            in result.stdout)
+    assert logs.is_dir()
