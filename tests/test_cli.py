@@ -3,6 +3,8 @@ abbreviations, $EXPDIR on the precedence path, the run-folder rule, and stop sig
 import errno
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -90,16 +92,16 @@ def test_a_directory_as_data_path_is_one_line(tiny_argv, tmp_path, capsys):
     assert code == 2 and f"data path {tmp_path} is a directory" in err
 
 
-
 def test_native_windows_is_one_line_that_names_wsl():
     """train.py on a non-POSIX system (os.name 'nt', faked after torch's import, which the fake would break, and
     before ours): one line, exit status 2, no traceback from fcntl's import."""
-    import subprocess
-    import sys
-    fake = "import os, runpy, sys, torch; os.name = 'nt'; sys.argv = ['train.py']; runpy.run_path('train.py', run_name='__main__')"
+    fake = ("import os, runpy, sys, torch; os.name = 'nt'; sys.argv = ['train.py']; "
+            "runpy.run_path('train.py', run_name='__main__')")
     result = subprocess.run([sys.executable, "-c", fake], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "needs Linux" in result.stderr and "WSL2" in result.stderr
+
+
 def test_a_full_disk_writing_config_yaml_is_one_line(tiny_argv, tmp_path, capsys, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -248,7 +250,6 @@ def test_a_run_folder_in_use_is_refused_in_one_line(tiny_argv, tmp_path, capsys)
 def test_a_run_folder_in_use_stops_every_ddp_rank(tiny_argv, tmp_path):
     """Rank 0's start-up error reaches the other ranks (broadcast), instead of leaving them in a collective."""
     import socket
-    import subprocess
     import sys
     from utils.run_dir import RunLock
     run_dir = tmp_path / "runs" / "tiny" / "2GPU" / "0"

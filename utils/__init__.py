@@ -1,17 +1,11 @@
 """The project's library. It needs a POSIX system: run folders are locked with ``fcntl`` (utils/run_dir.py),
 Slurm's warning signal SIGUSR1 stops a run cleanly (utils/run_control.py), and peak host memory comes from
-``resource`` (utils/metrics.py). On native Windows, importing it ends the process with one line that says so,
-instead of a traceback from the first of those imports."""
+``resource`` (utils/metrics.py). On native Windows, importing it ends the process with one line that says so
+(exit status 2, a user error's), instead of a traceback from the first of those imports."""
 import os
 import sys
 
-
-def require_posix(os_name=os.name):
-    """End the process with a one-line error (exit status 2, a user error's) unless ``os_name`` is POSIX's."""
-    if os_name != "posix":
-        print("error: this project needs Linux (or another POSIX system, such as macOS): it locks run folders "
-              "with fcntl and stops cleanly on SIGUSR1; on Windows, run it under WSL2", file=sys.stderr)
-        sys.exit(2)
-
-
-require_posix()
+if os.name != "posix":
+    print("error: this project needs Linux (or another POSIX system, such as macOS): it locks run folders "
+          "with fcntl and stops cleanly on SIGUSR1; on Windows, run it under WSL2", file=sys.stderr)
+    sys.exit(2)
