@@ -14,7 +14,7 @@ plus two side rungs: the CUDA graph of the compiled model, and torch.compile wit
 two rungs that end at the ``*_opt`` configs' settings: channels-last with the convolution forms that
 measured fastest on an H100 (``down0=rewritten,last=rewritten``, compile off), then torch.compile on top
 (``up0`` rewritten too); and a last candidate rung, the same compiled step with ``last`` as an overlap-add
-(``last=overlap_add``, not yet measured on a GPU). These three set their own forms; ``--conv_forms`` sets
+(``last=overlap_add``: 2751 against 2692 samples/s on the H100, 2026-11-27). These three set their own forms; ``--conv_forms`` sets
 every other rung's. A
 rung means the rungs above it plus its own change, also when ``--rungs`` runs it alone
 (``--rungs channels_last`` is bf16, fused Adam and channels-last).

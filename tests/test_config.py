@@ -29,8 +29,8 @@ def test_reference_values():
 
 def test_the_opt_configs_are_the_ladders_last_rung_and_build_on_a_cuda_model():
     """short_opt and bs64_opt (and the large-batch configs built on it) train as the ladder's OPT_RUNG
-    (compile_conv_forms) measured on the H100, and train.py's compile + channels-last rule (pytorch#171622) lets
-    them through."""
+    (compile_conv_forms) measured on the H100, with the GPU-resident loader's compiled gather, and train.py's
+    compile + channels-last rule (pytorch#171622) lets them through."""
     from benchmarks import ladder
     from networks.UNet import build_model
     from utils.training import compile_channels_last_blockers
@@ -43,6 +43,7 @@ def test_the_opt_configs_are_the_ladders_last_rung_and_build_on_a_cuda_model():
         params = load_config(name)
         assert {key: getattr(params, key) for key in settings} == {**settings, "amp_mode": "bf16"}, name
         assert params.enable_fused and params.data_loader_config == "gpu" and params.gpu_storage_dtype == "fp16"
+        assert params.gpu_gather == "compiled", name  # part c on the H100, 2026-11-27: FULL/SYNTHETIC 0.964, 0.940 eager
         model = build_model(params)
         model.set_conv_forms(params.conv_forms)
         assert compile_channels_last_blockers(model, params.data_size) == []
