@@ -73,7 +73,7 @@ its tests on ``TEST_WORKERS`` pytest-xdist workers and part i runs only when nam
 (not yet timed): by the guesses ``OUT`` runs a-c and prints the call for the rest, ``OUT2 --parts defgh``.
 The first part that trains in a process without the ladder (b) before it is given ``FIRST_TRAINING_PART_S``
 more: cuDNN's autotuning of a fresh process. With ``--compile`` each training run of parts c-f is given
-``COMPILE_S`` more, and the parts take three calls by the guesses: ``ab``, ``cde`` and ``fgh``.
+``COMPILE_S`` more, and the parts take three calls by the guesses: ``ab``, ``cdef`` and ``gh``.
 
 OUT_DIR receives at most 8 files: summary.json (the results behind benchmarks/results/h100.json),
 summary.md, probe.json, ladder.json, ladder.md, ladder.png, suite.log (every step and its output)
@@ -127,8 +127,9 @@ SMALL = dict(box=[32, 32], crop=16, batch=4, channels=[8, 16], steps_per_epoch=6
 # Rough seconds per part on an H100, from the runs of 2026-11-24 (a-f and h 407 s; g 170 s; i 213 s) plus a margin;
 # since then b has three more ladder rungs (two compiles), c the gather probe (one compile) and two benchmark-mode runs
 # (about 8 s each), f the prefetch probe's convolution step, and h a forward timing and a profiled run per form
-# (about 30 profiler sessions, and the overlap_add form of the six transposed layers; h took 19 s before). A part is
-# started only if it fits the budget.
+# (about 30 profiler sessions, and the overlap_add form of the six transposed layers; h took 19 s before). On the
+# H100 on 2026-11-27: a 12 s, f 70 s as the first training part of its process, h 24 s, c with --compile 150 s, and
+# the ladder's last four rungs alone 99 s; the guesses stay above these. A part is started only if it fits the budget.
 # g: 164 s in one process for 30 tests; now with TEST_WORKERS pytest-xdist workers, a guess not yet measured.
 DEFAULT_PARTS = "abcdefgh"
 PART_SECONDS = {"b": 370, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 60, "i": 240}
@@ -136,10 +137,11 @@ TEST_TIMEOUT_S = 240  # part g's limit per test where pytest-timeout is installe
 TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
 BENCHY_RUN_S = 10  # one of part c's benchmark-mode runs, eager, after autotuning: 37 s for four and the sweep
-# --compile: torch.compile of the full model in each training run of parts c-f (guesses: the ladder's compile rung
-# took 28 s with its 43 steps on the H100; later compiles in one process may hit Inductor's caches). On an H200
-# (2026-11-27, the first part of its call, the rewritten forms) d took 133 s (its guess 170) and e 21 s (guess 65).
-COMPILE_S = 25
+# --compile: torch.compile of the full model in each training run of parts c-f. Inductor's caches on disk make every
+# compile after the first cheap: on the H100 (2026-11-27, part c with the rewritten forms) the first compiled run
+# took 112 s (cuDNN's autotuning, compiling, the fast loader) and the five after it 4-7 s each, 156 s for the part
+# (the guesses with 25 s per run: 330). On an H200 d took 133 s and e 21 s (guesses then 170 and 65).
+COMPILE_S = 10
 TRAINING_RUNS = {"c": 6, "d": 2, "e": 1, "f": 1}
 GATHER_PROBE_S = 20  # part c's gather probe: a 1024^3 box made on the GPU, four candidates (one compiled); a guess
 CALL_START_S = 30  # a call's own start: torch's import, CUDA, the environment (part a without its probe), the data
