@@ -138,9 +138,9 @@ TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes i
 FIRST_TRAINING_PART_S = 50  # c and d, first in a fresh process with the rewritten forms: 92 and 96 s
 BENCHY_RUN_S = 10  # one of part c's benchmark-mode runs, eager, after autotuning: 37 s for four and the sweep
 # --compile: torch.compile of the full model in each training run of parts c-f. Inductor's caches on disk make every
-# compile after the first cheap: on the H100 (2026-11-27, part c with the rewritten forms) the first compiled run
-# took 112 s (cuDNN's autotuning, compiling, the fast loader) and the five after it 4-7 s each, 156 s for the part
-# (the guesses with 25 s per run: 330). On an H200 d took 133 s and e 21 s (guesses then 170 and 65).
+# compile after the first cheap: in part c on the H100 (2026-11-27, 150 s above; 330 s by the guesses with 25 s per
+# run) the first compiled run took 112 s (cuDNN's autotuning, compiling, the fast loader) and the five after it 4-7 s
+# each. On an H200 d took 133 s and e 21 s (guesses then 170 and 65).
 COMPILE_S = 10
 TRAINING_RUNS = {"c": 6, "d": 2, "e": 1, "f": 1}
 GATHER_PROBE_S = 20  # part c's gather probe: a 1024^3 box made on the GPU, four candidates (one compiled); a guess

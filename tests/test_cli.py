@@ -250,7 +250,6 @@ def test_a_run_folder_in_use_is_refused_in_one_line(tiny_argv, tmp_path, capsys)
 def test_a_run_folder_in_use_stops_every_ddp_rank(tiny_argv, tmp_path):
     """Rank 0's start-up error reaches the other ranks (broadcast), instead of leaving them in a collective."""
     import socket
-    import sys
     from utils.run_dir import RunLock
     run_dir = tmp_path / "runs" / "tiny" / "2GPU" / "0"
     run_dir.mkdir(parents=True)

@@ -43,7 +43,7 @@ def test_the_opt_configs_are_the_ladders_last_rung_and_build_on_a_cuda_model():
         params = load_config(name)
         assert {key: getattr(params, key) for key in settings} == {**settings, "amp_mode": "bf16"}, name
         assert params.enable_fused and params.data_loader_config == "gpu" and params.gpu_storage_dtype == "fp16"
-        assert params.gpu_gather == "compiled", name  # part c on the H100, 2026-11-27: FULL/SYNTHETIC 0.964, 0.940 eager
+        assert params.gpu_gather == "compiled", name  # H100 part c, 2026-11-27: FULL/SYNTHETIC 0.964, eager 0.940
         model = build_model(params)
         model.set_conv_forms(params.conv_forms)
         assert compile_channels_last_blockers(model, params.data_size) == []
