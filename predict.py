@@ -13,14 +13,14 @@ Tiling, memory and the whole-box science are in utils/inference.py.
 Science on the whole box: when the input file also holds the true ``Hydro`` (a generated or simulated
 pair), the whole-box L1 is printed, and (unless ``--no-lyman_alpha``, or the checkpoint's config has
 ``lyman_alpha.enabled: false`` and ``--lyman_alpha`` is not given) the Lyman-alpha forest statistics
-of prediction and truth (utils/lyman_alpha.py): optical depth along skewers on the box's last axis
+of prediction and truth (science/lyman_alpha.py): optical depth along skewers on the box's last axis
 (every ``--lya_stride``-th cell along the other two; default N/64, at least 1: 4096 skewers), periodic,
 normalised so that the truth has the checkpoint config's mean flux, then the mean flux, the flux PDF
 distances and the P1D ratio per wavelength octave. They are printed and stored in the output file (the
 ``lyman_alpha`` group: spectra, PDFs, and the scalars as attributes). Without a truth the prediction is normalised
 to the mean flux itself and only its own statistics are stored. The units (redshift, H(z), cell size)
 come from the checkpoint's ``lyman_alpha`` config, the cell size from the input's ``cell_size_mpc_h``
-attribute when the config leaves it null. ``python -m utils.science_report`` draws the whole picture.
+attribute when the config leaves it null. ``python -m science.report`` draws the whole picture.
 """
 import argparse
 import os

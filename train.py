@@ -5,6 +5,10 @@
     torchrun --nproc_per_node=4 train.py --config=bs256_opt   # one node, DDP
     sbatch -N 8 submit_pm.sh --config=bs512_opt               # Slurm
 
+Read it top to bottom: ``build_training`` makes the model, optimiser, autocast, GradScaler, the DDP wrap and
+torch.compile; ``eager_step`` is one optimiser step; ``validate`` the validation pass; ``train`` the loop, with
+its checkpoint calls; ``main`` the run's set-up. train_graph.py reuses all of it and swaps in its step.
+
 Config precedence: base values < named config < flags given on the command line (utils/config.py).
 Runs write ``out.log``, ``config.yaml`` and TensorBoard ``logs/`` to
 ``expdir/<config>/<N>GPU/<run_num>/``.
@@ -14,27 +18,28 @@ import logging
 import os
 import sys
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
+from networks.UNet import build_model, loss_func
 from utils import metrics
-from utils.benchy import run_benchmark
 from utils.checkpoint import list_checkpoints
 from utils.checkpoint_manager import CheckpointManager
 from utils.cli import OneLineParser, run as run_cli
 from utils.config import DEFAULT_YAML, add_config_arguments, config_overrides_from_args, load_config, save_config
-from utils.data import get_data_loader, lacks_normalisation
+from utils.data import get_data_loader
 from utils.data.prepare import prepare_data
-from utils.distributed import all_reduce_sum, cleanup, env_world_size, init_distributed, peer_lost
+from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, env_world_size, init_distributed,
+                               peer_lost, register_comm_hook)
 from utils.errors import ConfigError
 from utils.lr_schedule import learning_rate, total_steps
 from utils.run_control import StartupSignals
 from utils.run_dir import make_run_dir, resume_on_restart
-from utils.run_log import EventWriter, agree_on_held_failure, setup_logging
-from utils.science import format_summary, lyman_alpha_settings
-from utils.science_plots import write_tensorboard
-from utils.training import build_training, eager_step, mean_predictor_l1, training_stream, validate
+from utils.run_log import EventWriter, agree_on_held_failure, log_epoch, log_interval, log_startup, setup_logging
 
 logger = logging.getLogger("train")
 
@@ -82,96 +87,188 @@ def config_overrides(args, world_size):
     return overrides
 
 
-def log_validation(writer, step, val_loss, science, example, params):
-    if params.data_loader_config != "synthetic":  # physics of random numbers means nothing
-        scalars = science.compute()
-        logger.info(f"  Science: {format_summary(scalars)}")
-        if science.flux is not None:
-            logger.info(f"  Lyman-alpha: {science.flux.summary(scalars)}")
+# --- the model, the optimiser and the step ---------------------------------------------------------------------
+
+@dataclass
+class TrainState:
+    """Everything one training step needs; train_graph.py swaps in its own step function."""
+    params: dict
+    info: DistInfo
+    model: torch.nn.Module              # the plain module (what checkpoints and FLOP counts see)
+    train_model: torch.nn.Module        # what the step calls: maybe DDP-wrapped, maybe compiled
+    loss_fn: object
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    autocast: object
+    memory_format: torch.memory_format
+    profiler: object
+    global_step: int = 0
+    notes: list = field(default_factory=list)
+
+    def to_device(self, tensor):
+        # non_blocking: from pinned memory the copy overlaps with the step already queued on the GPU
+        return tensor.to(self.info.device, non_blocking=True, memory_format=self.memory_format)
+
+    def set_lr(self, lr):
+        for group in self.optimizer.param_groups:
+            if torch.is_tensor(group["lr"]):
+                group["lr"].fill_(lr)  # a CUDA-graph-captured optimizer reads its lr from this tensor
+            else:
+                group["lr"] = lr
+
+
+def build_optimizer(model, params, device, capturable=False):
+    """Adam; fused (one kernel for all parameters) when asked for, else PyTorch's default implementation."""
+    lr = params.lr_schedule["start_lr"]
+    if capturable:  # train_graph.py captures step(): the lr must live in a device tensor that set_lr fills
+        # Name the implementation: fused=False alone selects the single-tensor Adam, not foreach; its capturable
+        # update divides 0 by -0.0 at lr 0 (the first warm-up step), writing NaN into weights whose gradient is
+        # always 0 (most taps of the layers next to the 1^3 level).
+        implementation = "fused" if params.enable_fused else "foreach"
+        lr = torch.tensor(lr, dtype=torch.float32, device=device)
+        return (torch.optim.Adam(model.parameters(), lr=lr, capturable=True, **{implementation: True}),
+                f"torch Adam ({implementation}, capturable, lr on device)")
+    if params.enable_apex:
+        try:
+            from apex.optimizers import FusedAdam  # in NVIDIA's containers; never pip-install "apex"
+            return FusedAdam(model.parameters(), lr=lr, adam_w_mode=False), "apex FusedAdam"
+        except ImportError:
+            logger.info("apex is not importable here; --enable_apex uses PyTorch's fused Adam instead")
+    if params.enable_fused or params.enable_apex:
+        return torch.optim.Adam(model.parameters(), lr=lr, fused=True), "torch Adam (fused)"
+    # PyTorch's default: foreach (a few multi-tensor kernels) on CUDA, a loop over the parameters on the CPU
+    implementation = "foreach" if device.type == "cuda" else "for-loop"
+    return torch.optim.Adam(model.parameters(), lr=lr), f"torch Adam ({implementation})"
+
+
+def set_backend_flags(params, device):
+    """Process-wide math and algorithm choices of PyTorch's backends."""
+    if params.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # required by deterministic cuBLAS
+        torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":
+        # pick the fastest conv algorithms for the fixed crop shape (some are not bit-reproducible)
+        torch.backends.cudnn.benchmark = not params.deterministic
+        # cuDNN engines timed per new convolution shape (PyTorch's default 10; 0: every engine that fits)
+        torch.backends.cudnn.benchmark_limit = params.cudnn_benchmark_limit
+        torch.backends.cuda.matmul.allow_tf32 = params.enable_tf32
+        torch.backends.cudnn.allow_tf32 = params.enable_tf32
+
+
+def build_training(params, info, capturable=False, run_dir=None):
+    """The model (channels-last, DDP-wrapped and compiled as configured), Adam, autocast and GradScaler."""
+    device = info.device
+    torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
+    model = build_model(params)
+    model.set_conv_forms(params.conv_forms)  # same parameters in every form; load_config checked the value
+    if params.enable_jit and params.channels_last and device.type == "cuda":
+        from networks.conv_forms import check_compile_channels_last
+        check_compile_channels_last(model, params.data_size)
+    set_backend_flags(params, device)
+    memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=memory_format)
+    optimizer, optimizer_name = build_optimizer(model, params, device, capturable)
+
+    train_model, ddp_note = model, "single process"
+    if info.enabled and not params.noddp:
+        # DDP all-reduces the gradients in buckets during the backward pass, overlapping communication with the
+        # rest of the backward; every rank then takes the same optimiser step.
+        train_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=params.bucket_cap_mb, gradient_as_bucket_view=params.gradient_as_bucket_view,
+            static_graph=params.static_graph, **ddp_buffer_sync(params.broadcast_buffers))
+        ddp_note = register_comm_hook(train_model, params)
+    elif info.enabled:
+        ddp_note = "NO gradient synchronisation (--noddp: measures compute without communication; NOT real training)"
+
+    loss_fn = loss_func
+    if params.enable_jit:  # compile what the step calls: the (wrapped) model and the loss
+        train_model = torch.compile(train_model)
+        loss_fn = torch.compile(loss_func)
+
+    # Mixed precision: autocast runs the convolutions in fp16/bf16 and keeps the reductions in fp32. fp16's narrow
+    # range needs the loss scaled so that small gradients do not flush to zero; bf16 has fp32's range and needs none.
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(params.amp_mode)
+    autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else nullcontext()
+    scaler = torch.amp.GradScaler(device.type, enabled=params.amp_mode == "fp16")
+
+    if params.enable_manual_profiling or params.profile_dir is not None:
+        from utils.profiling import Profiler
+        profiler = Profiler(params, run_dir or Path.cwd(), device)
+    else:
+        profiler = metrics.NO_PROFILER
+    state = TrainState(params, info, model, train_model, loss_fn, optimizer, scaler, autocast, memory_format,
+                       profiler)
+    state.notes += [f"optimizer: {optimizer_name}", ddp_note]
+    return state
+
+
+def forward_loss(state, model, inp, tar):
+    """(prediction, float32 loss) of ``model`` on a batch, under the run's autocast: the one forward-and-loss
+    of the eager step, the graph step and validation."""
+    with state.autocast:
+        prediction = model(inp)  # (B, C_out, S, S, S)
+    return prediction, state.loss_fn(prediction.float(), tar, state.params.lambda_rho)
+
+
+def eager_step(state, inp, tar):
+    """One optimiser step; returns the loss as a device tensor (no host sync here)."""
+    ranges = state.profiler
+    state.optimizer.zero_grad()  # grads to None: torch's default, and apex FusedAdam's, whose zero_grad takes no flag
+    with ranges.range("forward"):
+        _, loss = forward_loss(state, state.train_model, inp, tar)
+    with ranges.range("backward"):
+        state.scaler.scale(loss).backward()  # fp16: the scaled loss; the scaler unscales before the step
+    with ranges.range("optimizer"):
+        state.scaler.step(state.optimizer)  # skipped (and the scale lowered) when a gradient overflowed
+        state.scaler.update()
+    return loss.detach()
+
+
+@torch.no_grad()
+def validate(state, loader):
+    """(validation loss over all ranks, weighted by samples (rank shares may differ), science hook or None): on real
+    data the science metrics (science/) are measured on the same predictions."""
+    params, info = state.params, state.info
+    science = None
+    if params.data_loader_config != "synthetic":  # the physics of random numbers means nothing
+        from science import ValidationScience
+        science = ValidationScience(params, info.device)
+    state.model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+    count = 0
+    for inp, tar in loader:
+        inp, tar = state.to_device(inp), state.to_device(tar)
+        prediction, loss = forward_loss(state, state.model, inp, tar)
+        loss_sum += loss.double() * inp.shape[0]
+        count += inp.shape[0]
+        if science:
+            science.update(inp, prediction, tar)
+    state.model.train()
+    total, total_count = all_reduce_sum([loss_sum.item(), count], info)
+    return total / total_count, science
+
+
+def log_validation(writer, state, val_loss, science):
+    if science:  # every rank: the science metrics' sums are all-reduced first
+        science.report(state.info, writer, state.global_step, logger.info)
     if writer:
-        writer.add_scalar("Loss/valid", val_loss, step)
-        if params.data_loader_config != "synthetic":
-            write_tensorboard(writer, step, science, example)
+        writer.add_scalar("Loss/valid", val_loss, state.global_step)
 
 
-def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
-    info = state.info
-    shown = run_dir.relative_to(Path.cwd()) if run_dir.is_relative_to(Path.cwd()) else run_dir
-    logger.info(f"Run directory: {shown}")
-    logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
-                f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
-                f"global batch {params.global_batch_size} ({params.global_batch_size // info.world_size} per rank), "
-                f"{steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
-    logger.info(f"Model: U-Net {params.model_channels} full_scale={params.full_scale}, "
-                f"{state.model.describe(params.data_size)}")
-    active = [f"amp_mode={params.amp_mode}"] + [name for name in (
-        "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
-    if info.device.type == "cuda":
-        active += [f"tf32={'on' if params.enable_tf32 else 'off'}",
-                   f"cudnn_benchmark_limit={params.cudnn_benchmark_limit}",
-                   f"stream={'high-priority' if params.stream_priority == 'high' else 'default'}"]
-    loader = getattr(train_loader, "description", f"straightforward {params.data_loader_config}: per-sample crops, "
-                                                   f"{params.num_data_workers} worker processes, default collate")
-    logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")
-    logger.info(f"Data loader: {loader}")
-    if params.data_loader_config != "synthetic" and info.is_main:
-        for path in dict.fromkeys((params.train_path, params.val_path)):
-            if lacks_normalisation(path):
-                logger.warning(f"WARNING: {path} stores no normalisation constants (not a utils/make_dataset.py file): "
-                               "the physical-unit metrics assume utils/units.py's, rho/mean = exp(14 x), "
-                               "v = 500 x km/s, T = 10^(4.5 + 2.5 x) K")
-    if params.noddp and info.enabled:
-        logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "
-                       "communication and is NOT real training.")
+# --- the loop ------------------------------------------------------------------------------------------------
 
-
-def log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses, lr, meter):
-    """The log line of an interval, and every step's loss since the last one (one host sync) to TensorBoard."""
-    losses = torch.stack(step_losses).tolist()
-    step_losses.clear()
-    rates = meter.interval(steps=state.global_step, samples_per_step=state.params.global_batch_size)
-    eta = (num_steps - state.global_step) / max(rates["steps_per_sec"], 1e-9)
-    logger.info(f"epoch {epoch + 1} step {step_in_epoch + 1}/{steps_per_epoch} (global {state.global_step}/"
-                f"{num_steps}) | loss {losses[-1]:.5f} | lr {lr:.3e} | {rates['samples_per_sec']:.1f} samples/s | "
-                f"data wait {100 * rates['wait_share']:.0f}% | ETA {metrics.format_duration(eta)}")
-    if writer:
-        writer.add_scalar("Learning Rate", lr, state.global_step)
-        first = state.global_step - len(losses) + 1
-        for offset, value in enumerate(losses):  # this rank's loss at every step
-            writer.add_scalar("Loss/train_step", value, first + offset)
-
-
-def log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time):
-    steady = summary.get("steady_samples_per_sec")
-    logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, "
-                f"avg {summary['samples_per_sec']:.2f} samples/sec" + (
-                    "" if steady is None else f" ({steady:.2f} after the first log interval)"))
-    logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
-                f"MFU {metrics.format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
-                f"({summary['memory_kind']}" + ("" if summary["peak_memory_reserved_gb"] is None
-                                               else f", {summary['peak_memory_reserved_gb']:.2f} GB reserved") + ")")
-    logger.info(f"  Avg train loss={train_loss:.6f}")
-    if writer:
-        step = state.global_step
-        writer.add_scalar("Loss/train", train_loss, step)
-        writer.add_scalar("Avg iters per sec", epoch_steps / epoch_time, step)
-        writer.add_scalar("Perf/samples_per_sec", summary["samples_per_sec"], step)
-        writer.add_scalar("Perf/data_wait_share", summary["wait_share"], step)
-        writer.add_scalar("Perf/peak_memory_GB", summary["peak_memory_gb"], step)
-        if summary["peak_memory_reserved_gb"] is not None:
-            writer.add_scalar("Perf/peak_memory_reserved_GB", summary["peak_memory_reserved_gb"], step)
-        if summary["mfu"] is not None:
-            writer.add_scalar("Perf/MFU", summary["mfu"], step)
-
-
-def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resume_fallback=None):
-    """The tutorial's loop: data, step, log, validate, checkpoint. Returns the final validation loss (None when
-    there was nothing to train, or in benchmark mode)."""
+def train(params, state, run_dir, make_step=lambda state: eager_step, resume_from="auto", resume_fallback=None):
+    """The tutorial's loop: data, step, log, validate, checkpoint. ``make_step(state)`` returns the step function
+    (train_graph.py's captures a CUDA graph). Returns the final validation loss (None when there was nothing to
+    train, or in benchmark mode)."""
     info = state.info
     train_loader, train_sampler = get_data_loader(params, "train", info.rank, info.world_size, info.device)
     val_loader, val_sampler = get_data_loader(params, "val", info.rank, info.world_size, info.device)
     steps_per_epoch, num_steps = train_sampler.steps_per_epoch, total_steps(params)
-    lyman_alpha_settings(params)  # a data file that does not say its cell size fails now, not after an epoch
+    if params.data_loader_config != "synthetic":
+        from science import check_settings
+        check_settings(params)  # a data file that does not say its cell size fails now, not after an epoch
     log_startup(params, state, run_dir, steps_per_epoch, train_loader)
     checkpoints = CheckpointManager(state, run_dir)
     resumed_loss_sum = checkpoints.resume(resume_from, resume_fallback)
@@ -194,6 +291,7 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
                              num_steps)
 
     if params.enable_benchy:
+        from utils.benchy import run_benchmark
         run_benchmark(params, state, step, train_loader, train_sampler, run_dir, logger.info)
         if not params.benchy["continue_training"]:
             logger.info("Benchmark mode done; exiting (--benchy_continue trains afterwards)")
@@ -204,13 +302,13 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
     writer = (EventWriter(run_dir / "logs", hold=info.enabled,  # under DDP a failure stops all ranks together
                           purge_step=state.global_step + 1 if state.global_step else 0) if info.is_main else None)
     if state.global_step == 0 or checkpoints.validation_pending:
-        val_loss, science, example = validate(state, val_loader)
+        val_loss, science = validate(state, val_loader)
         if state.global_step == 0:
             logger.info(f"Initial val loss={val_loss:.6f}")
         else:
             logger.info(f"  Avg val loss={val_loss:.6f} (epoch {state.global_step // steps_per_epoch}'s, which the "
                         f"stopped run left to this one)")
-        log_validation(writer, state.global_step, val_loss, science, example, params)
+        log_validation(writer, state, val_loss, science)
         if writer and state.global_step == 0:
             writer.add_scalar("Learning Rate", lr_at(0), 0)
 
@@ -243,7 +341,7 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
                     if state.global_step % params.log_every_n_steps == 0 or last_in_epoch:
                         log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses,
                                      lr, meter)
-                    checkpoints.after_step(loss, loss_sum, last_in_epoch)
+                    checkpoints.after_step(loss, loss_sum, last_in_epoch)  # a checkpoint when due; stop signals
                 stop = checkpoints.end_of_epoch()
                 epoch_time = time.perf_counter() - epoch_start
                 epoch_steps = steps_per_epoch - first_step
@@ -253,10 +351,10 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
                 if stop:  # the grace period before SIGKILL is for the checkpoint; the rerun validates first
                     checkpoints.save_epoch(epoch)  # raises Preempted
                 val_start = time.perf_counter()
-                val_loss, science, example = validate(state, val_loader)
+                val_loss, science = validate(state, val_loader)
                 logger.info(f"  Avg val loss={val_loss:.6f}")
                 logger.info(f"  Total validation time: {time.perf_counter() - val_start:.1f} sec")
-                log_validation(writer, state.global_step, val_loss, science, example, params)
+                log_validation(writer, state, val_loss, science)
                 checkpoints.save_epoch(epoch, last=epoch + 1 == params.num_epochs)
                 resumed_loss_sum = 0.0
     finally:
@@ -267,8 +365,9 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
             if writer:
                 writer.close(ending_with)
 
-    baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
-    if baseline is not None:
+    if params.data_loader_config != "synthetic":
+        from science import mean_predictor_l1
+        baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
         logger.info(f"Final validation L1 {val_loss:.5f} vs {baseline:.5f} for the mean predictor "
                     f"(ratio {val_loss / baseline:.3f}; lower is better)")
     return val_loss
@@ -329,6 +428,14 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                     lock.release()
     finally:
         signals.close()
+
+
+def training_stream(device, priority):
+    """The CUDA stream the run's work goes to: PyTorch's default, or a high-priority one (utils/data/gpu.py)."""
+    if priority == "normal" or device.type != "cuda":
+        return nullcontext()
+    from utils.data.gpu import high_priority_stream
+    return high_priority_stream(device)
 
 
 def cli(entry=main):

@@ -31,7 +31,6 @@ import torch
 import train
 from utils.checkpoint import restore_training_state, snapshot_training_state
 from utils.errors import ConfigError
-from utils.training import forward_loss
 
 NUM_WARMUP_STEPS = 3  # eager steps before capture: cuDNN autotuning, lazy optimizer state, compilation
 
@@ -57,7 +56,7 @@ def check_graph_support(params, world_size):
 
 def train_step_body(state, inp, tar):
     """eager_step without zero_grad and GradScaler (disabled for none/bf16): what the graph records."""
-    _, loss = forward_loss(state, state.train_model, inp, tar)
+    _, loss = train.forward_loss(state, state.train_model, inp, tar)
     loss.backward()
     state.optimizer.step()
     return loss.detach()
@@ -67,12 +66,12 @@ def check_capturable(optimizer, device):
     for group in optimizer.param_groups:
         if not group.get("capturable"):
             raise RuntimeError("the optimizer was not built with capturable=True; "
-                               "build it with utils.training.build_training(params, info, capturable=True)")
+                               "build it with train.build_training(params, info, capturable=True)")
         lr = group["lr"]
         if not (torch.is_tensor(lr) and lr.device == device):
             # A Python float would be baked into the graph: the LR schedule would silently stop.
             raise RuntimeError(f"the optimizer's lr must be a tensor on {device} for a CUDA graph, got {lr!r}; "
-                               f"build it with utils.training.build_training(params, info, capturable=True) and keep it a "
+                               f"build it with train.build_training(params, info, capturable=True) and keep it a "
                                f"tensor when loading optimizer state")
 
 

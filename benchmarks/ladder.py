@@ -30,7 +30,7 @@ a compiled graph), and why the two CUDA-graph rungs measure both branches.
 key; PyTorch's default 10, 0: all). cuDNN keeps its choice for a shape for the rest of the process, so
 compare two values in two runs of this script.
 
-Every rung builds the model as train.py does (``utils.training.build_training``: same seed, same initial
+Every rung builds the model as train.py does (``utils.train.build_training``: same seed, same initial
 weights) and trains on one batch of generated N-body -> hydro crops cached on the device, so the
 numbers measure compute alone (the tutorial's SYNTHETIC trial), not data loading. Per rung:
 
@@ -64,7 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from utils import training  # noqa: E402
+import train  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from train_graph import capture_train_step  # noqa: E402
 from utils import metrics  # noqa: E402
@@ -86,7 +86,7 @@ class Rung:
 
 # The fastest --conv_forms of an eager bf16 channels-last step on an H100 (benchmarks/conv_variants.py, the GPU
 # suite's part h: 2249 against 1731 samples/s native; benchmarks/results/h100.md). up0 must be rewritten too
-# where compile meets channels-last on CUDA (pytorch#171622; utils/training.py).
+# where compile meets channels-last on CUDA (pytorch#171622; networks/conv_forms.py).
 FASTEST_EAGER_FORMS = "down0=rewritten,last=rewritten"
 
 RUNGS = (
@@ -208,11 +208,11 @@ def synchronize(device):
 def run_rung(rung, params, device, batch, args):
     """Loss check, then timed windows, for one rung; returns its numbers."""
     info = DistInfo(device=device)
-    state = training.build_training(params, info, capturable=True) if rung.graph else training.build_training(params, info)
+    state = train.build_training(params, info, capturable=True) if rung.graph else train.build_training(params, info)
     # One batch, cached on the device in the rung's memory format: the steps measure compute alone.
     inp, tar = (tensor.to(device, memory_format=state.memory_format) for tensor in batch)
     state.set_lr(initial_lr(params.lr_schedule, params.global_batch_size, params.base_batch_size))
-    step = capture_train_step(state, inp, tar) if rung.graph else training.eager_step
+    step = capture_train_step(state, inp, tar) if rung.graph else train.eager_step
 
     # clone: a graph step returns its static loss tensor, which the next replay overwrites
     losses = [step(state, inp, tar).clone() for _ in range(args.loss_steps)]

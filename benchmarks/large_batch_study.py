@@ -31,7 +31,7 @@ samples seen and against wall-clock time) and <out>.json:
     highest final loss of all runs, a loss every run reached): its samples seen and wall-clock minutes;
   - the median training throughput (samples/s of the whole job) and the wall-clock time of the run (from its
     first TensorBoard event to its last validation; a resumed run also counts the gap before it restarted);
-  - science metrics at the end (utils/science.py): the temperature-density slope gamma against the target's,
+  - science metrics at the end (science/metrics.py): the temperature-density slope gamma against the target's,
     and the Lyman-alpha flux PDF distance.
 """
 import argparse

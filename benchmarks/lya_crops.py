@@ -5,7 +5,7 @@
 Generates a 128^3 box (seed 1, the quickstart training box), measures the true field's flux P1D on the
 whole periodic box (every 2nd skewer of each axis) and on its non-overlapping 32^3 and 64^3 crops
 treated as periodic along the skewer, with and without the window, and prints crop/box per mode
-(the box's P1D interpolated to the crop's k) and the time taken. utils/lyman_alpha.py quotes it.
+(the box's P1D interpolated to the crop's k) and the time taken. science/lyman_alpha.py quotes it.
 """
 import sys
 import time
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import utils.make_dataset as md  # noqa: E402
-from utils import lyman_alpha as lya  # noqa: E402
+from science import lyman_alpha as lya  # noqa: E402
 
 
 def crops(x, size):

@@ -5,7 +5,7 @@
 
 For every option and seed it trains ``quickstart`` (train.py, a subprocess) and measures the result two
 ways: the validation metrics train.py logged at the end (32^3 crops, Hann window; TensorBoard) and the
-whole periodic 64^3 validation box predicted by predict.py's tiling (no window; utils/science_report.py).
+whole periodic 64^3 validation box predicted by predict.py's tiling (no window; science/report.py).
 Then one longer run per option (``--long_epochs``, seed 0). It writes a Markdown table (median and range
 over seeds), a side-by-side figure (slices, gas power ratio, P1D ratio, flux PDF) and the science-report
 page of the best option's longer run, next to ``--out``.
@@ -37,9 +37,9 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from networks.UNet import build_model, loss_func  # noqa: E402
-from utils import science_report  # noqa: E402
+from science import report as science_report  # noqa: E402
 from utils.config import load_config  # noqa: E402
-from utils.lyman_alpha import LymanAlphaSettings  # noqa: E402
+from science.lyman_alpha import LymanAlphaSettings  # noqa: E402
 
 QUICKSTART_SAMPLES = 2048       # Nsamples of quickstart: 256 steps of 8 per epoch
 THREADS = 1                     # per run: on a shared 2-core machine two threads thrash when another job runs
@@ -142,7 +142,7 @@ def table(results, options, key_prefix, title, long=False):
 
 def comparison_figure(boxes, options, path):
     """Slices (gas density and vx) of target and each option, power ratio, P1D ratio and flux PDF overlaid."""
-    from utils.science_plots import display_hydro
+    from science.plots import display_hydro
     truth = boxes[options[0]][1]
     middle = truth.shape[1] // 2
     fig = Figure(figsize=(4 * (len(options) + 1), 11.5), layout="constrained")

@@ -55,6 +55,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from utils.errors import ConfigError
+
 FORMS = ("native", "rewritten", "padded", "matmul", "unfold", "overlap_add")
 CONV_ONLY, TRANSPOSED_ONLY = ("unfold",), ("overlap_add",)  # forms that compute one kind of layer
 MATMUL_INPUT_EDGE = {False: 2, True: 1}  # transposed -> the input edge where the matmul form is exact
@@ -410,3 +412,32 @@ class StridedConv3d(_StridedForm, nn.Conv3d):
 class StridedConvTranspose3d(_StridedForm, nn.ConvTranspose3d):
     """``nn.ConvTranspose3d(C_in, C_out, kernel_size=4, stride=2, padding=1)`` computed in ``self.form``."""
     transposed = True
+
+
+def compile_channels_last_blockers(model, crop_size):
+    """The layers that stop torch.compile + channels-last on CUDA: transposed convolutions run natively (not in the
+    ``rewritten`` form) on a 1^3 input, the bottom of the U-Net (up0 of the reference model on 64^3 crops).
+
+    The compiled backward of such a layer fails Inductor's stride check (pytorch#171622, seen with torch 2.11): a
+    channels-last (N, C, 1, 1, 1) tensor is also a contiguous one, Inductor may lay it out either way, and cuDNN's
+    transposed-convolution backward takes the weight gradient's layout from its input and output gradient
+    (ATen's ConvShared.cpp), while Inductor predicts it from the input and the channels-last weight. The
+    ``rewritten`` form pads the input to 3^3 and runs a stride-1 convolution instead, with no ambiguous layout;
+    the ``matmul`` and ``overlap_add`` forms run no convolution at all.
+    tests/test_gpu.py checks both sides of the rule on a GPU (results: benchmarks/results/h100.md).
+    """
+    edges = model.conv_input_sizes(crop_size)
+    return [name for name, module in model.conv_layers()
+            if module.transposed and module.form not in ("rewritten", "matmul", "overlap_add") and edges[name] == 1]
+
+
+def check_compile_channels_last(model, crop_size):
+    """Refuse, in one line, the compile + channels-last set-ups that fail on CUDA (``compile_channels_last_blockers``)."""
+    blockers = compile_channels_last_blockers(model, crop_size)
+    if blockers:
+        forms = ",".join(f"{name}=rewritten" for name in blockers)
+        raise ConfigError(
+            f"enable_jit and channels_last together fail on CUDA for a transposed convolution on a 1^3 input "
+            f"({', '.join(blockers)}): a PyTorch Inductor bug (pytorch#171622, seen with torch 2.11) breaks its "
+            f"compiled backward; add --conv_forms {forms} (the same maths as a stride-1 convolution), or drop "
+            f"--channels_last or --enable_jit")

@@ -15,7 +15,6 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from utils import training
 from networks.UNet import UNet, loss_func
 from utils import checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, load_checkpoint, plain_state_dict, rng_state,
@@ -227,7 +226,7 @@ def test_wall_clock_checkpoints_in_a_training_run(tiny_argv, tmp_path, monkeypat
 
     def slow_step(state, inp, tar):
         now[0] += 25.0
-        return training.eager_step(state, inp, tar)
+        return train.eager_step(state, inp, tar)
 
     argv = tiny_argv + ["--run_num", "clock", "--checkpoint_every_minutes", minutes, "--checkpoint_every_n_steps", "0",
                         "--keep_checkpoints", "20"]
@@ -264,7 +263,7 @@ def test_a_stop_at_an_epochs_end_checkpoints_before_validating_and_the_rerun_val
     whole = train.main(argv + ["--run_num", "whole"])
 
     def signal_in_the_last_step_of_the_epoch(state, inp, tar):
-        loss = training.eager_step(state, inp, tar)
+        loss = train.eager_step(state, inp, tar)
         if state.global_step + 1 == 8 * stopped_epoch:  # as a scheduler would: the signal during that step
             os.kill(os.getpid(), signal.SIGUSR1)
         return loss
@@ -451,12 +450,11 @@ SIGNAL_ON_RANK1 = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 import train
-from utils import training
 stop_after = int(os.environ["STOP_AFTER_STEP"])  # 0: no signal
 
 
 def step(state, inp, tar):
-    loss = training.eager_step(state, inp, tar)
+    loss = train.eager_step(state, inp, tar)
     if os.environ["RANK"] == "1" and state.global_step + 1 == stop_after:  # as Slurm would, to one task only
         os.kill(os.getpid(), signal.SIGUSR1)
     return loss

@@ -33,7 +33,7 @@ def test_the_opt_configs_are_the_ladders_last_rung_and_build_on_a_cuda_model():
     compile + channels-last rule (pytorch#171622) lets them through."""
     from benchmarks import ladder
     from networks.UNet import build_model
-    from utils.training import compile_channels_last_blockers
+    from networks.conv_forms import compile_channels_last_blockers
     settings = {}
     for rung in ladder.RUNGS:  # the rungs' settings accumulate, as in a GPU run of the whole ladder
         settings.update(rung.settings)

@@ -382,7 +382,8 @@ def test_compile_with_channels_last_is_refused_on_cuda_only_for_a_native_transpo
     fails Inductor's stride check. build_training refuses exactly that, in one line, before touching the device
     (so a CPU test can ask with a CUDA device), and names the conv_forms value that avoids it."""
     from utils.distributed import DistInfo
-    from utils.training import build_training, compile_channels_last_blockers
+    from train import build_training
+    from networks.conv_forms import compile_channels_last_blockers
     cuda = DistInfo(device=torch.device("cuda"))
     params = tiny_params(model_channels=[4, 8, 8], data_size=8, upsample=upsample, enable_jit=True,
                          channels_last=True)   # 3 levels on 8^3 crops: up0 sees the 1^3 bottom

@@ -25,7 +25,6 @@ import yaml
 from torch._dynamo.utils import counters
 
 import train
-from utils import training
 import train_graph
 from benchmarks import kernel_probe
 from conftest import TINY_OVERRIDES
@@ -86,8 +85,8 @@ def test_graph_replay_trains_like_eager_steps(tiny_params, compiled):
     params = tiny_params(**TINY_CUDA, Nsamples=4 * NUM_STEPS, enable_jit=compiled)
     info = init_distributed("cuda")
     assert info.device == CUDA
-    eager = training.build_training(params, info)
-    graphed = training.build_training(params, info, capturable=True)
+    eager = train.build_training(params, info)
+    graphed = train.build_training(params, info, capturable=True)
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     assert (graphed.train_model is not graphed.model) == compiled
     initial = flat_weights(eager.model)
@@ -98,7 +97,7 @@ def test_graph_replay_trains_like_eager_steps(tiny_params, compiled):
     eager_losses = []
     for lr, (inp, tar) in zip(lrs, batches):
         eager.set_lr(lr)
-        eager_losses.append(training.eager_step(eager, inp, tar).item())
+        eager_losses.append(train.eager_step(eager, inp, tar).item())
     torch._dynamo.reset()  # the graphed model compiles afresh, in its warm-up on the capture's stream
     counters.clear()
 
@@ -137,8 +136,8 @@ def test_rewritten_convolutions_capture_in_a_graph_and_give_the_native_gradients
     gradients on the same batch within bf16 rounding (a wrong form gives a difference of order 1)."""
     settings = {**TINY_CUDA, "amp_mode": "bf16", "enable_fused": True, "channels_last": True, "Nsamples": 4 * NUM_STEPS}
     info = init_distributed("cuda")
-    native = training.build_training(tiny_params(**settings), info)
-    forms = training.build_training(tiny_params(**settings, conv_forms=spec), info, capturable=True)
+    native = train.build_training(tiny_params(**settings), info)
+    forms = train.build_training(tiny_params(**settings, conv_forms=spec), info, capturable=True)
     assert [module.form for _, module in forms.model.conv_layers()] == expected
     assert torch.equal(flat_weights(native.model), flat_weights(forms.model))
     batches = [tuple(t.contiguous(memory_format=torch.channels_last_3d) for t in batch)
@@ -152,7 +151,7 @@ def test_rewritten_convolutions_capture_in_a_graph_and_give_the_native_gradients
     native.set_lr(0.0)  # weights stay put: every batch compares gradients at the same weights
     forms.set_lr(0.0)
     for inp, tar in batches:
-        native_loss = training.eager_step(native, inp, tar).item()
+        native_loss = train.eager_step(native, inp, tar).item()
         form_loss = step(forms, inp, tar).item()
         assert form_loss == pytest.approx(native_loss, rel=1e-2)
         want = torch.cat([p.grad.flatten() for p in native.model.parameters()])
@@ -183,7 +182,7 @@ def random_batches(size, count=3, seed=0):
                               "1^3 bottom, matrix products: unfold and overlap_add"])
 def test_compile_with_channels_last_trains_like_eager_where_build_training_allows_it(tiny_params, size, forms,
                                                                                       upsample):
-    """What utils/training.py's compile_channels_last_blockers lets through: no native transposed convolution on a
+    """What networks/conv_forms.py's compile_channels_last_blockers lets through: no native transposed convolution on a
     1^3 input. The compiled channels-last step must run (Inductor's stride checks pass) and give the eager model's
     loss and gradients (fp32, TF32 off, lr 0 so every batch compares at the same weights). If this fails, the
     refusal must cover more than that layer: say so in the README and widen the rule. (Every cuDNN engine is timed
@@ -191,15 +190,15 @@ def test_compile_with_channels_last_trains_like_eager_where_build_training_allow
     settings = {**TINY_CUDA, "model_channels": [8, 16, 16], "data_size": size, "channels_last": True,
                 "conv_forms": forms, "upsample": upsample, "cudnn_benchmark_limit": 0}
     info = init_distributed("cuda")
-    eager = training.build_training(tiny_params(**settings), info)
+    eager = train.build_training(tiny_params(**settings), info)
     assert torch.backends.cudnn.benchmark_limit == 0  # the key reaches cuDNN's autotuner
-    compiled = training.build_training(tiny_params(**settings, enable_jit=True), info)
+    compiled = train.build_training(tiny_params(**settings, enable_jit=True), info)
     assert compiled.train_model is not compiled.model
     eager.set_lr(0.0)
     compiled.set_lr(0.0)
     for inp, tar in random_batches(size):
-        want_loss = training.eager_step(eager, inp, tar).item()
-        got_loss = training.eager_step(compiled, inp, tar).item()
+        want_loss = train.eager_step(eager, inp, tar).item()
+        got_loss = train.eager_step(compiled, inp, tar).item()
         assert got_loss == pytest.approx(want_loss, rel=1e-4)
         want = torch.cat([p.grad.flatten() for p in eager.model.parameters()])
         got = torch.cat([p.grad.flatten() for p in compiled.model.parameters()])
@@ -223,7 +222,7 @@ def test_pytorch_171622_still_breaks_a_native_transposed_conv_on_one_voxel():
     else:
         pytest.fail(f"pytorch#171622 no longer reproduces on this small model with torch {torch.__version__}: try "
                     f"`python benchmarks/ladder.py --rungs compile_channels_last` with the refusal lifted "
-                    f"(utils/training.py, compile_channels_last_blockers); if the full model runs, lift it for "
+                    f"(networks/conv_forms.py, compile_channels_last_blockers); if the full model runs, lift it for "
                     f"this torch version")
     finally:
         torch._dynamo.reset()
@@ -232,7 +231,7 @@ def test_pytorch_171622_still_breaks_a_native_transposed_conv_on_one_voxel():
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_set_lr_after_capture_drives_the_replayed_adam_step(tiny_params, fused):
     params = tiny_params(**TINY_CUDA, enable_fused=fused)
-    state = training.build_training(params, init_distributed("cuda"), capturable=True)
+    state = train.build_training(params, init_distributed("cuda"), capturable=True)
     lr = state.optimizer.param_groups[0]["lr"]
     assert torch.is_tensor(lr) and lr.device == CUDA and all(g["lr"] is lr for g in state.optimizer.param_groups)
     address = lr.data_ptr()
@@ -270,7 +269,7 @@ def test_a_replay_at_lr_0_leaves_never_updated_weights_finite(tiny_params, fused
     # Adam's second moment stay exactly 0. Warm-up starts at lr 0, and torch's single-tensor capturable Adam
     # (what fused=False alone selects) divides 0 by -0.0 there: NaN weights from the first step.
     params = tiny_params(**{**TINY_CUDA, "model_channels": [8, 16, 16, 16]}, enable_fused=fused)
-    state = training.build_training(params, init_distributed("cuda"), capturable=True)
+    state = train.build_training(params, init_distributed("cuda"), capturable=True)
     (inp, tar), = device_batches(tiny_params, count=1)
     step = train_graph.capture_train_step(state, inp, tar)
     before = flat_weights(state.model)
@@ -349,7 +348,7 @@ def test_a_high_priority_stream_runs_every_step_there_and_trains_the_same(graph_
     runs = {}
     for priority in ("normal", "high"):
         seen = set()
-        make_step = recording(train_graph.make_graph_step if graph else lambda state: training.eager_step, seen)
+        make_step = recording(train_graph.make_graph_step if graph else lambda state: train.eager_step, seen)
         loss = train.main(argv + ["--stream_priority", priority, "--run_num", priority], make_step=make_step,
                           capturable=graph, check=train_graph.check_graph_support if graph else None)
         runs[priority] = loss, seen
@@ -585,7 +584,7 @@ def test_peak_memory_of_a_known_allocation():
 def test_reference_model_mfu_and_peak_memory_are_plausible():
     batch, crop, steps = 2, 64, 5
     params = load_config("base", overrides={"device": "cuda", "amp_mode": "bf16", "global_batch_size": batch})
-    state = training.build_training(params, init_distributed("cuda"))
+    state = train.build_training(params, init_distributed("cuda"))
     num_params = sum(p.numel() for p in state.model.parameters())
     assert num_params == 116_977_029
     generator = torch.Generator(device=CUDA).manual_seed(0)
@@ -593,13 +592,13 @@ def test_reference_model_mfu_and_peak_memory_are_plausible():
     tar = torch.rand((batch, 5, crop, crop, crop), device=CUDA, generator=generator) * 2 - 1
     state.set_lr(1e-5)
     for _ in range(3):  # cuDNN autotuning, Adam's state
-        training.eager_step(state, inp, tar)
+        train.eager_step(state, inp, tar)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(CUDA)
     meter = metrics.StepMeter(CUDA)
     start = time.perf_counter()
     for _ in range(steps):
-        loss = training.eager_step(state, inp, tar)
+        loss = train.eager_step(state, inp, tar)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     peak = metrics.peak_flops(CUDA, params.amp_mode, params.enable_tf32)
@@ -622,7 +621,7 @@ def test_reference_model_mfu_and_peak_memory_are_plausible():
 def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path, monkeypatch):
     """One GPU cannot hold two NCCL ranks, but NCCL refuses CPU tensors in a one-rank group all the same (the
     CPU tests run gloo, which takes them): the run's collectives and DDP with the bf16 hook on the real backend."""
-    from utils import lyman_alpha
+    from science import lyman_alpha
     from utils.distributed import DistInfo, all_reduce_sum
     from utils.checkpoint_manager import CHECKPOINT_FAILED, LOG_FAILED
     from utils.run_control import RunControl
@@ -649,11 +648,11 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
         assert len(devices) == 4 and all(device == CUDA for device in devices), devices
 
         (inp, tar), = device_batches(tiny_params, count=1)
-        with training.training_stream(CUDA, "high"):  # as train.py runs --stream_priority high: DDP built there too
-            state = training.build_training(tiny_params(**TINY_CUDA, ddp_comm_hook="bf16"), info)
+        with train.training_stream(CUDA, "high"):  # as train.py runs --stream_priority high: DDP built there too
+            state = train.build_training(tiny_params(**TINY_CUDA, ddp_comm_hook="bf16"), info)
             assert any("DDP (nccl)" in note for note in state.notes), state.notes
             before = flat_weights(state.model)
-            assert torch.isfinite(training.eager_step(state, inp, tar)).item()
+            assert torch.isfinite(train.eager_step(state, inp, tar)).item()
         assert not torch.equal(flat_weights(state.model), before)
 
         # The *_opt configs' combination under DDP: compiled, channels-last, rewritten forms (a 1^3 bottom). Weights
@@ -663,11 +662,11 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
                     "channels_last": True,
                     "conv_forms": "down0=rewritten,last=rewritten,up0=rewritten", "enable_jit": True,
                     "amp_mode": "bf16", "enable_fused": True}
-        state = training.build_training(tiny_params(**settings), info)
+        state = train.build_training(tiny_params(**settings), info)
         assert any("DDP (nccl)" in note for note in state.notes), state.notes
         before = flat_weights(state.model)
         for inp, tar in random_batches(8, count=2):
-            assert torch.isfinite(training.eager_step(state, inp, tar)).item()
+            assert torch.isfinite(train.eager_step(state, inp, tar)).item()
         assert not torch.equal(flat_weights(state.model), before)
     finally:
         dist.destroy_process_group()

@@ -96,7 +96,7 @@ def test_the_capture_after_a_compiled_warm_up_compiles_nothing_new(tiny_params, 
     nothing, and the warm-up is undone."""
     from torch._dynamo.utils import counters
     from utils.distributed import init_distributed
-    from utils.training import build_training
+    from train import build_training
     params = tiny_params(enable_jit=True, channels_last=channels_last, amp_mode="bf16")
     state = build_training(params, init_distributed("cpu"))
     initial = {name: value.clone() for name, value in state.model.state_dict().items()}
@@ -132,7 +132,7 @@ def test_a_float_learning_rate_is_refused_for_capture():
 def test_the_capturable_optimizer_is_foreach_or_fused_never_single_tensor(tiny_params, fused):
     """fused=False alone would pick torch's single-tensor Adam, whose capturable update writes NaN into weights
     with an always-zero gradient when lr is 0 (the first warm-up step); tests/test_gpu.py checks that on a GPU."""
-    from utils.training import build_optimizer
+    from train import build_optimizer
     params = tiny_params(enable_fused=fused)
     optimizer, name = build_optimizer(UNet([4, 8]), params, torch.device("cpu"), capturable=True)
     implementation = "fused" if fused else "foreach"

@@ -1,4 +1,4 @@
-"""Lyman-alpha forest statistics (utils/lyman_alpha.py) against analytic cases, over ranks, and in TensorBoard."""
+"""Lyman-alpha forest statistics (science/lyman_alpha.py) against analytic cases, over ranks, and in TensorBoard."""
 import math
 import os
 
@@ -11,8 +11,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.tensorboard import SummaryWriter
 
 import utils.make_dataset as md
-from utils import lyman_alpha as lya
-from utils import science, science_plots, units
+from science import lyman_alpha as lya
+from science import metrics as science, plots as science_plots
+from utils import units
 from utils.config import load_config
 from utils.errors import DataError
 from utils.distributed import DistInfo, cleanup, init_distributed

@@ -10,7 +10,6 @@ import torch
 import torch._dynamo
 
 import train
-from utils import training
 from utils.data import get_data_loader
 from utils.distributed import init_distributed
 from utils.errors import ConfigError, Preempted
@@ -18,13 +17,13 @@ from utils.errors import ConfigError, Preempted
 
 def short_run(params, num_steps=6):
     torch.manual_seed(0)
-    state = training.build_training(params, init_distributed("cpu"))
+    state = train.build_training(params, init_distributed("cpu"))
     inp, tar = next(iter(get_data_loader(params, "train")[0]))
     inp, tar = state.to_device(inp), state.to_device(tar)
     losses = []
     for _ in range(num_steps):
         state.set_lr(2e-3)
-        losses.append(training.eager_step(state, inp, tar).item())
+        losses.append(train.eager_step(state, inp, tar).item())
     return state, losses
 
 
@@ -51,7 +50,7 @@ def test_flag_tracks_the_plain_run(tiny_params, flags, tolerance):
 
 
 def test_bf16_autocast_really_runs_in_bf16(tiny_params):
-    state = training.build_training(tiny_params(amp_mode="bf16"), init_distributed("cpu"))
+    state = train.build_training(tiny_params(amp_mode="bf16"), init_distributed("cpu"))
     seen = []
     handle = state.model.down[0][0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     with state.autocast:
@@ -62,7 +61,7 @@ def test_bf16_autocast_really_runs_in_bf16(tiny_params):
 
 
 def test_fp16_uses_grad_scaler(tiny_params):
-    state = training.build_training(tiny_params(amp_mode="fp16"), init_distributed("cpu"))
+    state = train.build_training(tiny_params(amp_mode="fp16"), init_distributed("cpu"))
     assert state.scaler.is_enabled()  # GradScaler works on the CPU too (torch >= 2.3)
 
 
@@ -84,8 +83,8 @@ def test_stream_priority_is_checked_and_is_a_cuda_setting(tiny_params):
     with pytest.raises(ConfigError, match="stream_priority"):
         tiny_params(stream_priority="highest")
     state, _ = short_run(tiny_params(stream_priority="high"), num_steps=1)
-    with training.training_stream(state.info.device, "high"):  # no stream made: a CPU-only torch would raise here
-        loss = training.eager_step(state, *next(iter(get_data_loader(state.params, "train")[0])))
+    with train.training_stream(state.info.device, "high"):  # no stream made: a CPU-only torch would raise here
+        loss = train.eager_step(state, *next(iter(get_data_loader(state.params, "train")[0])))
     assert torch.isfinite(loss)
 
 
@@ -119,11 +118,11 @@ def test_the_high_priority_stream_is_ordered_after_earlier_work_and_before_later
     monkeypatch.setattr(torch.cuda, "Stream", new_stream)
     monkeypatch.setattr(torch.cuda, "stream", use)
     cuda = torch.device("cuda", 0)
-    with training.training_stream(cuda, "normal"):
+    with train.training_stream(cuda, "normal"):
         assert current[0] == "default"
     assert calls == []
     with pytest.raises(RuntimeError, match="inside"):
-        with training.training_stream(cuda, "high"):
+        with train.training_stream(cuda, "high"):
             assert current[0] == "priority -1"
             calls.append("block")
             raise RuntimeError("inside")
@@ -140,7 +139,7 @@ class ApexStyleFusedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0):
-        assert not adam_w_mode and weight_decay == 0  # what utils/training.py asks for
+        assert not adam_w_mode and weight_decay == 0  # what train.py asks for
         super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                                       weight_decay=weight_decay))
 
@@ -177,7 +176,7 @@ def test_apex_fused_adam_trains_benchmarks_and_resumes_exactly(tiny_argv, tmp_pa
 
     def stop_at_the_end_of_epoch_1(state):
         def step(state, inp, tar):
-            loss = training.eager_step(state, inp, tar)
+            loss = train.eager_step(state, inp, tar)
             if state.global_step + 1 == steps_per_epoch:  # as a scheduler would: SIGUSR1 during the last step
                 os.kill(os.getpid(), signal.SIGUSR1)
             return loss

@@ -7,7 +7,7 @@ from matplotlib.image import imread
 from torch.utils.tensorboard import SummaryWriter
 
 from utils import plot_logs
-from utils.science import L1_TAGS
+from science.metrics import L1_TAGS
 
 
 def write_run(run_dir, losses, minutes_per_epoch, science=False):

@@ -57,9 +57,9 @@ EXPECTED = [
     "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1",
     "python benchmarks/gpu_suite.py OUT --small",
     "python -m utils.plot_logs logs/quickstart/1GPU/0",
-    "python -m utils.science_report logs/quickstart/1GPU/0",
+    "python -m science.report logs/quickstart/1GPU/0",
     "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output hydro.h5 --force",
-    "python -m utils.science_report hydro.h5",
+    "python -m science.report hydro.h5",
 ]
 QUICKSTART = "python train.py --config=quickstart"
 TIMEOUT_S = 900  # per command; the slowest, the quickstart, takes 86 s on the quiet 2-core machine
@@ -271,10 +271,10 @@ CLAIMS = {
     "python benchmarks/gpu_suite.py OUT --small": check_gpu_suite,
     # Section 15: loss plots, the science report of the run and of a whole-box prediction.
     "python -m utils.plot_logs logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/loss.png"),
-    "python -m utils.science_report logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/science_report.png"),
+    "python -m science.report logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/science_report.png"),
     "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output hydro.h5 --force":
         check_file("hydro.h5"),
-    "python -m utils.science_report hydro.h5": check_file("hydro_report.png"),
+    "python -m science.report hydro.h5": check_file("hydro_report.png"),
 }
 
 

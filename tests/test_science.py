@@ -1,5 +1,5 @@
-"""Science metrics (utils/science.py): known answers on constructed and generated fields, DDP reduction, figures
-(utils/science_plots.py)."""
+"""Science metrics (science/metrics.py): known answers on constructed and generated fields, DDP reduction, figures
+(science/plots.py)."""
 import math
 import os
 
@@ -12,7 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.tensorboard import SummaryWriter
 
 import utils.make_dataset as md
-from utils import science, science_plots, units
+from science import metrics as science, plots as science_plots
+from utils import units
 from utils.distributed import DistInfo, cleanup, init_distributed
 from conftest import free_port
 
@@ -78,7 +79,7 @@ def ops_run_by(function):
 def test_validation_updates_never_wait_for_the_device(generated):
     """ScienceMetrics.update, with the Lyman-alpha statistics, runs none of the ops that on a GPU would wait for it,
     so validation batches queue back to back; the host reads the sums once, in compute."""
-    from utils import lyman_alpha
+    from science import lyman_alpha
     assert {"bincount", "_local_scalar_dense"} <= ops_run_by(lambda: torch.tensor([1, 2]).bincount()[0].item())
     _, hydro = generated
     metrics = science.ScienceMetrics(CROP, "cpu", lyman_alpha=lyman_alpha.LymanAlphaSettings(skewer_stride=4))

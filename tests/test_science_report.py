@@ -1,4 +1,4 @@
-"""python -m utils.science_report: one PNG page from a run directory or from a predict.py output."""
+"""python -m science.report: one PNG page from a run directory or from a predict.py output."""
 import h5py
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import torch
 from matplotlib.image import imread
 
 from networks.UNet import build_model
-from utils import science_report
+from science import report as science_report
 from utils.checkpoint import plain_state_dict, save_checkpoint
 from utils.config import load_config
 from utils.make_dataset import make_dataset

@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import train
-from utils import metrics, training
+from utils import metrics
 from utils.config import load_config
 from utils.data import get_data_loader
 from utils.distributed import cleanup, init_distributed
@@ -18,12 +18,12 @@ from conftest import free_port
 
 def test_one_step_lowers_the_loss_on_a_fixed_batch(tiny_params):
     params = tiny_params()
-    state = training.build_training(params, init_distributed("cpu"))
+    state = train.build_training(params, init_distributed("cpu"))
     inp, tar = next(iter(get_data_loader(params, "train")[0]))
     state.set_lr(1e-3)
-    before = training.eager_step(state, inp, tar).item()
+    before = train.eager_step(state, inp, tar).item()
     for _ in range(4):
-        after = training.eager_step(state, inp, tar).item()
+        after = train.eager_step(state, inp, tar).item()
     assert after < before
 
 
@@ -35,12 +35,12 @@ def ddp_worker(rank, world_size, port, runs, out_dir, num_steps):
     info = init_distributed("cpu")  # gloo on CPU tensors, also where GPUs are visible
     try:
         for name, params in runs:
-            state = training.build_training(params, info)
+            state = train.build_training(params, info)
             batches = iter(get_data_loader(params, "train", info.rank, info.world_size)[0])
             for _ in range(num_steps):
                 state.set_lr(1e-3)
                 inp, tar = next(batches)
-                training.eager_step(state, inp, tar)
+                train.eager_step(state, inp, tar)
             torch.save(state.model.state_dict(), os.path.join(out_dir, f"{name}_world{world_size}_rank{rank}.pt"))
     finally:
         cleanup(info)
@@ -62,7 +62,7 @@ def ddp_weights(tiny_files, tmp_path_factory):
             ("noddp", params(noddp=True))]
     mp.spawn(ddp_worker, args=(1, free_port(), runs[:1], str(out), 3), nprocs=1)
     mp.spawn(ddp_worker, args=(2, free_port(), runs, str(out), 3), nprocs=2)
-    initial = training.build_training(params(), init_distributed("cpu")).model.state_dict()
+    initial = train.build_training(params(), init_distributed("cpu")).model.state_dict()
     weights = {path.stem: torch.load(path) for path in out.glob("*.pt")}
     return initial, weights
 

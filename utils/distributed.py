@@ -151,21 +151,17 @@ def bf16_gradient_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket
     return future.then(decompress)
 
 
-def wrap_ddp(model, params, info):
-    """Wrap ``model`` in DistributedDataParallel with the config's knobs; returns (module, description)."""
-    if not info.enabled:
-        return model, "single process"
-    if params.noddp:
-        return model, "NO gradient synchronisation (--noddp: measures compute without communication; NOT real training)"
-    buffer_sync = {}
-    if not params.broadcast_buffers:
-        # torch >= 2.13 renamed the option (and warns about the old name); older releases only know the old one.
-        new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-        buffer_sync = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
-    ddp = DistributedDataParallel(
-        model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-        bucket_cap_mb=params.bucket_cap_mb, gradient_as_bucket_view=params.gradient_as_bucket_view,
-        static_graph=params.static_graph, **buffer_sync)
+def ddp_buffer_sync(broadcast_buffers):
+    """DistributedDataParallel's keyword for ``broadcast_buffers: false`` (none when true, DDP's default)."""
+    if broadcast_buffers:
+        return {}
+    # torch >= 2.13 renamed the option (and warns about the old name); older releases only know the old one.
+    new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
+
+
+def register_comm_hook(ddp, params):
+    """Install the configured gradient-communication hook on ``ddp``; returns the line that describes DDP's set-up."""
     if params.ddp_comm_hook == "bf16":
         if dist.get_backend() == "nccl":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -175,4 +171,4 @@ def wrap_ddp(model, params, info):
     knobs = (f"bucket_cap_mb={params.bucket_cap_mb}, broadcast_buffers={params.broadcast_buffers}, "
              f"gradient_as_bucket_view={params.gradient_as_bucket_view}, static_graph={params.static_graph}, "
              f"comm_hook={params.ddp_comm_hook}")
-    return ddp, f"DDP ({dist.get_backend()}): {knobs}"
+    return f"DDP ({dist.get_backend()}): {knobs}"

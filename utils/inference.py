@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from networks.UNet import build_model
-from utils import lyman_alpha as lya
+from science import lyman_alpha as lya
 from utils.checkpoint import latest_valid_checkpoint, load_checkpoint, load_model_state
 from utils.config import Params
 from utils.data import check_normalisation, read_volume_shapes

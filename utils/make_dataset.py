@@ -23,7 +23,7 @@ Physics (standard cheap approximations; every step is an FFT, a pointwise map or
    x = q + psi(q), psi = -grad phi with laplacian(phi) = delta (spectral derivatives). Linear theory
    makes the peculiar velocity proportional to the displacement, v = f H a psi; we take a round
    f H a = 100 km/s per Mpc/h, about 9% below linear theory's f(z) a H(z) = 109 at z = 3 (Omega_m = 0.3,
-   f = Omega_m(z)^0.55), whose Hubble flow utils/lyman_alpha.py uses: the generated boxes' redshift-space
+   f = Omega_m(z)^0.55), whose Hubble flow science/lyman_alpha.py uses: the generated boxes' redshift-space
    distortions are that much weaker, for prediction and truth alike.
 3. Cloud-in-cell deposit (periodic) of particle mass -> rho_dm / mean, and of momentum ->
    mass-weighted velocity p / m (blended towards the smoothed velocity in near-empty cells).

@@ -2,7 +2,7 @@
 import resource
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -103,3 +103,19 @@ def format_mfu(mfu):
 def format_duration(seconds):
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class _NoProfiler:
+    """What the loop's profiling calls do when profiling is off (utils/profiling.py's ``Profiler`` when it is on)."""
+
+    def step(self, global_step):
+        pass
+
+    def range(self, name):
+        return nullcontext()
+
+    def close(self, ending_with=None):
+        pass
+
+
+NO_PROFILER = _NoProfiler()

@@ -9,7 +9,7 @@ events are in RUN_DIR/logs. One colour per run, labelled <config>/<N>GPU/<run_nu
 solid, validation loss dashed, log-scale y. The x axis is the global step, or with --walltime the
 minutes since the run's first event (how the tutorial compares batch sizes: time to a given loss).
 A resumed run continues in the same curve; its wall time includes the gap before the restart.
---science also plots, from the scalars train.py logs at each validation (utils/science.py), the L1
+--science also plots, from the scalars train.py logs at each validation (science/metrics.py), the L1
 error per hydro field and the fitted temperature-density gamma of prediction and target.
 """
 import argparse
@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
-from utils.science import L1_TAGS
+from science.metrics import L1_TAGS
 
 LOSS_TAGS = ("Loss/train", "Loss/valid")
 GAMMA_TAGS = ("T_rho/gamma_pred", "T_rho/gamma_true")
@@ -93,7 +93,7 @@ def science_figure(runs, walltime=False):
     """Six axes: validation L1 (normalised units) of each hydro field, and gamma of prediction and target."""
     if not any(tag in scalars for scalars in runs.values() for tag in L1_TAGS + GAMMA_TAGS):
         raise PlotLogsError(f"no science scalars ({', '.join(L1_TAGS[:1] + GAMMA_TAGS[:1])}, ...) in these runs; "
-                            f"train.py logs them at each validation (utils/science.py)")
+                            f"train.py logs them at each validation (science/metrics.py)")
     fig = Figure(figsize=(13, 7), layout="constrained")
     axes = fig.subplots(2, 3, sharex=True).ravel()
     for color, (label, scalars) in enumerate(runs.items()):

@@ -1,4 +1,5 @@
-"""The run's log: ``out.log`` (and stdout) and the TensorBoard events in ``logs/``.
+"""The run's log: ``out.log`` (and stdout) and the TensorBoard events in ``logs/``, and the lines train.py logs
+(``log_startup``, ``log_interval``, ``log_epoch``).
 
 A write that fails (disk full, quota, read-only, I/O error) stops the run with one line naming the file
 and the cause (StorageError, exit 2) instead of a traceback per log record; the checkpoints written
@@ -12,8 +13,13 @@ ends (utils/checkpoint_manager.py), or ``agree_on_held_failure`` at the end of t
 import logging
 import sys
 import threading
+from pathlib import Path
 
+import torch
 from torch.utils.tensorboard import SummaryWriter
+
+from utils import metrics
+from utils.data import lacks_normalisation
 
 from utils.distributed import all_reduce_sum
 from utils.errors import StorageError, storage_cause
@@ -149,3 +155,78 @@ class EventWriter(SummaryWriter):
                 raise
             if not isinstance(ending_with, StorageError):
                 print(f"error: {err}", file=sys.stderr)
+
+
+# --- the lines train.py logs -----------------------------------------------------------------------------------------
+
+logger = logging.getLogger("train")
+
+
+def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
+    info = state.info
+    shown = run_dir.relative_to(Path.cwd()) if run_dir.is_relative_to(Path.cwd()) else run_dir
+    logger.info(f"Run directory: {shown}")
+    logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
+                f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
+                f"global batch {params.global_batch_size} ({params.global_batch_size // info.world_size} per rank), "
+                f"{steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
+    logger.info(f"Model: U-Net {params.model_channels} full_scale={params.full_scale}, "
+                f"{state.model.describe(params.data_size)}")
+    active = [f"amp_mode={params.amp_mode}"] + [name for name in (
+        "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
+    if info.device.type == "cuda":
+        active += [f"tf32={'on' if params.enable_tf32 else 'off'}",
+                   f"cudnn_benchmark_limit={params.cudnn_benchmark_limit}",
+                   f"stream={'high-priority' if params.stream_priority == 'high' else 'default'}"]
+    loader = getattr(train_loader, "description", f"straightforward {params.data_loader_config}: per-sample crops, "
+                                                   f"{params.num_data_workers} worker processes, default collate")
+    logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")
+    logger.info(f"Data loader: {loader}")
+    if params.data_loader_config != "synthetic" and info.is_main:
+        for path in dict.fromkeys((params.train_path, params.val_path)):
+            if lacks_normalisation(path):
+                logger.warning(f"WARNING: {path} stores no normalisation constants (not a utils/make_dataset.py file): "
+                               "the physical-unit metrics assume utils/units.py's, rho/mean = exp(14 x), "
+                               "v = 500 x km/s, T = 10^(4.5 + 2.5 x) K")
+    if params.noddp and info.enabled:
+        logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "
+                       "communication and is NOT real training.")
+
+
+def log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses, lr, meter):
+    """The log line of an interval, and every step's loss since the last one (one host sync) to TensorBoard."""
+    losses = torch.stack(step_losses).tolist()
+    step_losses.clear()
+    rates = meter.interval(steps=state.global_step, samples_per_step=state.params.global_batch_size)
+    eta = (num_steps - state.global_step) / max(rates["steps_per_sec"], 1e-9)
+    logger.info(f"epoch {epoch + 1} step {step_in_epoch + 1}/{steps_per_epoch} (global {state.global_step}/"
+                f"{num_steps}) | loss {losses[-1]:.5f} | lr {lr:.3e} | {rates['samples_per_sec']:.1f} samples/s | "
+                f"data wait {100 * rates['wait_share']:.0f}% | ETA {metrics.format_duration(eta)}")
+    if writer:
+        writer.add_scalar("Learning Rate", lr, state.global_step)
+        first = state.global_step - len(losses) + 1
+        for offset, value in enumerate(losses):  # this rank's loss at every step
+            writer.add_scalar("Loss/train_step", value, first + offset)
+
+
+def log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time):
+    steady = summary.get("steady_samples_per_sec")
+    logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, "
+                f"avg {summary['samples_per_sec']:.2f} samples/sec" + (
+                    "" if steady is None else f" ({steady:.2f} after the first log interval)"))
+    logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
+                f"MFU {metrics.format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
+                f"({summary['memory_kind']}" + ("" if summary["peak_memory_reserved_gb"] is None
+                                               else f", {summary['peak_memory_reserved_gb']:.2f} GB reserved") + ")")
+    logger.info(f"  Avg train loss={train_loss:.6f}")
+    if writer:
+        step = state.global_step
+        writer.add_scalar("Loss/train", train_loss, step)
+        writer.add_scalar("Avg iters per sec", epoch_steps / epoch_time, step)
+        writer.add_scalar("Perf/samples_per_sec", summary["samples_per_sec"], step)
+        writer.add_scalar("Perf/data_wait_share", summary["wait_share"], step)
+        writer.add_scalar("Perf/peak_memory_GB", summary["peak_memory_gb"], step)
+        if summary["peak_memory_reserved_gb"] is not None:
+            writer.add_scalar("Perf/peak_memory_reserved_GB", summary["peak_memory_reserved_gb"], step)
+        if summary["mfu"] is not None:
+            writer.add_scalar("Perf/MFU", summary["mfu"], step)

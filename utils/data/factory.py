@@ -3,8 +3,9 @@
 The only module that knows every loader; each of them serves the same sample stream (the
 reproducibility contract of utils/data/spec.py), so the choice changes speed, never results:
 
-- ``data_loader_config: dali-lowmem`` -> the NVIDIA DALI pipeline (utils/data/dali.py, an optional
-  extra: imported only when asked for);
+Every loader but the straightforward one is an extra, imported only when the config asks for it:
+
+- ``data_loader_config: dali-lowmem`` -> the NVIDIA DALI pipeline (utils/data/dali.py);
 - ``data_loader_config: gpu`` -> the GPU-resident loader (utils/data/gpu.py);
 - ``fast_loader: true`` (synthetic / inmem / lowmem) -> the fast CPU loader (utils/data/fast.py);
 - otherwise the straightforward ``RandomCropDataset`` through a torch ``DataLoader``
@@ -12,8 +13,6 @@ reproducibility contract of utils/data/spec.py), so the choice changes speed, ne
 """
 import torch
 
-from utils.data.fast import get_fast_loader
-from utils.data.gpu import get_gpu_loader
 from utils.data.torch_loader import get_torch_loader
 
 
@@ -30,7 +29,9 @@ def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cp
         from utils.data.dali import get_dali_loader  # optional extra: DALI and utils.make_dataset only when used
         return get_dali_loader(params, split, rank, world_size, device)
     if params.data_loader_config == "gpu":
+        from utils.data.gpu import get_gpu_loader
         return get_gpu_loader(params, split, rank, world_size, device, memory_format=memory_format)
     if params.fast_loader:
+        from utils.data.fast import get_fast_loader
         return get_fast_loader(params, split, rank, world_size, device, memory_format=memory_format)
     return get_torch_loader(params, split, rank, world_size, device)

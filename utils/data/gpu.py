@@ -36,6 +36,7 @@ same batches bit for bit (only copies and multiplications by +-1). The compiled 
 batch, and once more for another batch size or box.
 """
 import math
+from contextlib import contextmanager
 
 import h5py
 import numpy as np
@@ -225,3 +226,27 @@ def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu
     prefetch = params.gpu_prefetch if prefetch is None else prefetch
     return GPUResidentLoader(spec, sampler, device, storage_dtype, progress=rank == 0, memory_format=memory_format,
                              prefetch=prefetch, gather=gather or params.gpu_gather), sampler
+
+
+@contextmanager
+def high_priority_stream(device):
+    """Run the block's CUDA work on a high-priority stream (``stream_priority: high``; train.py's ``training_stream``).
+
+    CUDA's block scheduler hands free SMs to the pending blocks of the highest-priority stream first. PyTorch's
+    default stream has the lowest priority, the same as the GPU-resident loader's side stream, so the loader's
+    gathers for the next batch share the SMs with the step's convolutions and slow them down. With the step on a
+    high-priority stream they take only what it leaves idle (kernel tails, gaps between kernels); what is not
+    done when the next step starts runs then, as without the side stream. Everything the run queues goes to
+    ``torch.cuda.current_stream()`` (loaders, checkpoints, DDP, CUDA graph replays, compiled kernels), so this
+    block is the whole change. Build the model inside it too: autograd runs each parameter's gradient
+    accumulation on the stream that was current when its accumulator was made, which DDP does at construction.
+    Work queued before the block is ordered before it, and the block's work before what follows it.
+    """
+    outer = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device, priority=-1)  # lower numbers are higher; PyTorch clamps to the device's range
+    stream.wait_stream(outer)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        outer.wait_stream(stream)

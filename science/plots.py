@@ -1,5 +1,5 @@
-"""The figures of the science metrics (utils/science.py) and the Lyman-alpha flux statistics
-(utils/lyman_alpha.py), and their TensorBoard logging: matplotlib Figure objects (no pyplot state), for
+"""The figures of the science metrics (science/metrics.py) and the Lyman-alpha flux statistics
+(science/lyman_alpha.py), and their TensorBoard logging: matplotlib Figure objects (no pyplot state), for
 writer.add_figure or fig.savefig(path.png). The metrics modules import no matplotlib; this one does.
 
     write_tensorboard(writer, step, science, example)   # train.py's validation: scalars and figures
@@ -16,7 +16,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from utils.science import (DENSITY, FIT_LOG_DENSITY_RANGE, TEMPERATURE, fit_temperature_density, log_density_edges,
+from science.metrics import (DENSITY, FIT_LOG_DENSITY_RANGE, TEMPERATURE, fit_temperature_density, log_density_edges,
                            log_temperature_edges)
 from utils.units import denormalize_density, denormalize_temperature, denormalize_velocity
 

@@ -11,7 +11,7 @@ on the (prediction, target) batches of normalised hydro fields (B, 5, S, S, S), 
 - the temperature-density relation T = T0 (rho/mean)^(gamma - 1) of the photo-ionised IGM, fitted
   on the predicted and on the true fields;
 - with ``lyman_alpha`` settings, the Lyman-alpha forest: flux PDF and 1D flux power spectrum along
-  skewers through the crops (utils/lyman_alpha.py), the observable the emulator is meant for.
+  skewers through the crops (science/lyman_alpha.py), the observable the emulator is meant for.
 
     science = ScienceMetrics.for_validation(params, info.device)   # crops of data_size, Lyman-alpha as configured
     for inp, tar in loader:
@@ -23,7 +23,7 @@ Every statistic is a sum over cells or crops held in one float64 device tensor (
 ``update`` never waits for the device, ranks combine with one all-reduce, and the result does not
 depend on how the crops were split into batches or ranks.
 The figures of these metrics and their TensorBoard logging (``write_tensorboard``) are in
-utils/science_plots.py: this module imports no matplotlib.
+science/plots.py: this module imports no matplotlib.
 
 Power spectrum. A crop is not periodic, but the FFT treats it as if it were: the jump between
 opposite faces leaks power to high k along the axes. The gas is smoothed on ~1.5 cells, so its true
@@ -61,7 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from utils.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_for
+from science.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_for
 from utils.units import (DENSITY_LOG_SCALE, HYDRO_CHANNELS, TEMPERATURE_LOG10_OFFSET, TEMPERATURE_LOG10_SCALE,
                          to_physical)
 
@@ -128,7 +128,7 @@ class ScienceMetrics:
     """Accumulates science metrics over validation batches of (B, 5, S, S, S) normalised hydro fields.
 
     ``lyman_alpha``: a ``LymanAlphaSettings`` to add the Lyman-alpha flux statistics
-    (utils/lyman_alpha.py: flux PDF, P1D) on skewers through the same fields; None leaves them out.
+    (science/lyman_alpha.py: flux PDF, P1D) on skewers through the same fields; None leaves them out.
     ``periodic``: the "crops" are whole periodic boxes (predict.py, the science report): no Hann window
     on the 3D power spectrum nor on the flux P1D.
     """

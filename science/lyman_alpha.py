@@ -282,7 +282,7 @@ class FluxStatistics:
     8, 3 axes) and 200 MB for base's (8192 crops of 64^3, stride 16), divided among the ranks;
     ``finalize`` solves the amplitude A on the true optical depths of all ranks, turns both into flux,
     accumulates the statistics into one float64 tensor and sums it over ranks (a fixed number of
-    collectives: DDP-safe). ``compute`` and the figures (utils/science_plots.py) read the summed state.
+    collectives: DDP-safe). ``compute`` and the figures (science/plots.py) read the summed state.
 
     ``periodic``: the skewers span a whole periodic box (no window). Otherwise (crops) each skewer's flux
     contrast, less its own mean, is multiplied by a Hann window normalised to mean(w^2) = 1 before the

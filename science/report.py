@@ -1,7 +1,7 @@
 """One PNG page of science for a trained model: the picture for a paper's appendix.
 
-    python -m utils.science_report RUN_DIR [--output page.png]          # a train.py run directory
-    python -m utils.science_report prediction.h5 [--truth val.h5]       # a predict.py output
+    python -m science.report RUN_DIR [--output page.png]          # a train.py run directory
+    python -m science.report prediction.h5 [--truth val.h5]       # a predict.py output
 
 With a run directory (or a checkpoint file) the newest checkpoint predicts the whole validation box
 (the run config's ``val_path``, or ``--input``: an HDF5 file with ``Nbody`` and the true ``Hydro``) by
@@ -13,8 +13,8 @@ said in a line).
 The page, for prediction against truth on the whole periodic box (no window: the box is periodic):
 middle slices of the five gas fields, the gas-density power-spectrum ratio, the temperature-density
 plane of truth and prediction with their fitted T0 and gamma, the Lyman-alpha flux PDF, the 1D flux
-power spectrum and its ratio, and example skewers' flux, true against predicted (utils/science.py,
-utils/lyman_alpha.py). A header lists the scalars. Default output: ``RUN_DIR/science_report.png`` or
+power spectrum and its ratio, and example skewers' flux, true against predicted (science/metrics.py,
+science/lyman_alpha.py). A header lists the scalars. Default output: ``RUN_DIR/science_report.png`` or
 ``<prediction>_report.png``.
 """
 import argparse
@@ -30,15 +30,15 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from utils import inference
-from utils import lyman_alpha as lya
+from science import lyman_alpha as lya
 from utils.cli import run as run_cli
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
 from utils.data import check_normalisation
 from utils.errors import CheckpointError, DataError
-from utils.science import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
+from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
                            log_density_edges, log_temperature_edges)
-from utils.science_plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
+from science.plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
 
 NO_CELL_SIZE = "give it with --cell_size_mpc_h (comoving Mpc/h per cell: the box's length over its cells per side)"
 FIELD_TITLES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
@@ -46,7 +46,7 @@ NUM_SKEWER_EXAMPLES = 3
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m utils.science_report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m science.report", description=__doc__.split("\n")[0])
     parser.add_argument("source", help="a train.py run directory or checkpoint file, or a predict.py output (.h5)")
     parser.add_argument("--output", help="PNG to write (default: RUN_DIR/science_report.png or <prediction>_report.png)")
     parser.add_argument("--input", help="run directory mode: HDF5 file with Nbody and Hydro (default: the run "
