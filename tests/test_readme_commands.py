@@ -204,7 +204,7 @@ def run_dir_of(output, clone):
 def check_quickstart(clone, output, seen):
     # Section 1: trains `quickstart` on a dataset it generates on first use, into data/.
     assert (clone / "data" / "quickstart_train.h5").is_file() and (clone / "data" / "quickstart_val.h5").is_file()
-    # Section 3: a run writes out.log, config.yaml, checkpoints/ and a TensorBoard logs/ folder to
+    # Section 2: a run writes out.log, config.yaml, checkpoints/ and a TensorBoard logs/ folder to
     # expdir/<config>/<N>GPU/<run_num>/, and ends comparing with the mean predictor.
     run_dir = run_dir_of(output, clone)
     assert run_dir == "logs/quickstart/1GPU/0", run_dir
@@ -223,20 +223,20 @@ def check_file(*names):
 
 
 def check_new_run(clone, output, seen):
-    """Section 3: a changed command gets the next free number and never touches an earlier run."""
+    """Section 2: a changed command gets the next free number and never touches an earlier run."""
     run_dir = run_dir_of(output, clone)
     assert run_dir not in seen.values(), f"{run_dir} was already used by {seen}"
     return run_dir
 
 
 def check_profile(clone, output, seen):
-    # Section 4: --profile_dir traces writes a *.pt.trace.json into the run directory.
+    # Section 8: --profile_dir traces writes a *.pt.trace.json into the run directory.
     run_dir = seen["profile"] = check_new_run(clone, output, seen)
     assert list((clone / run_dir).rglob("*.pt.trace.json")), f"no trace in {run_dir}"
 
 
 def check_benchy(clone, output, seen):
-    # Section 5: the three BENCHY summary lines; the JSON goes to the run directory.
+    # Section 8: the three BENCHY summary lines; the JSON goes to the run directory.
     for mode in ("IO", "SYNTHETIC", "FULL"):
         assert re.search(rf"BENCHY::SUMMARY::{mode} average trial throughput: [0-9.]+ \+/- [0-9.]+", output), mode
     run_dir = seen["benchy"] = check_new_run(clone, output, seen)
@@ -269,7 +269,7 @@ CLAIMS = {
     "python train.py --config=quickstart --enable_benchy": check_benchy,
     "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1": check_torchrun,
     "python benchmarks/gpu_suite.py OUT --small": check_gpu_suite,
-    # Section 15: loss plots, the science report of the run and of a whole-box prediction.
+    # Section 14: loss plots, the science report of the run and of a whole-box prediction.
     "python -m utils.plot_logs logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/loss.png"),
     "python -m science.report logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/science_report.png"),
     "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output hydro.h5 --force":
@@ -295,7 +295,7 @@ def test_readme_walkthrough_on_a_fresh_clone(tmp_path):
         context = f"README command {step + 1} `{command}` exited with {status} after {seconds:.0f} s:\n{output[-4000:]}"
         assert status == 0, context
         if rerun:
-            # Section 3: "the same command continues its run" -- also after other runs took newer numbers.
+            # Section 2: "the same command continues its run" -- also after other runs took newer numbers.
             assert run_dir_of(output, clone) == seen["quickstart"], context
             assert sorted(p.name for p in (clone / "logs" / "quickstart" / "1GPU").iterdir()) == runs_before, context
             continue
