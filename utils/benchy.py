@@ -8,7 +8,7 @@ FULL is bounded by the slower of IO and SYNTHETIC: that is what the tutorial tea
 Throughput is samples/s over all ranks (global batch over the slowest rank's trial time).
 
 The model and optimiser are restored in place after the trials, so ``benchy.continue_training``
-trains from the same initial state as a run without benchmark mode (the reference crashed here).
+trains from the same initial state as a run without benchmark mode.
 """
 import json
 import math
