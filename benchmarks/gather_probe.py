@@ -8,9 +8,9 @@ On the H100 the GPU-resident loader costs 1.3-1.65 ms per training step (benchma
 (utils/data/gpu.make_crops) makes several passes over the batch, where about 0.9 GB must move. Each candidate
 makes a whole batch (both volumes: the 4 input and 5 target channels) from the crop corners and symmetry elements:
 
-- ``current``: ``make_crops`` in eager PyTorch (``gpu_gather: eager``): the flat positions (B, S^3), an
-  index_select of them (C, B*S^3), an index_select of the rows that rotate the vector channels, then sign, cast
-  to float32 and layout in one multiply;
+- ``current``: ``make_crops`` in eager PyTorch (``gpu_gather: eager``), per volume: the flat positions
+  (B, S^3), an index_select of them (C, B*S^3), an index_select of the rows that rotate the vector channels,
+  then sign, cast to float32 and layout in one multiply;
 - ``two_index``: the positions, then one advanced-indexing gather with broadcast (B, C, 1) channel and
   (B, 1, S^3) position indices, then the same multiply;
 - ``channels_last_order``: the same gather in (B, S, S, S, C) order, which is the memory of a channels-last
@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from utils import symmetry  # noqa: E402
-from utils.data.gpu import STORAGE_DTYPES, channel_tables, crop_index, make_crops  # noqa: E402
+from utils.data.gpu import STORAGE_DTYPES, make_crops  # noqa: E402
 from utils.errors import first_line  # noqa: E402
 
 CHANNELS = (4, 5)  # N-body input, hydro target
@@ -74,10 +74,11 @@ def per_volume(gather):
 
     Advanced indexing converts an int32 index to int64 at its broadcast size, (B, C, S^3) per volume: these
     candidates get int64 positions from the start, once per batch."""
-    def make(inp, tar, corners, elements, perms, flips, inp_tables, tar_tables, s, index_dtype, memory_format):
-        index = crop_index(corners, perms[elements], flips[elements], inp.shape[1], s, torch.int64)
-        return tuple(gather(volume, index, source[elements], sign[elements], memory_format)
-                     for volume, (source, sign) in ((inp, inp_tables), (tar, tar_tables)))
+    def make(inp, tar, corners, elements, inp_table, tar_table, crop, memory_format):
+        index = symmetry.crop_index(corners, inp_table.perm[elements], inp_table.flips[elements], inp.shape[1], crop,
+                                    torch.int64)
+        return tuple(gather(volume, index, table.source[elements], table.sign[elements], memory_format)
+                     for volume, table in ((inp, inp_table), (tar, tar_table)))
     return make
 
 
@@ -128,15 +129,10 @@ def main(argv=None):
     dtype = STORAGE_DTYPES[args.dtype]
     volumes = [torch.empty((c, args.box, args.box, args.box), device=device, dtype=dtype).uniform_(-1, 1)
                for c in CHANNELS]  # filled where they live: 1024^3 in seconds
-    tables = {c: tuple(t.to(device) for t in channel_tables(c)) for c in CHANNELS}
-    elements = [symmetry.element(g) for g in range(symmetry.NUM_ELEMENTS)]
-    perms = torch.tensor([perm for perm, _ in elements], device=device)
-    flips = torch.tensor([flip for _, flip in elements], device=device)
-    index_dtype = torch.int32 if args.box ** 3 < 2 ** 31 else torch.int64
+    tables = [symmetry.element_table(c).to(device) for c in CHANNELS]
 
     def batch_of(candidate, corners, chosen):
-        return candidate(*volumes, corners, chosen, perms, flips, tables[CHANNELS[0]], tables[CHANNELS[1]],
-                         args.crop, index_dtype, memory_format)
+        return candidate(*volumes, corners, chosen, *tables, args.crop, memory_format)
 
     equal, times, errors = {name: True for name in CANDIDATES}, {name: [] for name in CANDIDATES}, {}
     for round_number in range(args.repeats + 1):  # round 0 warms up (allocations, kernels)

@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from utils import symmetry
 from utils.data import fast as fast_loader, gpu as gpu_loader
 from utils.data import DataError, get_data_loader, sample_plan
-from utils.data.fast import DevicePrefetcher, get_fast_loader, transform_into
+from utils.data.fast import DevicePrefetcher, get_fast_loader
 from utils.data.gpu import get_gpu_loader, load_volume
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -144,17 +143,6 @@ def test_a_worker_error_reaches_the_consumer(tiny_params):
     loader.loader.read_crops = broken
     with pytest.raises(OSError, match="disk went away"):
         next(iter(loader))
-
-
-@pytest.mark.parametrize("crop", [8, 16])  # 16^3 takes torch's blocked 2D transpose, 8^3 its plain copy
-def test_transform_into_equals_the_group_transform(crop):
-    rng = np.random.default_rng(0)
-    volume = rng.standard_normal((5, 40, 40, 40)).astype(np.float32)
-    view = volume[:, 3:3 + crop, 5:5 + crop, 7:7 + crop]  # a strided view, as cropped from a box
-    out, scratch = np.empty((5, crop, crop, crop), np.float32), np.empty((2, crop, crop, crop), np.float32)
-    for g in range(symmetry.NUM_ELEMENTS):
-        transform_into(view, g, out, scratch)
-        np.testing.assert_array_equal(out, symmetry.transform(view, g), err_msg=f"element {g}")
 
 
 def test_device_prefetcher_is_a_passthrough_on_cpu(tiny_params):

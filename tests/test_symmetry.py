@@ -53,16 +53,51 @@ def test_vector_channels_rotate_with_the_grid():
     np.testing.assert_array_equal(inverted[0], volume[0][::-1, ::-1, ::-1])
 
 
-def test_torch_and_numpy_agree_and_batches_work():
-    rng = np.random.default_rng(1)
-    volume = rng.standard_normal((5, 3, 4, 6)).astype(np.float32)
-    batch = torch.from_numpy(np.stack([volume, -volume]))
+def test_channel_map_is_the_matrix_on_the_vector_channels():
+    """The channel description every transform uses moves the velocities by ``matrix(g)``; scalars stay."""
     for g in range(48):
-        expected = symmetry.transform(volume, g)
-        np.testing.assert_array_equal(symmetry.transform_torch(torch.from_numpy(volume), g).numpy(), expected)
-        np.testing.assert_array_equal(symmetry.transform_torch(batch, g)[1].numpy(), -expected)
+        source, sign = symmetry.channel_map(g, 5, vector_channels=(1, 2, 3))
+        mix = np.zeros((5, 5), dtype=np.int64)
+        mix[np.arange(5), source] = sign
+        np.testing.assert_array_equal(mix[1:4, 1:4], symmetry.matrix(g))
+        assert mix[0, 0] == mix[4, 4] == 1
+    table = symmetry.element_table(4)
+    assert table.source.shape == table.sign.shape == (48, 4) and table.perm.shape == table.flips.shape == (48, 3)
+    assert [tuple(p) for p in table.perm[::8]] == list(symmetry.PERMUTATIONS)
 
 
-def test_bad_element_is_rejected():
+def test_numpy_and_torch_transforms_agree_on_all_48_elements():
+    rng = np.random.default_rng(1)
+    volume = rng.standard_normal((5, 6, 6, 6)).astype(np.float32)
+    whole = symmetry.transform_torch(torch.from_numpy(volume), torch.arange(48))  # (48, C, S, S, S)
+    assert whole.shape == (48, 5, 6, 6, 6) and whole.dtype == torch.float32
+    for g in range(48):
+        np.testing.assert_array_equal(whole[g].numpy(), symmetry.transform(volume, g), err_msg=f"element {g}")
+    # crops of a larger box, one element per sample, in another layout and storage dtype
+    box = rng.standard_normal((4, 12, 12, 12)).astype(np.float32)
+    corners = torch.from_numpy(rng.integers(0, 12 - 5 + 1, (48, 3)))
+    elements = torch.from_numpy(rng.permutation(48))
+    crops = symmetry.transform_torch(torch.from_numpy(box).half(), elements, corners, crop=5,
+                                     memory_format=torch.channels_last_3d)
+    assert crops.is_contiguous(memory_format=torch.channels_last_3d) and crops.dtype == torch.float32
+    for b, ((x, y, z), g) in enumerate(zip(corners.tolist(), elements.tolist())):
+        expected = symmetry.transform(box[:, x:x + 5, y:y + 5, z:z + 5].astype(np.float16), g)
+        np.testing.assert_array_equal(crops[b].numpy(), expected.astype(np.float32), err_msg=f"element {g}")
+
+
+@pytest.mark.parametrize("crop", [8, 16])  # 16^3 takes torch's blocked 2D transpose, 8^3 its plain copy
+def test_the_scratch_path_writes_the_same_bits_into_out(crop):
+    rng = np.random.default_rng(0)
+    volume = rng.standard_normal((5, 40, 40, 40)).astype(np.float32)
+    view = volume[:, 3:3 + crop, 5:5 + crop, 7:7 + crop]  # a strided view, as cropped from a box
+    out, scratch = np.empty((5, crop, crop, crop), np.float32), np.empty((2, crop, crop, crop), np.float32)
+    for g in range(symmetry.NUM_ELEMENTS):
+        assert symmetry.transform(view, g, out=out, scratch=scratch) is out
+        np.testing.assert_array_equal(out, symmetry.transform(view, g), err_msg=f"element {g}")
+
+
+def test_bad_element_and_vector_channels_are_rejected():
     with pytest.raises(ValueError, match="symmetry element"):
         symmetry.element(48)
+    with pytest.raises(ValueError, match="vector_channels must name 3 of the 3 channels, got"):
+        symmetry.transform(np.zeros((3, 2, 2, 2)), 1)

@@ -3,7 +3,8 @@
 Vocabulary of the tutorial:
 - ``RandomCropDataset`` serves sample ``(epoch, index)``: a ``data_size``^3 crop of the N-body
   input (4 channels) and the matching hydro target (5 channels).
-- ``RandomRotator`` applies one of the 48 symmetries of the cube to both, velocity vectors included.
+  Both are moved by the same one of the 48 symmetries of the cube, velocity vectors included
+  (``utils.symmetry``).
 - ``get_data_loader`` is the factory that builds a ``DataLoader`` for a config.
 
 Reproducibility contract: the crop corner and symmetry element of sample ``index`` in ``epoch``
@@ -18,7 +19,7 @@ Layers (a module imports only from the layers below it, never from this package'
   ``ShardedSampler`` and its ``BatchPlan``s, ``PlannedLoader`` (the batch loaders' ``len``);
   ``files``: ``read_volume_shapes``, ``check_data_file``, ``check_normalisation``, ``lacks_normalisation``
   (errors are ``utils.errors.DataError``);
-- ``torch_loader``: ``RandomCropDataset``, ``RandomRotator``, the straightforward ``DataLoader``;
+- ``torch_loader``: ``RandomCropDataset``, the straightforward ``DataLoader``;
   ``gpu``: the GPU-resident loader; ``dali``: the NVIDIA DALI pipeline (optional extra);
 - ``fast``: the fast CPU loader (threads, reusable pinned batches, ``DevicePrefetcher``);
 - ``factory``: ``get_data_loader``, the only module that knows every loader.
@@ -29,9 +30,9 @@ from utils.data.factory import get_data_loader
 from utils.data.files import check_data_file, check_normalisation, lacks_normalisation, read_volume_shapes
 from utils.data.spec import (SPLITS, VECTOR_CHANNELS, BatchPlan, ShardedSampler, SplitSpec, build_sampler,
                              sample_plan)
-from utils.data.torch_loader import RandomCropDataset, RandomRotator
+from utils.data.torch_loader import RandomCropDataset
 from utils.errors import DataError
 
-__all__ = ["SPLITS", "VECTOR_CHANNELS", "BatchPlan", "DataError", "RandomCropDataset", "RandomRotator",
-           "ShardedSampler", "SplitSpec", "build_sampler", "check_data_file", "check_normalisation",
-           "get_data_loader", "lacks_normalisation", "read_volume_shapes", "sample_plan"]
+__all__ = ["SPLITS", "VECTOR_CHANNELS", "BatchPlan", "DataError", "RandomCropDataset", "ShardedSampler",
+           "SplitSpec", "build_sampler", "check_data_file", "check_normalisation", "get_data_loader",
+           "lacks_normalisation", "read_volume_shapes", "sample_plan"]

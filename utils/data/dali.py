@@ -22,7 +22,7 @@ import torch
 
 from utils import symmetry
 from utils.data.files import check_normalisation
-from utils.data.spec import VECTOR_CHANNELS, PlannedLoader, SplitSpec, build_sampler
+from utils.data.spec import PlannedLoader, SplitSpec, build_sampler
 from utils.errors import DataError
 from utils.make_dataset import npy_paths
 
@@ -78,21 +78,20 @@ def check_twins_match(h5_path, data_file, label_file, probes=16):
                                 f"`python -m utils.make_dataset --out {h5_path} --npy_only --force`")
 
 
-# Per-element arguments of the pipeline, indexed by element: the permutation's index in
-# symmetry.PERMUTATIONS, the flip of each new axis, and the (C, C) channel-mixing matrix that
-# moves the velocity components with the grid (identity on scalar channels).
-_ELEMENTS = [symmetry.element(g) for g in range(symmetry.NUM_ELEMENTS)]
-_PERM_INDEX = np.array([symmetry.PERMUTATIONS.index(perm) for perm, _ in _ELEMENTS], dtype=np.int32)  # (48,)
-_FLIPS = np.array([flips for _, flips in _ELEMENTS], dtype=np.int32)                                 # (48, 3)
-
-
-def _mixing_matrices(num_channels):
-    """(48, C, C) float32 ``M`` with out = M @ in per voxel: ``symmetry.matrix`` on the velocity channels."""
-    mix = np.tile(np.eye(num_channels, dtype=np.float32), (symmetry.NUM_ELEMENTS, 1, 1))
-    block = np.ix_(VECTOR_CHANNELS, VECTOR_CHANNELS)
-    for g in range(symmetry.NUM_ELEMENTS):
-        mix[g][block] = symmetry.matrix(g)
-    return mix
+# DALI cannot call symmetry.transform or transform_torch: its pipeline is a graph of DALI operators that
+# its own executor runs on C++ threads and CUDA streams, on DALI's tensors; a Python function would have to
+# run as fn.python_function, under the GIL and outside that parallel executor. So the pipeline applies an
+# element with DALI's own operators (coord_transform, transpose, flip), whose per-sample arguments are read
+# from symmetry.element_table: the description of each element that those two functions use as well.
+def element_arguments(num_channels):
+    """Per element g: the permutation's index in ``symmetry.PERMUTATIONS`` (48,), the flip of each new axis
+    (48, 3) int32, and the (48, C, C) float32 matrix ``M`` with out = M @ in per voxel, which moves the
+    velocity components with the grid (``M[g, c, source[g, c]] = sign[g, c]``; identity on scalar channels)."""
+    table = symmetry.element_table(num_channels)
+    perm_index = np.array([symmetry.PERMUTATIONS.index(tuple(perm)) for perm in table.perm], dtype=np.int32)
+    mix = np.zeros((symmetry.NUM_ELEMENTS, num_channels, num_channels), dtype=np.float32)
+    np.put_along_axis(mix, table.source[..., None], table.sign[..., None], axis=2)
+    return perm_index, table.flips.astype(np.int32), mix
 
 
 class PlanFeed:
@@ -106,7 +105,8 @@ class PlanFeed:
 
     def __init__(self, spec: SplitSpec, batch_size):
         self.batch_size = batch_size
-        self.mix_in, self.mix_out = _mixing_matrices(spec.in_channels), _mixing_matrices(spec.out_channels)
+        self.perm_index, self.flips, self.mix_in = element_arguments(spec.in_channels)
+        self.mix_out = element_arguments(spec.out_channels)[2]
         self.sizes = []
         self._batches = iter(())
 
@@ -120,8 +120,8 @@ class PlanFeed:
     def _arguments(self, batch):
         padded = np.pad(np.arange(len(batch)), (0, self.batch_size - len(batch)), mode="edge")  # (B,)
         g = batch.elements[padded]                                               # (B,)
-        flips = np.ascontiguousarray(_FLIPS[g].T)                                # (3, B): DALI wants dense rows
-        return (batch.corners[padded].astype(np.int32), _PERM_INDEX[g], flips[0], flips[1], flips[2],
+        flips = np.ascontiguousarray(self.flips[g].T)                            # (3, B): DALI wants dense rows
+        return (batch.corners[padded].astype(np.int32), self.perm_index[g], flips[0], flips[1], flips[2],
                 self.mix_in[g], self.mix_out[g])
 
     def __call__(self):
@@ -155,7 +155,7 @@ def _apply_element(volume, perm_index, flip_d, flip_h, flip_w, mix):
     volume = fn.coord_transform(volume, M=mix)             # per voxel: velocity components rotate
     volume = _transpose_to_channels_first(volume, perm_index)
     # Flips act on the *permuted* axes (new axis k reversed if flips[k]); flipping before the
-    # transpose would apply a different element (a defect of one reference version).
+    # transpose would apply a different element.
     return fn.flip(volume, depthwise=flip_d, vertical=flip_h, horizontal=flip_w)
 
 

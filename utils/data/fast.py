@@ -8,8 +8,8 @@ copies differ. Per sample, the straightforward path does
     worker process through shared memory -> pin-memory copy (CUDA only)
 
 and the fast path writes each sample from the volume straight into its slot of a (pinned, for
-CUDA) batch buffer with :func:`transform_into`: ``symmetry.transform`` arranged so that it reads
-memory the way the hardware likes.
+CUDA) batch buffer with ``symmetry.transform(..., out=slot, scratch=...)``, whose per-thread scratch
+buffer lets it read memory the way the hardware likes.
 
 Why threads, not worker processes: numpy releases the GIL in its copy loops, so threads copy in
 parallel with no pickling, no shared-memory hand-over and no per-batch allocation, and can write
@@ -31,54 +31,11 @@ import numpy as np
 import torch
 
 from utils import symmetry
-from utils.data.spec import VECTOR_CHANNELS, PlannedLoader, ShardedSampler, SplitSpec, build_sampler
+from utils.data.spec import PlannedLoader, ShardedSampler, SplitSpec, build_sampler
 from utils.data.torch_loader import RandomCropDataset
 
 # Batches being filled ahead of the one the consumer is using.
 PREFETCH_BATCHES = 2
-
-
-def transform_into(volume, g, out, scratch, vector_channels=VECTOR_CHANNELS):
-    """``symmetry.transform(volume, g, vector_channels, out=out)`` in about 40% less time (mean of the 48).
-
-    volume (C, S, S, S), any strides (a crop of a box); out (C, S, S, S); scratch (2, S, S, S)
-    float32, one per thread. A strided copy is fast while it reads the volume's rows (its last
-    axis) forward, which the hardware prefetcher streams from memory: one copy does it when
-    ``g`` keeps rows as unreversed rows. Otherwise each channel is first streamed into a compact
-    copy and moved from there, in cache: by numpy, or -- for the 3 axis orders that turn rows
-    into columns, (1,2,0), (2,0,1), (2,1,0) -- by one 2D transpose, which torch's copy does in
-    cache-sized blocks after numpy has applied the flips.
-    """
-    perm, flips = symmetry.element(g)
-    if perm[2] == 2 and not flips[2]:
-        return symmetry.transform(volume, g, vector_channels, out=out)
-    s = volume.shape[1]
-    compact, staged = scratch
-    rows_to_columns = perm[0] != 0 and perm[2] != 2
-    if rows_to_columns:
-        # Order the axes so that moving the last one to the front (perm[0] == 2), or the first one
-        # to the back (perm[1] == 2), gives the output's axis order.
-        order = (perm[1], perm[2], 2) if perm[0] == 2 else (perm[2], perm[0], 2)
-        flipped = np.flip(compact, [perm[k] for k in range(3) if flips[k]]).transpose(order)
-        matrix = (s * s, s) if perm[0] == 2 else (s, s * s)
-        transposed = torch.from_numpy(staged).view(matrix).t()
-    else:
-        moved = symmetry.transform_view(compact[None], g)[0]
-    for c in range(volume.shape[0]):
-        source, negate = c, False
-        if c in vector_channels:
-            k = vector_channels.index(c)
-            source, negate = vector_channels[perm[k]], flips[k]
-        if negate:
-            np.negative(volume[source], out=compact)
-        else:
-            np.copyto(compact, volume[source])
-        if rows_to_columns:
-            np.copyto(staged, flipped)
-            torch.from_numpy(out[c]).view(transposed.shape).copy_(transposed)
-        else:
-            np.copyto(out[c], moved)
-    return out
 
 
 def memory_map(dataset):
@@ -183,7 +140,7 @@ class FastLoader(PlannedLoader):
         super().__init__(sampler)
         self.dataset, self.num_workers = dataset, num_workers
         self.read_crops = crop_reader(dataset)
-        self.local = threading.local()  # each thread's scratch crop for transform_into
+        self.local = threading.local()  # each thread's scratch crop for symmetry.transform
         size, crop = sampler.local_batch_size, dataset.crop
         self.buffers = BatchBuffers([(size, volume.shape[0], crop, crop, crop)
                                      for volume in (self.read_crops.inp, self.read_crops.tar)], pin_memory)
@@ -221,8 +178,8 @@ class FastLoader(PlannedLoader):
         """Sample ``slot`` of a batch: the crop at ``corner`` (3,) under symmetry ``element``."""
         inp, tar = self.read_crops(*corner)
         element, scratch = int(element), self._scratch()
-        transform_into(inp, element, views[0][slot], scratch)
-        transform_into(tar, element, views[1][slot], scratch)
+        symmetry.transform(inp, element, out=views[0][slot], scratch=scratch)
+        symmetry.transform(tar, element, out=views[1][slot], scratch=scratch)
 
     def _scratch(self):
         if not hasattr(self.local, "scratch"):

@@ -15,22 +15,17 @@ cut into the sampler's batches there). With ``prefetch`` (``gpu_prefetch: true``
 next batch is made on a side CUDA stream while the consumer's step runs: the gathers are
 memory-bound and the convolutions compute-bound, so the two can share the GPU.
 
-A symmetry element moves new spatial axis k to old axis perm[k], reversed if flip[k], so output
-position j along new axis k reads
-
-    old coordinate along axis perm[k] = corner[perm[k]] + (S - 1 - j if flip[k] else j),
-
-which turns crop + transform into one gather from the flattened volume. The velocity components
-then follow the grid: new component k = sign_k * old component perm[k] (a per-sample channel
-gather and a multiply by +-1). With fp32 storage the batches equal those of the CPU loaders bit
+Crop and symmetry transform are one call per volume, ``symmetry.transform_torch``: a gather of the
+crops' positions, moved by each sample's element, from the flattened volume, then the velocity
+components' channel gather and sign. With fp32 storage the batches equal those of the CPU loaders bit
 for bit; with 16-bit storage they equal them rounded to that dtype.
 
 Batches are always float32, whatever the storage dtype: the model and loss see what the other
 loaders give them (under autocast too), and the cast is fused into the sign multiply.
 
 ``gather`` (``gpu_gather``) chooses how a batch is made: ``eager`` runs ``make_crops`` as PyTorch
-kernels (the positions, an index_select of them, an index_select of the rotated channel rows, then sign,
-cast and layout in one multiply: several passes over the batch); ``compiled`` runs it through
+kernels (per volume: the positions, an index_select of them, an index_select of the rotated channel rows,
+then sign, cast and layout in one multiply: several passes over the batch); ``compiled`` runs it through
 ``torch.compile``, which can compute the positions and do all of it in one kernel per volume. Both give the
 same batches bit for bit (only copies and multiplications by +-1). The compiled form compiles at its first
 batch, and once more for another batch size or box.
@@ -46,7 +41,7 @@ from tqdm import tqdm
 from utils import symmetry
 from utils.data.fast import hand_over
 from utils.data.files import check_data_file
-from utils.data.spec import VECTOR_CHANNELS, PlannedLoader, ShardedSampler, SplitSpec, build_sampler
+from utils.data.spec import PlannedLoader, ShardedSampler, SplitSpec, build_sampler
 from utils.errors import DataError
 
 STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -90,18 +85,6 @@ def check_device_memory(path, dtype, device, split):
                         f"set gpu_storage_dtype: fp16 (half the memory) or use data_loader_config: lowmem")
 
 
-def channel_tables(num_channels, vector_channels=VECTOR_CHANNELS):
-    """(48, C) source channel and (48, C) sign of each output channel, per symmetry element."""
-    source = torch.arange(num_channels).repeat(symmetry.NUM_ELEMENTS, 1)
-    sign = torch.ones(symmetry.NUM_ELEMENTS, num_channels)
-    for g in range(symmetry.NUM_ELEMENTS):
-        perm, flips = symmetry.element(g)
-        for k in range(3):
-            source[g, vector_channels[k]] = vector_channels[perm[k]]
-            sign[g, vector_channels[k]] = -1.0 if flips[k] else 1.0
-    return source, sign
-
-
 class GPUResidentLoader(PlannedLoader):
     """This rank's batches of the sampler's epoch: (inp (B, C_in, S, S, S), tar (B, C_out, S, S, S)).
 
@@ -125,13 +108,9 @@ class GPUResidentLoader(PlannedLoader):
         check_device_memory(spec.path, dtype, self.device, spec.split)
         self.inp = load_volume(spec.path, "Nbody", dtype, self.device, progress)  # (C_in, N, N, N)
         self.tar = load_volume(spec.path, "Hydro", dtype, self.device, progress)  # (C_out, N, N, N)
-        self.tables = {volume.shape[0]: tuple(t.to(self.device) for t in channel_tables(volume.shape[0]))
-                       for volume in (self.inp, self.tar)}
-        elements = [symmetry.element(g) for g in range(symmetry.NUM_ELEMENTS)]
-        self.perms = torch.tensor([perm for perm, _ in elements], device=self.device)   # (48, 3)
-        self.flips = torch.tensor([flips for _, flips in elements], device=self.device)  # (48, 3)
-        # Flat spatial indices fit in int32 up to N = 1290 (half the index memory and traffic).
-        self.index_dtype = torch.int32 if self.inp[0].numel() < 2**31 else torch.int64
+        # Each volume's symmetry tables, copied to the device once: every batch looks its elements up there.
+        self.tables = tuple(symmetry.element_table(volume.shape[0]).to(self.device)
+                            for volume in (self.inp, self.tar))
         self.make_crops = torch.compile(make_crops, dynamic=False) if gather == "compiled" else make_crops
         self.description = f"gpu-resident {storage_dtype} volumes on {self.device}" + (
             ", crops by a compiled gather" if gather == "compiled" else "") + (
@@ -168,46 +147,15 @@ class GPUResidentLoader(PlannedLoader):
 
     def make_batch(self, corners, elements):
         """(inp, tar) of the crops at ``corners`` (B, 3) moved by the symmetry ``elements`` (B,)."""
-        return self.make_crops(self.inp, self.tar, corners, elements, self.perms, self.flips,
-                               self.tables[self.inp.shape[0]], self.tables[self.tar.shape[0]], self.spec.crop,
-                               self.index_dtype, self.memory_format)
+        return self.make_crops(self.inp, self.tar, corners, elements, *self.tables, self.spec.crop,
+                               self.memory_format)
 
 
-def make_crops(inp, tar, corners, elements, perms, flips, inp_tables, tar_tables, s, index_dtype, memory_format):
+def make_crops(inp, tar, corners, elements, inp_table, tar_table, crop, memory_format):
     """(inp, tar): (B, C, S, S, S) float32 crops of the (C, N, N, N) volumes ``inp`` and ``tar`` at ``corners``
-    (B, 3), moved by the symmetry ``elements`` (B,): ``perms`` and ``flips`` (48, 3) per element, and each volume's
-    (source channel, sign) tables (48, C) from ``channel_tables``."""
-    index = crop_index(corners, perms[elements], flips[elements], inp.shape[1], s, index_dtype)  # both volumes' N
-    return tuple(gather_crops(volume, index, source[elements], sign[elements], memory_format)
-                 for volume, (source, sign) in ((inp, inp_tables), (tar, tar_tables)))
-
-
-def crop_index(corners, perm, flip, n, s, dtype):
-    """(B, S, S, S) flat positions in an N^3 volume of the S^3 crops at ``corners`` (B, 3), with new axis k
-    taken from old axis ``perm[b, k]``, reversed where ``flip[b, k]``."""
-    j = torch.arange(s, device=corners.device)
-    along = torch.where(flip[..., None], s - 1 - j, j)                           # (B, 3, S)
-    stride = n ** (2 - perm)                                                      # (B, 3): flat stride of old axis
-    offsets = ((torch.gather(corners, 1, perm)[..., None] + along) * stride[..., None]).to(dtype)
-    return offsets[:, 0, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
-
-
-def gather_crops(volume, index, source, sign, memory_format=torch.contiguous_format):
-    """(B, C, S, S, S) float32 samples of ``volume`` (C, N, N, N) at ``index`` (B, S, S, S): output channel c of
-    sample b is channel ``source[b, c]`` times ``sign[b, c]`` (vectors follow the grid)."""
-    num_channels, batch, s = volume.shape[0], index.shape[0], index.shape[1]
-    moved = volume.view(num_channels, -1).index_select(1, index.view(-1))         # (C, B*S^3), storage dtype
-    # Output channel c of sample b is row source[b, c] * B + b of `moved` seen as (C*B, S^3) rows, times
-    # sign[b, c]; picking the rows in (b, c) order also puts the batch first.
-    rows = source * batch + torch.arange(batch, device=volume.device)[:, None]    # (B, C)
-    rotated = moved.view(num_channels * batch, -1).index_select(0, rows.view(-1))  # (B*C, S^3)
-    shape = (batch, num_channels, s, s, s)
-    if torch.compiler.is_compiling():  # Dynamo cannot trace mul(out=) into a channels-last tensor (a graph
-        # break); Inductor fuses this form, the gathers above included, into one kernel with the same result
-        return (rotated.view(shape).float() * sign[..., None, None, None]).contiguous(memory_format=memory_format)
-    out = torch.empty(shape, dtype=torch.float32, device=volume.device, memory_format=memory_format)
-    torch.mul(rotated.view(shape), sign[..., None, None, None], out=out)         # cast, sign, layout: one pass
-    return out
+    (B, 3), moved by the symmetry ``elements`` (B,); each volume's ``symmetry.element_table`` on its device."""
+    return tuple(symmetry.transform_torch(volume, elements, corners, crop, table, memory_format)
+                 for volume, table in ((inp, inp_table), (tar, tar_table)))
 
 
 def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu"), storage_dtype=None,

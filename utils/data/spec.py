@@ -26,9 +26,8 @@ from torch.utils.data import Sampler
 from utils import symmetry
 from utils.config import resolve_path
 from utils.errors import DataError
+from utils.units import VECTOR_CHANNELS  # noqa: F401 (the velocity channels of both volumes, re-exported)
 
-# Velocity channels of both the N-body (4 channels) and hydro (5 channels) volumes.
-VECTOR_CHANNELS = (1, 2, 3)
 SPLITS = {"train": 0, "val": 1}
 
 

@@ -3,7 +3,8 @@
 Vocabulary of the tutorial:
 - ``RandomCropDataset`` serves sample ``(epoch, index)``: a ``data_size``^3 crop of the N-body
   input (4 channels) and the matching hydro target (5 channels).
-- ``RandomRotator`` applies one of the 48 symmetries of the cube to both, velocity vectors included.
+  Both are moved by the same one of the 48 symmetries of the cube, velocity vectors included
+  (``symmetry.transform``, utils/symmetry.py).
 - ``get_torch_loader`` builds the straightforward ``DataLoader`` of a split: worker processes
   read and transform one sample each, the default collate stacks them into a batch.
   (``utils.data.get_data_loader``, the factory, picks it or one of the faster loaders.)
@@ -21,19 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from utils import symmetry
 from utils.data.files import check_data_file
-from utils.data.spec import VECTOR_CHANNELS, SplitSpec, build_sampler
+from utils.data.spec import SplitSpec, build_sampler
 from utils.errors import DataError
-
-
-class RandomRotator:
-    """Applies a cube-group element to a (C, X, Y, Z) volume, vector channels included."""
-
-    def __init__(self, vector_channels=VECTOR_CHANNELS):
-        self.vector_channels = vector_channels
-
-    def __call__(self, volume, element):
-        # One strided copy: moves the grid and rotates the velocity components together.
-        return symmetry.transform(volume, element, self.vector_channels)
 
 
 class RandomCropDataset(Dataset):
@@ -52,7 +42,6 @@ class RandomCropDataset(Dataset):
             spec = SplitSpec.from_params(spec, split, mode=mode)
         self.spec = spec
         self.split, self.mode, self.box, self.crop = spec.split, spec.mode, spec.box, spec.crop
-        self.rotator = RandomRotator()
         self.path = None
         self._file = self._file_pid = None
         if self.mode == "synthetic":
@@ -95,7 +84,8 @@ class RandomCropDataset(Dataset):
     def __getitem__(self, key):
         epoch, index = key
         (inp, tar), element = self.read_crop(epoch, index)
-        return tuple(torch.from_numpy(np.asarray(self.rotator(volume, element), dtype=np.float32))
+        # One strided copy per channel moves the grid and rotates the velocity components together.
+        return tuple(torch.from_numpy(np.asarray(symmetry.transform(volume, element), dtype=np.float32))
                      for volume in (inp, tar))
 
     def __getstate__(self):
