@@ -54,6 +54,7 @@ EXPECTED = [
     "python train.py --config=quickstart --num_epochs 1 --profile_dir traces",
     "python train.py --config=quickstart --enable_benchy",
     "python benchmarks/ladder.py --tiny",
+    "python benchmarks/roofline.py",
     "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1",
     "python benchmarks/gpu_suite.py OUT --small",
     "python -m utils.plot_logs logs/quickstart/1GPU/0",
