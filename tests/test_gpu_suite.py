@@ -83,6 +83,65 @@ def test_kernel_probe_tells_cudnn_from_pytorchs_slow_fallback(names, path):
     assert kernel_probe.classify(names) == path
 
 
+def probe_case(layer, mode, path):
+    ops = {"slow": ["aten::convolution", "aten::slow_conv3d_forward", "aten::slow_conv3d_backward"],
+           "cpu": ["aten::convolution", "aten::mkldnn_convolution"],
+           "cudnn": ["aten::cudnn_convolution"]}.get(path, [])
+    return {"layer": layer, "kind": "Conv3d", "mode": mode, "ops": ops, "kernels": [], "path": path, "ms": 1.0,
+            "tflops": 0.1}
+
+
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "cuda"])
+def test_the_kernel_probes_slow_path_fails_a_gpu_only(tmp_path, monkeypatch, on_gpu):
+    """Part a on the cases an AVX2 CPU without AVX-512 gives (bf16 channels-last Conv3d in slow_conv3d): on a CPU
+    the kernel is the CPU's choice, reported as information, and the part passes; the same rows from a GPU are
+    PyTorch's slow fallback where cuDNN was expected, and fail it."""
+    cases = [probe_case("down0", "fp32", "cudnn" if on_gpu else "cpu"), probe_case("down0", "bf16_cl", "slow"),
+             probe_case("last", "bf16_cl", "slow")]
+    monkeypatch.setattr(kernel_probe, "run_probe", lambda **settings: cases)
+    suite = gpu_suite.Suite(tmp_path, small=True)
+    suite.cuda = on_gpu
+    suite.probe()
+    suite.finish()
+    checks = {c["name"]: c for c in suite.checks}
+    if on_gpu:
+        assert "kernel probe ran" not in checks
+        assert checks["cuDNN for every convolution"]["status"] == "FAIL"
+        assert checks["cuDNN for every convolution"]["detail"] == (
+            "1/3 cases on cuDNN; not cuDNN: down0/bf16_cl=slow, last/bf16_cl=slow")
+    else:
+        assert checks["kernel probe ran"]["status"] == "PASS", checks["kernel probe ran"]
+        assert "down0/bf16_cl, last/bf16_cl" in checks["kernel probe ran"]["detail"]
+        assert checks["cuDNN for every convolution"]["status"] == "SKIP"
+    assert suite.results["probe"]["paths"] == {"cudnn" if on_gpu else "cpu": 1, "slow": 2}
+
+
+def test_a_probe_case_that_crashes_fails_on_a_cpu_too():
+    cases = [probe_case("down0", "fp32", "cpu"), {**probe_case("up0", "bf16_cl", "error"), "error": "RuntimeError"}]
+    passed, detail = kernel_probe.judge(cases, on_gpu=False)
+    assert not passed and detail.endswith("; crashed: up0/bf16_cl")
+    assert kernel_probe.judge([], on_gpu=False)[0] is False  # nothing ran: nothing was checked
+
+
+PROFILE_ONCE = ("import torch\nwith torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):\n"
+                "    torch.ones(3).sum()\n")
+
+
+def test_the_cpu_kernel_probe_prints_no_profiler_markers():
+    """Kineto prints 'USDT: ... profiler_start' and 'profiler_stop' on stderr around every profiled region, at a
+    level above its errors; the probe turns them off on a CPU (KINETO_LOG_LEVEL), and its verdict still prints."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    plain = subprocess.run([sys.executable, "-c", PROFILE_ONCE], capture_output=True, text=True, env=env, timeout=120)
+    if "profiler_start" not in plain.stderr:
+        pytest.skip("this PyTorch's Kineto prints no USDT lines: nothing to silence")
+    result = subprocess.run([sys.executable, "benchmarks/kernel_probe.py", "--batch", "1", "--crop", "16",
+                             "--channels", "4,8", "--modes", "fp32", "--repeats", "1"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS kernel probe: 4 cases ran on the CPU" in result.stdout
+    assert "USDT" not in result.stderr and "profiler_start" not in result.stderr, result.stderr
+
+
 def test_the_checkpoint_stall_is_parsed_from_train_pys_own_log_lines():
     text = "\n".join(["INFO " + stall_message("periodic", 40, 0.031, 0.0),
                       "Checkpoint (periodic) written: /x/ckpt_step00000040.pt (2.3 s, 1.40 GB)",
