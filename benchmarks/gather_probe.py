@@ -28,9 +28,9 @@ current ones bit for bit, strides included. Then each is timed (median of ``--re
 layout of ``--memory_format`` (channels_last: the *_opt configs'). The volumes are random values (the gather's
 time does not depend on them). The last line is PASS (every candidate equal) or FAIL, with the fastest; if
 ``compiled`` is the fastest by a margin, ``gpu_gather: compiled`` is the loader setting to measure in benchmark
-mode (the suite's part c does). On the H100 (2026-11-27) it was: current 1.866 ms, two_index 3.249,
-channels_last_order 3.293, compiled 1.073 ms per batch; at the *_opt step benchmark mode's FULL/SYNTHETIC went from
-0.940 to 0.964 with it, and the *_opt configs now set it (benchmarks/results/h100.md).
+mode (the suite's part c does). On the H100 it was: current 1.866 ms, two_index 3.249, channels_last_order
+3.293, compiled 1.073 ms per batch; at the *_opt step benchmark mode's FULL/SYNTHETIC went from 0.940 to 0.964
+with it, which is why the *_opt configs set it (benchmarks/results/h100.md).
 """
 import argparse
 import json

@@ -20,11 +20,14 @@ Then the pass is timed with CUDA events (median of ``--repeats``), giving TFLOP/
 default cuDNN picks its algorithms by heuristics: whether PyTorch calls cuDNN or its slow fallback
 does not depend on that, and autotuning every case (``--benchmark``, what train.py's
 ``cudnn.benchmark`` does) costs about a second per case on an H100 (70 s for the 60 cases). On a
-CPU the same code runs (``--batch 1 --crop 16 --channels 4,8`` is a smoke test) and checks the CPU
-ops for the slow path only.
+CPU the same code runs (``--batch 1 --crop 16 --channels 4,8`` is a smoke test) and reports which CPU
+ops ran as information only: the slow-path check is about the GPU (cuDNN expected), while the CPU's
+kernel depends on its instruction set (without AVX-512, PyTorch runs bf16 channels-last Conv3d in
+``slow_conv3d``). Off the GPU only a case that crashes fails the probe.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 from contextlib import nullcontext
@@ -135,8 +138,38 @@ def probe_case(cls, c_in, c_out, size, batch, mode, device, repeats):
     flops = 3 * conv_flops(cls, c_in, c_out, size, batch)  # forward + input grad + weight grad
     path = classify(ops + kernels)
     if device.type != "cuda" and path == "unknown":
-        path = "cpu"  # oneDNN/native CPU kernels: only the slow-path check applies off the GPU
+        path = "cpu"  # oneDNN or native CPU kernels; off the GPU the path is information only (judge)
     return {"ops": ops, "kernels": kernels[:40], "path": path, "ms": 1e3 * seconds, "tflops": flops / seconds / 1e12}
+
+
+def judge(cases, on_gpu):
+    """(passed, one-line detail) of a probe's ``cases``. On a GPU every case must be on cuDNN. On a CPU the
+    kernel PyTorch picks depends on the CPU's instruction set, so the paths are information and only a case
+    that crashed (or no case at all) fails."""
+    if on_gpu:
+        bad = [case for case in cases if case["path"] != "cudnn"]
+        detail = f"{len(cases) - len(bad)}/{len(cases)} cases on cuDNN"
+        if bad:
+            detail += "; not cuDNN: " + ", ".join(f"{case_name(c)}={c['path']}" for c in bad)
+        return bool(cases) and not bad, detail
+    errors = [case_name(c) for c in cases if c["path"] == "error"]
+    slow = [case_name(c) for c in cases if c["path"] == "slow"]
+    detail = (f"{len(cases)} cases ran on the CPU; PyTorch's slow fallback (information only: the check is "
+              f"for GPUs) for {', '.join(slow) or 'none'}")
+    return bool(cases) and not errors, detail + (f"; crashed: {', '.join(errors)}" if errors else "")
+
+
+def case_name(case):
+    return f"{case['layer']}/{case['mode']}"
+
+
+def quiet_profiler(on_gpu):
+    """Keep Kineto (torch.profiler's backend) from printing 'USDT: ... profiler_start/stop' on stderr for every
+    profiled region. Those lines sit above its errors, so only KINETO_LOG_LEVEL=6 (read when the process first
+    profiles) hides them, and it hides Kineto's errors too: done off the GPU only, where no CUPTI error can
+    explain a missing trace. A level the user set is kept."""
+    if not on_gpu:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 def run_probe(batch=8, crop=64, modes=MODES, repeats=5, device=None, log=print, channels=REFERENCE_CHANNELS,
@@ -199,19 +232,20 @@ def main(argv=None):
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    on_gpu = torch.cuda.is_available()
+    quiet_profiler(on_gpu)
     env = environment()
     print(json.dumps(env), flush=True)
     channels = [int(c) for c in args.channels.split(",")]
     if args.crop % 2 ** len(channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(channels)} for {len(channels)} levels")
     cases = run_probe(args.batch, args.crop, modes, args.repeats, channels=channels, benchmark=args.benchmark)
-    bad = [c for c in cases if c["path"] not in ("cudnn", "cpu")]
     if args.out:
         args.out.write_text(json.dumps({"environment": env, "batch": args.batch, "crop": args.crop,
                                         "cases": cases}, indent=1) + "\n")
-    print(f"{'PASS' if not bad else 'FAIL'} kernel probe: {len(cases) - len(bad)}/{len(cases)} cases on cuDNN"
-          + (f"; not cuDNN: {', '.join(c['layer'] + '/' + c['mode'] + '=' + c['path'] for c in bad)}" if bad else ""))
-    return 1 if bad else 0
+    passed, detail = judge(cases, on_gpu)
+    print(f"{'PASS' if passed else 'FAIL'} kernel probe: {detail}")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

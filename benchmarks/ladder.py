@@ -14,9 +14,9 @@ plus two side rungs: the CUDA graph of the compiled model, and torch.compile wit
 two rungs that end at the ``*_opt`` configs' settings: channels-last with the convolution forms that
 measured fastest on an H100 (``down0=rewritten,last=rewritten``, compile off), then torch.compile on top
 (``up0`` rewritten too); and a last candidate rung, the same compiled step with ``last`` as an overlap-add
-(``last=overlap_add``: 2751 against 2692 samples/s on the H100, 2026-11-27). These three set their own forms;
-``--conv_forms`` sets every other rung's. A rung means the rungs above it plus its own change, also when ``--rungs``
-runs it alone (``--rungs channels_last`` is bf16, fused Adam and channels-last).
+(``last=overlap_add``: 2751 against 2692 samples/s on the H100, benchmarks/results/h100.md). These three set
+their own forms; ``--conv_forms`` sets every other rung's. A rung means the rungs above it plus its own change,
+also when ``--rungs`` runs it alone (``--rungs channels_last`` is bf16, fused Adam and channels-last).
 
 On CUDA, torch.compile with channels-last-3d hits a PyTorch Inductor bug (pytorch#171622, seen with
 torch 2.11) in the compiled backward of a transposed convolution on a 1^3 input: up0, the bottom of
@@ -208,7 +208,8 @@ def synchronize(device):
 def run_rung(rung, params, device, batch, args):
     """Loss check, then timed windows, for one rung; returns its numbers."""
     info = DistInfo(device=device)
-    state = train.build_training(params, info, capturable=True) if rung.graph else train.build_training(params, info)
+    state = (train.build_training(params, info, capturable=True) if rung.graph
+             else train.build_training(params, info))
     # One batch, cached on the device in the rung's memory format: the steps measure compute alone.
     inp, tar = (tensor.to(device, memory_format=state.memory_format) for tensor in batch)
     state.set_lr(initial_lr(params.lr_schedule, params.global_batch_size, params.base_batch_size))

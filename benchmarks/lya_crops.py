@@ -39,7 +39,8 @@ def main():
                 stats.update(batch, batch)
             spectra = stats.finalize().p1d()
             ratio = spectra["true"] / np.interp(np.log(spectra["k"]), np.log(reference["k"]), reference["true"])
-            print(f"{size}^3 crops, {'no window' if periodic else 'Hann window'} ({time.perf_counter() - start:.1f} s):")
+            window = "no window" if periodic else "Hann window"
+            print(f"{size}^3 crops, {window} ({time.perf_counter() - start:.1f} s):")
             print("  wavelength [cells] " + " ".join(f"{w:.3g}" for w in spectra["wavelength_cells"]))
             print("  crop / box P1D     " + " ".join(f"{r:.3g}" for r in ratio))
 

@@ -95,7 +95,7 @@ def make_step(kind, ms, device):
 def traced_copies(batches, step, device):
     """[{name, stream, ms, hidden share, start after queued}] of the host-to-device copies in a trace of the
     prefetched loop."""
-    from benchmarks.gpu_suite import copy_compute_overlap, copy_rows, trace_events
+    from benchmarks.suite.trace import copy_compute_overlap, copy_rows, trace_events
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_suite.py's CPU smoke mode, so the one-command GPU suite cannot rot between GPU sessions."""
+"""benchmarks/gpu_suite.py (its parts in benchmarks/suite/) and its CPU smoke mode, so the one-command GPU suite
+cannot rot between GPU sessions."""
 import json
 import os
 import subprocess
@@ -12,6 +13,10 @@ import torch
 from utils.config import REPO_ROOT
 
 from benchmarks import conv_variants, gpu_suite, kernel_probe
+from benchmarks.suite import part_b_ladder, part_g_tests, part_i_levers, settings, trace
+from benchmarks.suite.core import with_up0_rewritten
+from benchmarks.suite.part_de_training import checkpoint_stalls
+from benchmarks.suite.summary import markdown
 from utils.checkpoint_manager import stall_message
 
 
@@ -83,12 +88,71 @@ def test_kernel_probe_tells_cudnn_from_pytorchs_slow_fallback(names, path):
     assert kernel_probe.classify(names) == path
 
 
+def probe_case(layer, mode, path):
+    ops = {"slow": ["aten::convolution", "aten::slow_conv3d_forward", "aten::slow_conv3d_backward"],
+           "cpu": ["aten::convolution", "aten::mkldnn_convolution"],
+           "cudnn": ["aten::cudnn_convolution"]}.get(path, [])
+    return {"layer": layer, "kind": "Conv3d", "mode": mode, "ops": ops, "kernels": [], "path": path, "ms": 1.0,
+            "tflops": 0.1}
+
+
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "cuda"])
+def test_the_kernel_probes_slow_path_fails_a_gpu_only(tmp_path, monkeypatch, on_gpu):
+    """Part a on the cases an AVX2 CPU without AVX-512 gives (bf16 channels-last Conv3d in slow_conv3d): on a CPU
+    the kernel is the CPU's choice, reported as information, and the part passes; the same rows from a GPU are
+    PyTorch's slow fallback where cuDNN was expected, and fail it."""
+    cases = [probe_case("down0", "fp32", "cudnn" if on_gpu else "cpu"), probe_case("down0", "bf16_cl", "slow"),
+             probe_case("last", "bf16_cl", "slow")]
+    monkeypatch.setattr(kernel_probe, "run_probe", lambda **settings: cases)
+    suite = gpu_suite.Suite(tmp_path, small=True)
+    suite.cuda = on_gpu
+    suite.probe()
+    suite.finish()
+    checks = {c["name"]: c for c in suite.checks}
+    if on_gpu:
+        assert "kernel probe ran" not in checks
+        assert checks["cuDNN for every convolution"]["status"] == "FAIL"
+        assert checks["cuDNN for every convolution"]["detail"] == (
+            "1/3 cases on cuDNN; not cuDNN: down0/bf16_cl=slow, last/bf16_cl=slow")
+    else:
+        assert checks["kernel probe ran"]["status"] == "PASS", checks["kernel probe ran"]
+        assert "down0/bf16_cl, last/bf16_cl" in checks["kernel probe ran"]["detail"]
+        assert checks["cuDNN for every convolution"]["status"] == "SKIP"
+    assert suite.results["probe"]["paths"] == {"cudnn" if on_gpu else "cpu": 1, "slow": 2}
+
+
+def test_a_probe_case_that_crashes_fails_on_a_cpu_too():
+    cases = [probe_case("down0", "fp32", "cpu"), {**probe_case("up0", "bf16_cl", "error"), "error": "RuntimeError"}]
+    passed, detail = kernel_probe.judge(cases, on_gpu=False)
+    assert not passed and detail.endswith("; crashed: up0/bf16_cl")
+    assert kernel_probe.judge([], on_gpu=False)[0] is False  # nothing ran: nothing was checked
+
+
+PROFILE_ONCE = ("import torch\nwith torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):\n"
+                "    torch.ones(3).sum()\n")
+
+
+def test_the_cpu_kernel_probe_prints_no_profiler_markers():
+    """Kineto prints 'USDT: ... profiler_start' and 'profiler_stop' on stderr around every profiled region, at a
+    level above its errors; the probe turns them off on a CPU (KINETO_LOG_LEVEL), and its verdict still prints."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    plain = subprocess.run([sys.executable, "-c", PROFILE_ONCE], capture_output=True, text=True, env=env, timeout=120)
+    if "profiler_start" not in plain.stderr:
+        pytest.skip("this PyTorch's Kineto prints no USDT lines: nothing to silence")
+    result = subprocess.run([sys.executable, "benchmarks/kernel_probe.py", "--batch", "1", "--crop", "16",
+                             "--channels", "4,8", "--modes", "fp32", "--repeats", "1"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS kernel probe: 4 cases ran on the CPU" in result.stdout
+    assert "USDT" not in result.stderr and "profiler_start" not in result.stderr, result.stderr
+
+
 def test_the_checkpoint_stall_is_parsed_from_train_pys_own_log_lines():
     text = "\n".join(["INFO " + stall_message("periodic", 40, 0.031, 0.0),
                       "Checkpoint (periodic) written: /x/ckpt_step00000040.pt (2.3 s, 1.40 GB)",
                       "INFO " + stall_message("periodic", 80, 1.732, 1.701),
                       "INFO " + stall_message("end of epoch 1", 160, 0.045, 0.0004)])
-    assert gpu_suite.checkpoint_stalls(text) == [("periodic", 0.031, 0.0), ("periodic", 1.732, 1.701),
+    assert checkpoint_stalls(text) == [("periodic", 0.031, 0.0), ("periodic", 1.732, 1.701),
                                                  ("end of epoch 1", 0.045, 0.0)]
 
 
@@ -111,13 +175,13 @@ def test_the_trace_tells_how_much_of_each_copy_hid_and_what_made_the_host_wait()
     events = [runtime_call("cudaMemcpyAsync", 360, 1), runtime_call("cudaMemcpyAsync", 590, 2),
               runtime_call("cudaStreamSynchronize", 700, 3), runtime_call("cudaFree", 710, 4),
               runtime_call("cudaFree", 720, 5), runtime_call("cudaLaunchKernel", 730, 6), *kernels, *copies]
-    assert gpu_suite.copy_compute_overlap(copies, kernels) == 0.4  # 80 of the 200 us
-    rows = gpu_suite.copy_rows(copies, kernels, events)
+    assert trace.copy_compute_overlap(copies, kernels) == 0.4  # 80 of the 200 us
+    rows = trace.copy_rows(copies, kernels, events)
     assert [(r["hidden"], r["start_after_queued_ms"], r["ms"], r["stream"]) for r in rows] == [(0.8, 0.04, 0.1, 20),
                                                                                            (0.0, 0.01, 0.1, 20)]
-    assert gpu_suite.blocking_calls(events) == {"cudaStreamSynchronize": 1, "cudaFree": 2}
+    assert trace.blocking_calls(events) == {"cudaStreamSynchronize": 1, "cudaFree": 2}
     unlinked = gpu_event("gpu_memcpy", 400, 100, 20)  # no correlation id in the trace
-    assert gpu_suite.copy_rows([unlinked], kernels, events)[0]["start_after_queued_ms"] is None
+    assert trace.copy_rows([unlinked], kernels, events)[0]["start_after_queued_ms"] is None
 
 
 def test_the_summary_shows_where_the_slowest_layers_kernel_time_goes():
@@ -137,12 +201,12 @@ def test_the_summary_shows_where_the_slowest_layers_kernel_time_goes():
     slowest = conv_variants.slowest_layers(forms)
     assert [(name, form, ms) for name, form, ms, _ in slowest] == [
         ("last", "rewritten", 6.0), ("up4", "rewritten", 5.0), ("down1", "rewritten", 3.0)]
-    text = gpu_suite.markdown({"command": "gpu_suite.py OUT", "mode": "full", "conv_forms": forms})
+    text = markdown({"command": "gpu_suite.py OUT", "mode": "full", "conv_forms": forms})
     assert "| last (rewritten) | `last_dgrad` | 1 | 4.500 | 75% |" in text
     assert "| up4 (rewritten) | `copy` | 8 | 1.250 | 25% |" in text and "down0 (rewritten)" not in text
     for row in forms["layers"]:  # results of a CPU, or from before the breakdown: no table
         row["kernels"] = {"native": None, "rewritten": None}
-    assert "slowest layers" not in gpu_suite.markdown({"command": "OUT", "mode": "full", "conv_forms": forms})
+    assert "slowest layers" not in markdown({"command": "OUT", "mode": "full", "conv_forms": forms})
 
 
 def test_parts_the_budget_skips_are_named_with_the_fewest_calls_that_run_them(tmp_path, capsys):
@@ -198,8 +262,8 @@ def test_compile_gives_each_training_run_a_compile_in_the_guesses(tmp_path, monk
                                train_compile=True, started=time.perf_counter() - 545)
     eager.cuda = compiled.cuda = True  # as on a GPU: the guesses count
     added = {key: compiled.needs(key, True) - eager.needs(key, True) for key in "bcdefgh"}
-    assert added == {"b": 0, "c": 6 * gpu_suite.COMPILE_S, "d": 2 * gpu_suite.COMPILE_S, "e": gpu_suite.COMPILE_S,
-                     "f": gpu_suite.COMPILE_S, "g": 0, "h": 0}
+    assert added == {"b": 0, "c": 6 * settings.COMPILE_S, "d": 2 * settings.COMPILE_S, "e": settings.COMPILE_S,
+                     "f": settings.COMPILE_S, "g": 0, "h": 0}
     assert eager.calls_for("abcdefgh") == ["abc", "defgh"]
     assert compiled.calls_for("abcdefgh") == ["ab", "cdef", "gh"]
 
@@ -208,7 +272,7 @@ def test_compile_gives_each_training_run_a_compile_in_the_guesses(tmp_path, monk
     monkeypatch.setattr(compiled, "gather_probe", lambda: None)
     compiled.benchy()
     skipped = [check for check in compiled.checks if check["status"] == "SKIP"]
-    assert len(skipped) == 6 and all(f"it needs about {gpu_suite.BENCHY_RUN_S + gpu_suite.COMPILE_S} s" in
+    assert len(skipped) == 6 and all(f"it needs about {settings.BENCHY_RUN_S + settings.COMPILE_S} s" in
                                      check["detail"] and "--parts c --conv_forms last=rewritten --compile`" in
                                      check["detail"] for check in skipped), skipped
     for suite in (eager, compiled):
@@ -248,14 +312,14 @@ def test_part_g_runs_the_cuda_tests_on_workers_with_a_limit_per_test(tmp_path, m
         commands.append((command, timeout))
         return subprocess.CompletedProcess(command, 0, stdout="30 passed in 60.00s\n",
                                            stderr="[W] a worker's warning at its exit\n")
-    monkeypatch.setattr(gpu_suite.subprocess, "run", run)
-    monkeypatch.setattr(gpu_suite, "_importable", lambda name: plugins)
+    monkeypatch.setattr(part_g_tests.subprocess, "run", run)
+    monkeypatch.setattr(part_g_tests, "importable", lambda name: plugins)
     suite.tests()
     [(command, timeout)] = commands
     assert command[-1] == "tests/test_gpu.py" and 500 < timeout <= 550
     if plugins:
-        assert command[command.index("-n") + 1] == str(gpu_suite.TEST_WORKERS)
-        assert command[command.index("--timeout") + 1] == str(gpu_suite.TEST_TIMEOUT_S)
+        assert command[command.index("-n") + 1] == str(settings.TEST_WORKERS)
+        assert command[command.index("--timeout") + 1] == str(settings.TEST_TIMEOUT_S)
     else:
         assert "-n" not in command and "--timeout" not in command
     assert suite.checks[-1]["status"] == "PASS" and suite.checks[-1]["detail"] == "30 passed in 60.00s"
@@ -280,7 +344,7 @@ def test_part_b_compares_the_overlap_add_candidate_with_the_opt_rung(tmp_path, m
                                                            rung("compile_overlap_add", 3240.0)]}))
         return 0
     monkeypatch.setattr(ladder, "main", fake_ladder)
-    monkeypatch.setattr(gpu_suite, "plot_ladder", lambda *args: None)
+    monkeypatch.setattr(part_b_ladder, "plot_ladder", lambda *args: None)
     suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560, conv_forms="last=rewritten", train_compile=True)
     suite.cuda = True
     suite.ladder()
@@ -296,7 +360,7 @@ def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the ladders run on the CPU on a GPU machine too
     suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560)
     suite.cuda = True  # as on a GPU: the part runs
-    monkeypatch.setattr(gpu_suite, "LADDER_TIMING", ["--tiny", "--loss_steps", "1", "--warmup_steps", "0",
+    monkeypatch.setattr(part_i_levers, "LADDER_TIMING", ["--tiny", "--loss_steps", "1", "--warmup_steps", "0",
                                                      "--windows", "1", "--steps_per_window", "1"])
     suite.levers()
     checks = {c["name"]: c for c in suite.checks}
@@ -307,10 +371,10 @@ def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
     levers = suite.results["levers"]
     assert set(levers["samples_per_s"]["compile"]) == set(levers["samples_per_s"]["all_engines"]) == {"channels_last"}
     assert set(levers["vs_eager_channels_last"]) == {"all_cudnn_engines"}
-    goal = checks[f"compute-only throughput >= {gpu_suite.COMPUTE_GOAL} samples/s with compile or every cuDNN engine"]
+    goal = checks[f"compute-only throughput >= {settings.COMPUTE_GOAL} samples/s with compile or every cuDNN engine"]
     assert goal["kind"] == "goal" and goal["detail"].startswith(
         f"best {levers['samples_per_s']['all_engines']['channels_last']:.0f} samples/s")  # a lever, not the baseline
-    assert "## More levers" in gpu_suite.markdown(suite.results)
+    assert "## More levers" in markdown(suite.results)
     suite.finish()
 
 
@@ -320,7 +384,7 @@ def test_part_i_keeps_the_given_forms_and_rewrites_up0(forms):
     --conv_forms otherwise."""
     from networks.conv_forms import conv_layer_names, parse_conv_forms
     names = conv_layer_names(6)
-    given, used = parse_conv_forms(forms, names), parse_conv_forms(gpu_suite.with_up0_rewritten(forms), names)
+    given, used = parse_conv_forms(forms, names), parse_conv_forms(with_up0_rewritten(forms), names)
     assert used == {**given, "up0": "rewritten"}
 
 
