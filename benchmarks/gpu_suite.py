@@ -50,7 +50,7 @@ import torch  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.kernel_probe import quiet_profiler  # noqa: E402
+from utils.profiling import quiet_profiler  # noqa: E402
 from benchmarks.suite.core import SuiteCore  # noqa: E402
 from benchmarks.suite.part_a_probe import ProbePart  # noqa: E402
 from benchmarks.suite.part_b_ladder import LadderPart  # noqa: E402

@@ -36,6 +36,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from utils.profiling import quiet_profiler  # noqa: E402
+
 # PyTorch's own fallback ops and kernels. Plain "im2col" would also match cuDNN's GEMM engine (im2col4d_kernel):
 # only PyTorch's at::native::im2col/col2im kernels count.
 SLOW_MARKERS = ("slow_conv3d", "slow_conv_transpose3d", "slow_conv_dilated3d", "vol2col", "col2vol", "native::im2col",
@@ -161,15 +164,6 @@ def judge(cases, on_gpu):
 
 def case_name(case):
     return f"{case['layer']}/{case['mode']}"
-
-
-def quiet_profiler(on_gpu):
-    """Keep Kineto (torch.profiler's backend) from printing 'USDT: ... profiler_start/stop' on stderr for every
-    profiled region. Those lines sit above its errors, so only KINETO_LOG_LEVEL=6 (read when the process first
-    profiles) hides them, and it hides Kineto's errors too: done off the GPU only, where no CUPTI error can
-    explain a missing trace. A level the user set is kept."""
-    if not on_gpu:
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 def run_probe(batch=8, crop=64, modes=MODES, repeats=5, device=None, log=print, channels=REFERENCE_CHANNELS,

@@ -2,6 +2,9 @@
 import gzip
 import json
 import logging
+import os
+import subprocess
+import sys
 from contextlib import nullcontext
 
 import pytest
@@ -11,7 +14,7 @@ import train
 import train_graph
 from benchmarks import ladder
 from networks.UNet import UNet, loss_func
-from utils.config import ConfigError, load_config
+from utils.config import REPO_ROOT, ConfigError, load_config
 from utils.errors import Preempted, StorageError
 from utils.profiling import Profiler
 
@@ -380,3 +383,17 @@ def test_ladder_model_size_flags(tmp_path):
     assert setup["model_channels"] == [4, 8, 8] and setup["crop_size"] == 8
     with pytest.raises(SystemExit, match="ladder.py: data_size 12 must be divisible by 2\\^3"):
         ladder.main(fast + ["--model_channels", "4", "8", "8", "--crop_size", "12"])
+
+
+def test_a_cpu_trace_prints_no_kineto_noise(tmp_path):
+    """Kineto prints 'USDT: ... profiler_start' on stderr around every profiled region unless told not to; a user
+    profiling on a CPU should see none of it. In a fresh process: Kineto reads its log level once per process."""
+    code = (f"import sys, torch; sys.path.insert(0, {str(REPO_ROOT)!r})\n"
+            "from utils.config import load_config\nfrom utils.profiling import Profiler\n"
+            "params = load_config('quickstart', overrides={'profile_dir': 'profile', 'profile_window': [1, 2]})\n"
+            f"profiler = Profiler(params, {str(tmp_path)!r}, torch.device('cpu'))\n"
+            "for step in range(3):\n    profiler.step(step)\n    torch.ones(8).sum()\nprofiler.close()\n")
+    env = {key: value for key, value in os.environ.items() if key != "KINETO_LOG_LEVEL"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.rglob("*.pt.trace.json")) and "USDT" not in result.stderr, result.stderr

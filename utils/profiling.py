@@ -15,6 +15,7 @@ Two independent tools, both limited to the global steps ``[start, stop)`` of ``p
 Use one at a time on a GPU: Nsight Systems and torch.profiler both attach to CUPTI.
 """
 import logging
+import os
 import shutil
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -26,6 +27,15 @@ from utils.errors import ConfigError, StorageError
 logger = logging.getLogger("train.profiling")
 
 _NO_RANGE = nullcontext()  # reusable: .range() is called several times per step
+
+
+def quiet_profiler(on_gpu):
+    """Keep Kineto (torch.profiler's backend) from printing 'USDT: ... profiler_start/stop' on stderr for every
+    profiled region. Those lines sit above its errors, so only KINETO_LOG_LEVEL=6 (read when the process first
+    profiles) hides them, and it hides Kineto's errors too: done off the GPU only, where no CUPTI error can
+    explain a missing trace. A level the user set is kept."""
+    if not on_gpu:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 class Profiler:
@@ -48,6 +58,8 @@ class Profiler:
         if self.nvtx and self.trace_dir is not None:
             logger.warning("NVTX/CUDA profiler window and torch.profiler are both on; if Nsight Systems is attached "
                            "the two compete for CUPTI: profile with one at a time")
+        if self.trace_dir is not None:
+            quiet_profiler(on_gpu=device.type == "cuda")
         self.activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)
