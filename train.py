@@ -103,7 +103,7 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
                 f"global batch {params.global_batch_size} ({params.global_batch_size // info.world_size} per rank), "
                 f"{steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
     logger.info(f"Model: U-Net {params.model_channels} full_scale={params.full_scale}, "
-                f"{state.model.describe(params.data_size)}")
+                f"{metrics.describe_model(state.model, params.data_size)}")
     active = [f"amp_mode={params.amp_mode}"] + [name for name in (
         "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
     if info.device.type == "cuda":
@@ -182,7 +182,7 @@ def train(params, state, run_dir, make_step=eager_step, resume_from="auto", resu
                     f"Use a new --run_num (or --resume never) to train again")
         return None
     step = make_step(state)
-    flops_per_step = 3 * state.model.flops_per_sample(params.data_size) * params.global_batch_size
+    flops_per_step = 3 * metrics.flops_per_sample(state.model, params.data_size) * params.global_batch_size
     peak = metrics.peak_flops(info.device, params.amp_mode, params.enable_tf32, params.peak_tflops)
     if peak:
         logger.info(f"MFU against a peak of {peak / 1e12:g} TFLOP/s per device (--peak_tflops, else the datasheet's "

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import torch
 
-from networks.UNet import build_model, loss_func
+from networks.UNet import build_model, conv_input_sizes, loss_func
 from utils.config import resolve_path
 from utils.distributed import DistInfo, all_reduce_sum, wrap_ddp
 from utils.errors import ConfigError
@@ -91,16 +91,18 @@ def compile_channels_last_blockers(model, crop_size):
     On an H100 with torch 2.11 (2026-11-24) tests/test_gpu.py checked both sides of the rule and the compiled
     channels-last model with up0 rewritten trained (benchmarks/results/h100.md).
     """
-    edges = model.conv_input_sizes(crop_size)
-    return [name for name, module in model.conv_layers()
-            if module.transposed and module.form not in ("rewritten", "matmul", "overlap_add") and edges[name] == 1]
+    edges = conv_input_sizes(model.num_levels, crop_size)
+    return [name for name, module in model.conv_layers() if module.transposed and edges[name] == 1
+            and getattr(module, "form", "native") not in ("rewritten", "matmul", "overlap_add")]
 
 
 def build_training(params, info, capturable=False, run_dir=None):
     device = info.device
     torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     model = build_model(params)
-    model.set_conv_forms(params.conv_forms)  # same parameters in every form; load_config checked the value
+    if params.conv_forms != "native":
+        from networks.conv_forms import apply_conv_forms
+        apply_conv_forms(model, params.conv_forms)  # same parameters in every form; load_config checked the value
     blockers = (compile_channels_last_blockers(model, params.data_size)
                 if params.enable_jit and params.channels_last and device.type == "cuda" else [])
     if blockers:
