@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from networks.UNet import build_model, loss_func
+from networks.UNet import build_model, conv_input_sizes, loss_func
 from utils import metrics
 from utils.checkpoint import list_checkpoints
 from utils.checkpoint_manager import CheckpointManager
@@ -160,10 +160,12 @@ def build_training(params, info, capturable=False, run_dir=None):
     device = info.device
     torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     model = build_model(params)
-    model.set_conv_forms(params.conv_forms)  # same parameters in every form; load_config checked the value
+    if params.conv_forms != "native":  # the GPU-tuned forms of some convolutions: same parameters, same maths
+        from networks.conv_forms import apply_conv_forms
+        apply_conv_forms(model, params.conv_forms)
     if params.enable_jit and params.channels_last and device.type == "cuda":
         from networks.conv_forms import check_compile_channels_last
-        check_compile_channels_last(model, params.data_size)
+        check_compile_channels_last(model, conv_input_sizes(model.num_levels, params.data_size))
     set_backend_flags(params, device)
     memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
@@ -279,7 +281,7 @@ def train(params, state, run_dir, make_step=lambda state: eager_step, resume_fro
                     f"Use a new --run_num (or --resume never) to train again")
         return None
     step = make_step(state)
-    flops_per_step = 3 * state.model.flops_per_sample(params.data_size) * params.global_batch_size
+    flops_per_step = 3 * metrics.flops_per_sample(state.model, params.data_size) * params.global_batch_size
     peak = metrics.peak_flops(info.device, params.amp_mode, params.enable_tf32, params.peak_tflops)
     if peak:
         logger.info(f"MFU against a peak of {peak / 1e12:g} TFLOP/s per device (--peak_tflops, else the datasheet's "

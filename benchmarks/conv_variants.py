@@ -26,7 +26,7 @@ gradient), to hold against the GPU's peak:
 
 Then whole training steps (model, L1 loss, backward, fused Adam) with every layer native, every layer
 rewritten, and every layer in its fastest form (by kernel time on a GPU, by wall time on a CPU), set as
-training sets them (``UNet.set_conv_forms``, the config key ``conv_forms``), and the share of the native
+training sets them (``apply_conv_forms``, the config key ``conv_forms``), and the share of the native
 step the convolutions take. The last line prints the ``--conv_forms`` value of the fastest step, to pass
 to train.py. Median of CUDA-event timings after warm-up (cuDNN autotuning on). The GPU suite runs this as its part h
 (benchmarks/gpu_suite.py); ``measure`` returns what it prints.
@@ -45,7 +45,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from networks.UNet import UNet  # noqa: E402
-from networks.conv_forms import FORMS, describe_conv_forms, form_computes, matmul_fits, stride2_conv  # noqa: E402
+from networks.conv_forms import (FORMS, apply_conv_forms, describe_conv_forms, form_computes, matmul_fits,  # noqa: E402
+                                 stride2_conv)
+from utils.metrics import conv_flops  # noqa: E402
 
 REFERENCE_CHANNELS = [64, 128, 256, 512, 512, 512]
 
@@ -139,7 +141,7 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     torch.manual_seed(0)
     model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
     inputs = layer_inputs(model, batch, crop, device)
-    flops = model.conv_flops(crop)
+    flops = conv_flops(model, crop)
     results = {"setup": {"batch": batch, "crop": crop, "model_channels": channels, "device": str(device),
                          "precision": "bf16 autocast, channels-last-3d"}, "layers": [], "steps": {}}
     best = {}
@@ -197,7 +199,7 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
         torch.manual_seed(0)
         model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
         spec = describe_conv_forms(best) if variant == "best" else variant
-        chosen = model.set_conv_forms(spec)  # as train.py's --conv_forms sets them
+        chosen = apply_conv_forms(model, spec)  # as train.py's --conv_forms sets them
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
         def step():

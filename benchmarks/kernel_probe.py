@@ -76,7 +76,7 @@ def mode_settings(mode):
 
 
 def conv_flops(cls, c_in, c_out, size, batch):
-    """Forward FLOPs (2 x MACs) of one kernel-4, stride-2 layer, as UNet.flops_per_sample counts them."""
+    """Forward FLOPs (2 x MACs) of one kernel-4, stride-2 layer, as utils/metrics.py's flops_per_sample counts them."""
     out_size = size // 2 if cls is nn.Conv3d else size * 2
     per_output = 64 if cls is nn.Conv3d else 8  # a stride-2 transposed conv: kernel^3 / 8 MACs per output
     return 2 * c_in * c_out * per_output * out_size ** 3 * batch

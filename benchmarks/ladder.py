@@ -233,7 +233,7 @@ def run_rung(rung, params, device, batch, args):
         window_rates.append(args.batch_size * args.steps_per_window / (time.perf_counter() - start))
 
     samples_per_sec = statistics.median(window_rates)
-    flops_per_sample = 3 * state.model.flops_per_sample(args.crop_size)  # forward + backward (2x forward)
+    flops_per_sample = 3 * metrics.flops_per_sample(state.model, args.crop_size)  # forward + backward (2x forward)
     peak = metrics.peak_flops(device, params.amp_mode, params.enable_tf32)
     return {"samples_per_sec": samples_per_sec, "window_samples_per_sec": window_rates,
             "ms_per_step": 1000 * args.batch_size / samples_per_sec,
@@ -359,7 +359,7 @@ def main(argv=None):
     setup = {"model_channels": params.model_channels, "conv_forms": args.conv_forms,
              "cudnn_benchmark_limit": params.cudnn_benchmark_limit,
              "num_parameters": sum(p.numel() for p in model.parameters()),
-             "forward_gflop_per_sample": model.flops_per_sample(args.crop_size) / 1e9,
+             "forward_gflop_per_sample": metrics.flops_per_sample(model, args.crop_size) / 1e9,
              **{key: getattr(args, key) for key in ("batch_size", "crop_size", "loss_steps", "warmup_steps",
                                                     "windows", "steps_per_window", "seed")}}
     del model

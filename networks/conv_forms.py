@@ -20,7 +20,7 @@ one output, whose kernel-4 window reads the input through its 8 central taps onl
 convolution of a 1^3 input gives 2^3 outputs, each from one central tap. There ``conv3d_matmul`` and
 ``conv_transpose3d_matmul`` compute the layer as one matrix product over those taps (the ``matmul``
 form): 1/8 of the multiply-adds the kernel counts, and no 3D convolution kernel at all. It fits only
-those input sizes (``matmul_fits``), which the reference model has at 64^3 crops in down5 and up0.
+those input sizes (``matmul_fits``), which the default model has at 64^3 crops in down5 and up0.
 
 Two forms compute a layer as one matrix product, where cuDNN's kernels for a shape are slow (few output voxels
 and wide channels at the bottom of the U-Net, 5 channels at the top). ``conv3d_unfold`` (the ``unfold`` form,
@@ -35,13 +35,14 @@ the products' memory (4^3 C_out values per input voxel) and three passes over it
 it), which torch.compile can fuse.
 
 All take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
-few MB), so the modules, parameters and checkpoints stay the reference's.
+few MB), so the modules' parameters and checkpoints stay those of the plain model.
 
-The U-Net builds its stride-2 layers as ``StridedConv3d`` / ``StridedConvTranspose3d`` (nn.Conv3d /
-nn.ConvTranspose3d with a ``form`` attribute), so training can run any layer in any form: the config
-key ``conv_forms`` (``UNet.set_conv_forms``; grammar in ``parse_conv_forms``). Forms change speed and
-bf16 rounding only, so they may change on resume. ``benchmarks/conv_variants.py`` measures which is
-fastest and prints the value to pass.
+``apply_conv_forms(model, spec)`` puts them into a built U-Net: the config key ``conv_forms`` (grammar in
+``parse_conv_forms``) names a form per layer, and each plain nn.Conv3d / nn.ConvTranspose3d given a form other
+than native is swapped for a ``StridedConv3d`` / ``StridedConvTranspose3d`` holding the same parameters
+(networks/upsample.py's layers compute their transposed convolution in their own ``form``). Forms change speed
+and bf16 rounding only, so they may change on resume. ``benchmarks/conv_variants.py`` measures which is fastest
+and prints the value to pass.
 
 Under torch.compile with torch 2.13, the padded convolutions of the rewritten forms need static spatial
 sizes: Inductor fails to lower a convolution after a pad ("ValueRangeError: Invalid ranges [0:-1]", a 2.13
@@ -322,20 +323,6 @@ def stride2_conv(x, weight, bias, transposed, form="native"):
     raise ValueError(f"unknown convolution form {form!r}; choose from {', '.join(FORMS)}")
 
 
-def conv_layer_names(num_levels):
-    """The names of a ``num_levels``-level U-Net's stride-2 layers in forward order: down0, ..., up0, ..., last."""
-    return [f"down{i}" for i in range(num_levels)] + [f"up{i}" for i in range(num_levels - 1)] + ["last"]
-
-
-def conv_input_sizes(num_levels, crop_size):
-    """{name: edge of the input the layer sees} on a crop_size^3 sample, e.g. up0 sees the bottom (1 for the
-    reference model on 64^3 crops). The down layers are convolutions, up and last transposed ones."""
-    edges = [crop_size // 2 ** i for i in range(num_levels)]                     # down0 .. down{L-1}
-    edges += [crop_size // 2 ** (num_levels - k) for k in range(num_levels - 1)]  # up0 (the bottom) .. up{L-2}
-    edges.append(crop_size // 2)                                                  # last
-    return dict(zip(conv_layer_names(num_levels), edges))
-
-
 def parse_conv_forms(spec, names, input_sizes=None):
     """{layer name: form} for the layers ``names`` from a ``conv_forms`` value.
 
@@ -344,7 +331,7 @@ def parse_conv_forms(spec, names, input_sizes=None):
     or ``rewritten,last=padded``. ``padded`` pads channel counts to a multiple of 8 (the first layer's 4
     inputs, the last layer's 5 outputs) and is the native form on layers whose counts already are. ``matmul``
     fits only a convolution of a 2^3 input and a transposed convolution of a 1^3 input (``down5=matmul,
-    up0=matmul`` for the reference model on 64^3 crops); with ``input_sizes`` ({name: input edge}, from
+    up0=matmul`` for the default model on 64^3 crops); with ``input_sizes`` ({name: input edge}, from
     ``conv_input_sizes``) any other layer given it is refused. ``unfold`` fits the convolutions only
     (``down4=unfold``), ``overlap_add`` the transposed ones (``up1=overlap_add,last=overlap_add``). Raises
     ValueError naming what was wrong.
@@ -394,9 +381,17 @@ class _StridedForm:
     """The kernel-4, stride-2, padding-1 layer computed in ``self.form`` (one of FORMS); parameters as nn's."""
     transposed = False
 
-    def __init__(self, in_channels, out_channels):
-        super().__init__(in_channels, out_channels, kernel_size=4, stride=2, padding=1)
+    def __init__(self, in_channels, out_channels, device=None):
+        super().__init__(in_channels, out_channels, kernel_size=4, stride=2, padding=1, device=device)
         self.form = "native"
+
+    @classmethod
+    def replacing(cls, layer, form):
+        """This layer computing ``layer`` (an nn.Conv3d or nn.ConvTranspose3d of this shape) in ``form``: the same
+        parameter tensors, so optimiser state and state dict are unchanged."""
+        strided = cls(layer.in_channels, layer.out_channels, device="meta")  # "meta": no memory for weights to drop
+        strided.weight, strided.bias, strided.form = layer.weight, layer.bias, form
+        return strided.train(layer.training)
 
     def forward(self, x):
         return stride2_conv(x, self.weight, self.bias, transposed=self.transposed, form=self.form)
@@ -414,9 +409,31 @@ class StridedConvTranspose3d(_StridedForm, nn.ConvTranspose3d):
     transposed = True
 
 
-def compile_channels_last_blockers(model, crop_size):
+def apply_conv_forms(model, spec):
+    """Compute each stride-2 layer of ``model`` (a networks/UNet.py U-Net) in the form the ``conv_forms`` value
+    ``spec`` gives it: the same maths in other shapes for cuDNN; parameters and state dict unchanged.
+
+    A layer that carries a ``form`` (one swapped in before, or an upsample layer) takes the new one; a plain
+    nn.Conv3d / nn.ConvTranspose3d given a form other than native is swapped for the Strided one holding its
+    parameters. Call it before building the optimiser or wrapping the model (DDP, torch.compile). Returns
+    {layer name: form}; raises ValueError naming what was wrong in ``spec``.
+    """
+    layers = model.conv_layers()
+    forms = parse_conv_forms(spec, [name for name, _ in layers])
+    paths = {module: path for path, module in model.named_modules()}
+    for name, layer in layers:
+        if hasattr(layer, "form"):
+            layer.form = forms[name]
+        elif forms[name] != "native":
+            strided = StridedConvTranspose3d if isinstance(layer, nn.ConvTranspose3d) else StridedConv3d
+            model.set_submodule(paths[layer], strided.replacing(layer, forms[name]))
+    return forms
+
+
+def compile_channels_last_blockers(model, input_sizes):
     """The layers that stop torch.compile + channels-last on CUDA: transposed convolutions run natively (not in the
-    ``rewritten`` form) on a 1^3 input, the bottom of the U-Net (up0 of the reference model on 64^3 crops).
+    ``rewritten`` form) on a 1^3 input, the bottom of the U-Net (up0 of the reference model on 64^3 crops);
+    ``input_sizes``: {layer name: input edge}, networks/UNet.py's ``conv_input_sizes``.
 
     The compiled backward of such a layer fails Inductor's stride check (pytorch#171622, seen with torch 2.11): a
     channels-last (N, C, 1, 1, 1) tensor is also a contiguous one, Inductor may lay it out either way, and cuDNN's
@@ -426,14 +443,14 @@ def compile_channels_last_blockers(model, crop_size):
     the ``matmul`` and ``overlap_add`` forms run no convolution at all.
     tests/test_gpu.py checks both sides of the rule on a GPU (results: benchmarks/results/h100.md).
     """
-    edges = model.conv_input_sizes(crop_size)
-    return [name for name, module in model.conv_layers()
-            if module.transposed and module.form not in ("rewritten", "matmul", "overlap_add") and edges[name] == 1]
+    return [name for name, module in model.conv_layers() if module.transposed and input_sizes[name] == 1
+            and getattr(module, "form", "native") not in ("rewritten", "matmul", "overlap_add")]
 
 
-def check_compile_channels_last(model, crop_size):
-    """Refuse, in one line, the compile + channels-last set-ups that fail on CUDA (``compile_channels_last_blockers``)."""
-    blockers = compile_channels_last_blockers(model, crop_size)
+def check_compile_channels_last(model, input_sizes):
+    """Refuse, in one line, the compile + channels-last set-ups that fail on CUDA (``compile_channels_last_blockers``);
+    ``input_sizes``: {layer name: input edge}, networks/UNet.py's ``conv_input_sizes``."""
+    blockers = compile_channels_last_blockers(model, input_sizes)
     if blockers:
         forms = ",".join(f"{name}=rewritten" for name in blockers)
         raise ConfigError(

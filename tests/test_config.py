@@ -32,8 +32,10 @@ def test_the_opt_configs_are_the_ladders_last_rung_and_build_on_a_cuda_model():
     (compile_conv_forms) measured on the H100, with the GPU-resident loader's compiled gather, and train.py's
     compile + channels-last rule (pytorch#171622) lets them through."""
     from benchmarks import ladder
+    from networks.conv_forms import apply_conv_forms
     from networks.UNet import build_model
     from networks.conv_forms import compile_channels_last_blockers
+    from networks.UNet import conv_input_sizes
     settings = {}
     for rung in ladder.RUNGS:  # the rungs' settings accumulate, as in a GPU run of the whole ladder
         settings.update(rung.settings)
@@ -45,8 +47,8 @@ def test_the_opt_configs_are_the_ladders_last_rung_and_build_on_a_cuda_model():
         assert params.enable_fused and params.data_loader_config == "gpu" and params.gpu_storage_dtype == "fp16"
         assert params.gpu_gather == "compiled", name  # H100 part c, 2026-11-27: FULL/SYNTHETIC 0.964, eager 0.940
         model = build_model(params)
-        model.set_conv_forms(params.conv_forms)
-        assert compile_channels_last_blockers(model, params.data_size) == []
+        apply_conv_forms(model, params.conv_forms)
+        assert compile_channels_last_blockers(model, conv_input_sizes(model.num_levels, params.data_size)) == []
 
 
 def overrides_from(argv, world_size=1):

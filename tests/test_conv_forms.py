@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_train_cli
-from networks.conv_forms import (conv3d_matmul, conv3d_padded_in, conv3d_s2d, conv3d_unfold, conv_input_sizes,
+from networks.conv_forms import (apply_conv_forms, conv3d_matmul, conv3d_padded_in, conv3d_s2d, conv3d_unfold,
                                  conv_transpose3d_matmul, conv_transpose3d_overlap_add, conv_transpose3d_padded_out,
                                  conv_transpose3d_subpixel, describe_conv_forms, parse_conv_forms, stride2_conv)
-from networks.UNet import UPSAMPLE_MODES, UNet
+from networks.UNet import UPSAMPLE_MODES, UNet, conv_input_sizes
 from utils.config import load_config
 from utils.errors import ConfigError
+from utils.metrics import conv_flops, describe_model
 
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last_3d}
 
@@ -161,11 +162,10 @@ def test_the_matmul_form_in_the_model_and_where_it_fits():
     torch.manual_seed(0)
     native = UNet([4, 8, 8]).to(torch.float64)
     other = copy.deepcopy(native)
-    assert other.set_conv_forms("down2=matmul,up0=matmul")["up0"] == "matmul"
+    assert apply_conv_forms(other, "down2=matmul,up0=matmul")["up0"] == "matmul"
     x, upstream = torch.randn(2, 4, 8, 8, 8, dtype=torch.float64), torch.randn(2, 5, 8, 8, 8, dtype=torch.float64)
     assert_same_model(native, other, x, upstream)
 
-    assert conv_input_sizes(6, 64) == UNet([64, 128, 256, 512, 512, 512]).conv_input_sizes(64)
     assert load_config("base", overrides={"conv_forms": "down0=rewritten,down5=matmul,up0=matmul"}).conv_forms
     for spec, wrong in (("matmul", "down0, down1, down2, down3, down4, up1, up2, up3, up4, last"),
                         ("up1=matmul", "up1")):
@@ -202,7 +202,7 @@ def test_the_matrix_product_forms_in_the_model_and_where_they_fit():
     torch.manual_seed(0)
     native = UNet([4, 8, 8]).to(torch.float64, memory_format=torch.channels_last_3d)
     other = copy.deepcopy(native)
-    forms = other.set_conv_forms("unfold,up0=overlap_add,up1=overlap_add,last=overlap_add")
+    forms = apply_conv_forms(other, "unfold,up0=overlap_add,up1=overlap_add,last=overlap_add")
     assert forms == {"down0": "unfold", "down1": "unfold", "down2": "unfold", "up0": "overlap_add",
                      "up1": "overlap_add", "last": "overlap_add"}
     x, upstream = torch.randn(2, 4, 8, 8, 8, dtype=torch.float64), torch.randn(2, 5, 8, 8, 8, dtype=torch.float64)
@@ -240,7 +240,7 @@ def test_conv_variants_times_every_form_of_every_layer():
             {"overlap_add"} if row["layer"] in ("up0", "last") else {"unfold"})
         assert set(row["ms"]) == set(row["forward_ms"]) == set(row["tflops"]) == expected
         assert all(ms > 0 for ms in row["ms"].values()) and all(ms > 0 for ms in row["forward_ms"].values())
-        assert row["forward_gflop"] == UNet([8, 16]).conv_flops(16)[row["layer"]] / 1e9
+        assert row["forward_gflop"] == conv_flops(UNet([8, 16]), 16)[row["layer"]] / 1e9
         # GPU kernel times and the longest kernels: on a GPU only (tests/test_gpu.py)
         assert set(row["kernel_ms"].values()) == set(row["kernels"].values()) == {None}
         passes = 2 if row["layer"] == "down0" else 3  # forward, weight gradient (and input gradient)
@@ -312,17 +312,20 @@ def test_the_model_in_other_forms_is_the_native_model(upsample, layout):
     torch.manual_seed(0)
     native = UNet([8, 12, 16], upsample=upsample).to(torch.float64, memory_format=FORMATS[layout])  # as training
     other = copy.deepcopy(native)
-    forms = other.set_conv_forms("rewritten,down0=padded,last=padded")
+    parameters = list(other.parameters())
+    forms = apply_conv_forms(other, "rewritten,down0=padded,last=padded")
     assert forms == {"down0": "padded", "down1": "rewritten", "down2": "rewritten", "up0": "rewritten",
                      "up1": "rewritten", "last": "padded"}
     assert [module.form for _, module in other.conv_layers()] == list(forms.values())
-    assert "conv_forms=rewritten,down0=padded,last=padded, " in other.describe(16) and "form=padded" in repr(other)
+    assert "conv_forms=rewritten,down0=padded,last=padded, " in describe_model(other, 16)
+    assert "form=padded" in repr(other)
     assert list(other.state_dict()) == list(native.state_dict())
+    assert all(new is old for new, old in zip(other.parameters(), parameters, strict=True))  # the optimiser's tensors
     x = torch.randn(2, 4, 16, 16, 16, dtype=torch.float64).to(memory_format=FORMATS[layout])
     upstream = torch.randn(2, 5, 16, 16, 16, dtype=torch.float64)
     assert_same_model(native, other, x, upstream)
-    other.set_conv_forms("native")
-    assert other.describe(16) == native.describe(16)
+    apply_conv_forms(other, "native")
+    assert describe_model(other, 16) == describe_model(native, 16)
 
 
 @pytest.mark.parametrize("input_layout", FORMATS)
@@ -332,7 +335,7 @@ def test_every_form_keeps_the_channels_last_layout(spec, input_layout):
     input's layout (float32: the CPU keeps channels-last there)."""
     torch.manual_seed(0)
     model = UNet([8, 12, 16]).to(memory_format=torch.channels_last_3d)
-    model.set_conv_forms(spec)
+    apply_conv_forms(model, spec)
     layouts = []
     for name, module in model.conv_layers():
         module.register_forward_hook(lambda module, args, out, name=name: layouts.append(
@@ -364,7 +367,7 @@ def test_load_config_checks_conv_forms_against_the_models_layers():
 
 
 def test_each_layer_knows_the_edge_of_its_input():
-    edges = UNet([64, 128, 256, 512, 512, 512]).conv_input_sizes(64)
+    edges = conv_input_sizes(6, 64)
     assert edges == {"down0": 64, "down1": 32, "down2": 16, "down3": 8, "down4": 4, "down5": 2,
                      "up0": 1, "up1": 2, "up2": 4, "up3": 8, "up4": 16, "last": 32}
     model = UNet([4, 8, 8])
@@ -372,7 +375,8 @@ def test_each_layer_knows_the_edge_of_its_input():
     for name, module in model.conv_layers():
         module.register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, args[0].shape[-1]))
     model(torch.randn(1, 4, 16, 16, 16))
-    assert seen == model.conv_input_sizes(16) == {"down0": 16, "down1": 8, "down2": 4, "up0": 2, "up1": 4, "last": 8}
+    assert seen == conv_input_sizes(model.num_levels, 16) == {"down0": 16, "down1": 8, "down2": 4, "up0": 2, "up1": 4,
+                                                              "last": 8}
 
 
 @pytest.mark.parametrize("upsample", UPSAMPLE_MODES)
@@ -396,10 +400,10 @@ def test_compile_with_channels_last_is_refused_on_cuda_only_for_a_native_transpo
     model = UNet([4, 8, 8], upsample=upsample)
     for spec, blockers in (("native", ["up0"]), ("padded", ["up0"]), ("up0=rewritten", []), ("rewritten", []),
                            ("rewritten,up0=padded", ["up0"]), ("up0=matmul", []), ("up0=overlap_add", [])):
-        model.set_conv_forms(spec)
-        assert compile_channels_last_blockers(model, 8) == blockers, spec
-    model.set_conv_forms("native")
-    assert compile_channels_last_blockers(model, 16) == []  # a 2^3 bottom: nothing ambiguous
+        apply_conv_forms(model, spec)
+        assert compile_channels_last_blockers(model, conv_input_sizes(model.num_levels, 8)) == blockers, spec
+    apply_conv_forms(model, "native")
+    assert compile_channels_last_blockers(model, conv_input_sizes(model.num_levels, 16)) == []  # a 2^3 bottom: nothing ambiguous
     state = build_training(params, DistInfo(device=torch.device("cpu")))  # the CPU compiles it (Inductor's C++)
     assert state.memory_format == torch.channels_last_3d and state.train_model is not state.model
 

@@ -382,7 +382,8 @@ def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
 def test_part_i_keeps_the_given_forms_and_rewrites_up0(forms):
     """Part i times compile + channels-last, which needs up0 rewritten on CUDA (pytorch#171622), in the forms of
     --conv_forms otherwise."""
-    from networks.conv_forms import conv_layer_names, parse_conv_forms
+    from networks.conv_forms import parse_conv_forms
+    from networks.UNet import conv_layer_names
     names = conv_layer_names(6)
     given, used = parse_conv_forms(forms, names), parse_conv_forms(with_up0_rewritten(forms), names)
     assert used == {**given, "up0": "rewritten"}

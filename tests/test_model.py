@@ -1,13 +1,17 @@
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.flop_counter
 
-from networks.conv_forms import StridedConvTranspose3d
-from networks.UNet import UPSAMPLE_MODES, BlurredConvTranspose3d, ResizeConv3d, UNet, build_model, loss_func
+from conftest import REPO_ROOT
+from networks.UNet import UPSAMPLE_MODES, UNet, build_model, loss_func
+from networks.upsample import BlurredConvTranspose3d, ResizeConv3d
 from utils.config import load_config
+from utils.metrics import conv_flops, describe_model, flops_per_sample
 
 
 def test_reference_parameter_count_and_flops():
@@ -15,8 +19,8 @@ def test_reference_parameter_count_and_flops():
     assert sum(p.numel() for p in model.parameters()) == 116_977_029
     assert model.num_levels == 6
     # REFERENCE.md: 27.2 GFLOP forward per 64^3 sample
-    assert abs(model.flops_per_sample(64) / 1e9 - 27.2) < 0.05
-    layers = model.conv_flops(64)  # per layer: 2 x C_in x C_out x 4^3 x (output, or transposed: input, elements)
+    assert abs(flops_per_sample(model, 64) / 1e9 - 27.2) < 0.05
+    layers = conv_flops(model, 64)  # per layer: 2 x C_in x C_out x 4^3 x (output, or transposed: input, elements)
     assert layers["down1"] == 2 * 64 * 128 * 64 * 16 ** 3 and layers["last"] == 2 * 128 * 5 * 64 * 32 ** 3
 
 
@@ -40,7 +44,7 @@ def test_flop_count_matches_profiler(upsample):
     # convolutions only: resize_conv's and linear_conv's weight transform (a small matmul per forward, not per
     # sample) and transposed_blur's shifts and adds are not in the count
     counted = sum(flops for op, flops in counter.get_flop_counts()["Global"].items() if "convolution" in str(op))
-    assert abs(counted - model.flops_per_sample(16)) / counted < 0.01
+    assert abs(counted - flops_per_sample(model, 16)) / counted < 0.01
 
 
 def test_default_activation_is_the_references():
@@ -49,14 +53,14 @@ def test_default_activation_is_the_references():
         activations = [block[1] for block in model.down]
         assert all(type(a) is torch.nn.LeakyReLU for a in activations)
         assert all(a.negative_slope == 0.01 == torch.nn.LeakyReLU().negative_slope and a.inplace for a in activations)
-        # the reference's layers (StridedConvTranspose3d: nn.ConvTranspose3d, run in its native form by default)
-        assert all(type(block[0]) is StridedConvTranspose3d for block in model.up)
-        assert type(model.conv_last) is StridedConvTranspose3d and model.upsample == "transposed"
-        assert all(module.form == "native" for _, module in model.conv_layers())
+        # the reference's layers: plain nn.Conv3d and nn.ConvTranspose3d
+        assert all(type(block[0]) is torch.nn.Conv3d for block in model.down)
+        assert all(type(block[0]) is torch.nn.ConvTranspose3d for block in model.up)
+        assert type(model.conv_last) is torch.nn.ConvTranspose3d and model.upsample == "transposed"
     assert load_config("quickstart").leaky_relu_slope == 0.01 and load_config("base").upsample == "transposed"
     other = build_model(load_config("quickstart", overrides={"leaky_relu_slope": 0.2, "upsample": "resize_conv"}))
     assert all(block[1].negative_slope == 0.2 for block in other.down) and other.upsample == "resize_conv"
-    assert model.describe(16).startswith("upsample=transposed, leaky_relu_slope=0.01, ")
+    assert describe_model(model, 16).startswith("upsample=transposed, leaky_relu_slope=0.01, ")
 
 
 @pytest.mark.parametrize("upsample, slope, expected", [
@@ -153,7 +157,7 @@ def test_parameter_counts_of_both_upsampling_options():
     assert counts == {"transposed": 116_977_029, "resize_conv": 75_124_997}
     linear = build_model(load_config("base", overrides={"upsample": "linear_conv"}))
     assert sum(p.numel() for p in linear.parameters()) == 53_633_413           # 8 weights per channel pair
-    assert base["transposed"].flops_per_sample(64) == base["resize_conv"].flops_per_sample(64)
+    assert flops_per_sample(base["transposed"], 64) == flops_per_sample(base["resize_conv"], 64)
     quickstart = build_model(load_config("quickstart", overrides={"upsample": "resize_conv"}))
     assert sum(p.numel() for p in quickstart.parameters()) == 683_525
 
@@ -163,3 +167,16 @@ def test_loss_lambda_rho():
     assert torch.isclose(loss_func(pred, target), torch.tensor(0.1))
     extra = torch.exp(torch.tensor(1.4)) - 1  # |exp(14 * 0.1) - exp(0)| on the density channel
     assert torch.isclose(loss_func(pred, target, lambda_rho=0.5), 0.1 + 0.5 * extra)
+
+
+@pytest.mark.parametrize("upsample, expected", [("transposed", []), ("resize_conv", ["networks.upsample"])])
+def test_the_options_modules_are_imported_only_when_their_key_asks(upsample, expected):
+    """The default model is networks/UNet.py alone: networks/upsample.py comes in for another upsample value, and
+    networks/conv_forms.py only for a conv_forms value other than native (in build_training)."""
+    code = ("import sys, torch\nfrom utils.config import load_config\nfrom utils.distributed import DistInfo\n"
+            "from train import build_training\n"
+            f"params = load_config('quickstart', overrides={{'upsample': {upsample!r}}})\n"
+            "build_training(params, DistInfo(device=torch.device('cpu')))\n"
+            "print(sorted(name for name in sys.modules if name.startswith('networks.')))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.split("\n")[-2] == repr(sorted(["networks.UNet"] + expected))

@@ -66,11 +66,9 @@ def test_layer_names_and_shapes_from_the_meta_model():
 
 
 def test_forward_flops_agree_with_the_models_own_count():
-    model = UNet(CHANNELS)
-    if not hasattr(model, "flops_per_sample"):
-        pytest.skip("the model no longer counts its own FLOPs")
+    from utils.metrics import flops_per_sample
     _, layers = model_layers(CHANNELS, 2, 64)
-    assert sum(layer.flops() for layer in layers) / 2 == model.flops_per_sample(64) == 27_179_089_920
+    assert sum(layer.flops() for layer in layers) / 2 == flops_per_sample(UNet(CHANNELS), 64) == 27_179_089_920
 
 
 def test_cli_defaults_print_twelve_layers_and_the_h100_ceiling(capsys):

@@ -427,11 +427,13 @@ def _check_consistency(params):
     if params.data_size % 2 ** levels:
         raise ConfigError(f"data_size {params.data_size} must be divisible by 2^{levels} "
                           f"(the U-Net halves the crop {levels} times)")
-    from networks.conv_forms import conv_input_sizes, conv_layer_names, parse_conv_forms  # (the rest needs no torch)
-    try:
-        parse_conv_forms(params.conv_forms, conv_layer_names(levels), conv_input_sizes(levels, params.data_size))
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    if params.conv_forms != "native":
+        from networks.conv_forms import parse_conv_forms  # (the rest needs no torch)
+        from networks.UNet import conv_input_sizes, conv_layer_names
+        try:
+            parse_conv_forms(params.conv_forms, conv_layer_names(levels), conv_input_sizes(levels, params.data_size))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     for box, split in zip(params.box_size, ("training", "validation")):
         if params.data_size > box:
             raise ConfigError(f"crop size data_size={params.data_size} is larger than the {split} box "

@@ -1,10 +1,13 @@
-"""Throughput, data-wait share, MFU and peak memory: the numbers the tutorial teaches people to read."""
+"""The model's FLOPs, throughput, data-wait share, MFU and peak memory: the numbers the tutorial teaches people to
+read."""
 import resource
 import sys
 import time
 from contextlib import contextmanager, nullcontext
 
 import torch
+
+from networks.UNet import conv_input_sizes
 
 # Dense peak TFLOP/s by device-name fragment and math mode (datasheet values, no sparsity). The first fragment
 # found in torch.cuda.get_device_name wins, so the specific variants come before their family. H100 SXM and PCIe:
@@ -34,6 +37,41 @@ def peak_flops(device, amp_mode, tf32, peak_tflops=None):
         if fragment in name:
             return table[mode] * 1e12
     return None
+
+
+def conv_flops(model, crop_size):
+    """{layer name: FLOPs (2 x multiply-adds) of its forward pass on one crop_size^3 sample} for a U-Net's stride-2
+    layers (``model.conv_layers()``).
+
+    A kernel-4, stride-2 convolution does 4^3 multiply-adds per output element and channel pair; a transposed one
+    4^3 per input element, and so do the upsample layers (networks/upsample.py): resize_conv and linear_conv run as
+    one (their weight transform, one small matmul per forward pass, is not counted), transposed_blur's blur is 12
+    additions and multiplications per value (not counted).
+    """
+    edges = conv_input_sizes(model.num_levels, crop_size)
+    flops = {}
+    for name, layer in model.conv_layers():
+        elements = (edges[name] // (1 if layer.transposed else 2)) ** 3  # output (conv) or input (transposed)
+        flops[name] = 2 * layer.in_channels * layer.out_channels * 64 * elements
+    return flops
+
+
+def flops_per_sample(model, crop_size):
+    """FLOPs of one forward pass on a crop_size^3 sample (convolutions only); a training step costs 3 times that."""
+    return sum(conv_flops(model, crop_size).values())
+
+
+def describe_model(model, crop_size):
+    """'upsample=..., leaky_relu_slope=..., [conv_forms=..., ]N parameters, X GFLOP/sample forward': the start-up
+    log's facts about a U-Net."""
+    forms = {name: getattr(layer, "form", "native") for name, layer in model.conv_layers()}
+    shown_forms = ""
+    if set(forms.values()) != {"native"}:
+        from networks.conv_forms import describe_conv_forms
+        shown_forms = f"conv_forms={describe_conv_forms(forms)}, "
+    num_params = sum(p.numel() for p in model.parameters())
+    return (f"upsample={model.upsample}, leaky_relu_slope={model.down[0][1].negative_slope:g}, {shown_forms}"
+            f"{num_params:,} parameters, {flops_per_sample(model, crop_size) / 1e9:.2f} GFLOP/sample forward")
 
 
 def peak_memory(device):

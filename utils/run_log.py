@@ -171,7 +171,7 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
                 f"global batch {params.global_batch_size} ({params.global_batch_size // info.world_size} per rank), "
                 f"{steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
     logger.info(f"Model: U-Net {params.model_channels} full_scale={params.full_scale}, "
-                f"{state.model.describe(params.data_size)}")
+                f"{metrics.describe_model(state.model, params.data_size)}")
     active = [f"amp_mode={params.amp_mode}"] + [name for name in (
         "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
     if info.device.type == "cuda":
