@@ -8,10 +8,9 @@ A run directory holds one timeline of checkpoints ``ckpt_step{step:08d}.pt`` wri
 - ``AsyncCheckpointer`` (what train.py uses) copies the payload's tensors to host memory and runs
   ``save_checkpoint`` on a background thread, so training stalls only for the copy; a failed write
   is raised at its next ``save``, ``poll`` or ``wait``.
-- Each checkpoint carries the SHA-256 of its bytes (hashed while they are written, on the writer's
-  thread), checked before every load: torch.load does not check the zip's CRC-32s, so without it
-  bit rot or a partial overwrite at the same size would load silently. A checkpoint written before
-  digests existed loads with a warning that it cannot be verified.
+- Each checkpoint carries the SHA-256 of its bytes, hashed as they are written and checked before every
+  load: torch.load checks no CRC-32, so bit rot or a partial overwrite would load silently. One
+  written before digests existed loads with a warning that it cannot be verified.
 - ``latest_valid_checkpoint`` returns the newest checkpoint that loads, skipping (with a warning)
   one that a crash or a full disk of another tool left truncated, or whose bytes changed since.
 - Model weights are stored without the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile)
@@ -65,10 +64,9 @@ _COMPARED_AS = {
 }
 
 
-# The digest is the zip archive's comment, the file's last bytes: ``_trailer`` (comment length, tag, hex SHA-256
-# of the archive as torch.save wrote it, with its empty comment). Inside the file, it is fsynced and renamed with
-# the checkpoint, so no crash can leave the two disagreeing, as a sidecar file renamed separately could (the
-# same step is written twice when a stopped run's validation is done).
+# The digest is the zip archive's comment, the file's last bytes (``_trailer``: comment length, tag, hex SHA-256 of
+# the archive as torch.save wrote it, empty comment). Inside the file it is fsynced and renamed with the checkpoint,
+# so no crash can leave the two disagreeing, as a sidecar file could (a step's checkpoint may be written twice).
 DIGEST_TAG = b"sha256:"
 DIGEST_TRAILER_BYTES = 2 + len(DIGEST_TAG) + 64
 END_RECORD = b"PK\x05\x06"  # signature of the zip's end record, 22 bytes, the last in torch.save's files
@@ -80,7 +78,7 @@ def _trailer(sha256):
 
 
 class _HashingFile:
-    """The binary file ``file``, hashing what is written through it (hashlib releases the GIL: training goes on)."""
+    """The binary file ``file``, hashing what is written through it (hashlib frees the GIL: training goes on)."""
 
     def __init__(self, file):
         self.file, self.sha256 = file, hashlib.sha256()
