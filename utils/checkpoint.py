@@ -8,8 +8,11 @@ A run directory holds one timeline of checkpoints ``ckpt_step{step:08d}.pt`` wri
 - ``AsyncCheckpointer`` (what train.py uses) copies the payload's tensors to host memory and runs
   ``save_checkpoint`` on a background thread, so training stalls only for the copy; a failed write
   is raised at its next ``save``, ``poll`` or ``wait``.
+- Each checkpoint carries the SHA-256 of its bytes, hashed as they are written and checked before every
+  load: torch.load checks no CRC-32, so bit rot or a partial overwrite would load silently. One
+  written before digests existed loads with a warning that it cannot be verified.
 - ``latest_valid_checkpoint`` returns the newest checkpoint that loads, skipping (with a warning)
-  one that a crash or a full disk of another tool left truncated.
+  one that a crash or a full disk of another tool left truncated, or whose bytes changed since.
 - Model weights are stored without the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile)
   prefixes, so a checkpoint loads into the model however either run wrapped it.
 - ``check_compatible`` refuses to continue a run under a config that would make it a different
@@ -20,6 +23,7 @@ Python data only (dicts, lists, tuples, numbers, strings), so loading one never 
 the config as ``dict(params)``, not the ``Params`` object.
 """
 import errno
+import hashlib
 import os
 import random
 import re
@@ -58,6 +62,61 @@ _COMPARED_AS = {
     "val_path": resolve_path,
     "data_loader_config": lambda loader: "synthetic" if loader == "synthetic" else "files",
 }
+
+
+# The digest is the zip archive's comment, the file's last bytes (``_trailer``: comment length, tag, hex SHA-256 of
+# the archive as torch.save wrote it, empty comment). Inside the file it is fsynced and renamed with the checkpoint,
+# so no crash can leave the two disagreeing, as a sidecar file could (a step's checkpoint may be written twice).
+DIGEST_TAG = b"sha256:"
+DIGEST_TRAILER_BYTES = 2 + len(DIGEST_TAG) + 64
+END_RECORD = b"PK\x05\x06"  # signature of the zip's end record, 22 bytes, the last in torch.save's files
+
+
+def _trailer(sha256):
+    comment = DIGEST_TAG + sha256.hexdigest().encode()
+    return len(comment).to_bytes(2, "little") + comment
+
+
+class _HashingFile:
+    """The binary file ``file``, hashing what is written through it (hashlib frees the GIL: training goes on)."""
+
+    def __init__(self, file):
+        self.file, self.sha256 = file, hashlib.sha256()
+
+    def write(self, data):
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):  # flush, name, ...
+        return getattr(self.file, name)
+
+
+def _save_with_digest(payload, f):
+    """torch.save ``payload`` into the new binary file ``f``, then set its zip comment to the digest of those bytes."""
+    hashing = _HashingFile(f)
+    torch.save(payload, hashing)
+    f.seek(-2, os.SEEK_END)  # the end record's comment length, 0 as torch.save wrote it
+    f.write(_trailer(hashing.sha256))
+
+
+def _check_digest(f, path):
+    """True if checkpoint file ``f`` matches its digest, False if it has none (an archive as torch.save alone
+    writes it: the end record with an empty comment is last); CheckpointError if its bytes changed since."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(size - DIGEST_TRAILER_BYTES, 0))
+    tail = f.read()
+    if tail[-22:-18] == END_RECORD and tail[-2:] == b"\0\0":
+        return False
+    sha256, remaining = hashlib.sha256(), size - DIGEST_TRAILER_BYTES
+    f.seek(0)
+    while remaining > 0 and (chunk := f.read(min(remaining, 1 << 24))):
+        sha256.update(chunk)
+        remaining -= len(chunk)
+    sha256.update(b"\0\0")  # the empty comment's length, as hashed when written
+    if tail != _trailer(sha256):
+        raise CheckpointError(f"{path} changed after it was written (its bytes do not match the SHA-256 digest saved "
+                              f"with it: bit rot or an overwrite); use an earlier checkpoint")
+    return True
 
 
 def print_warning(message):
@@ -118,7 +177,7 @@ def save_checkpoint(directory, payload, step, keep_last):
         for stale in directory.glob("ckpt_step*.pt.*.tmp"):
             stale.unlink()
         with open(tmp, "wb") as f:
-            torch.save(payload, f)
+            _save_with_digest(payload, f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the name points at it
         os.replace(tmp, path)
@@ -153,8 +212,9 @@ def _remove(paths, context):
                                   f"check the directory's permissions") from None
 
 
-def load_checkpoint(path, map_location="cpu"):
-    """The payload of checkpoint ``path``; CheckpointError if it is unreadable, truncated or incomplete."""
+def load_checkpoint(path, map_location="cpu", log=print_warning):
+    """The payload of checkpoint ``path``; CheckpointError if it is unreadable, truncated, changed since it was
+    written or incomplete. A checkpoint without a digest (older code) loads with a warning through ``log``."""
     try:
         f = open(path, "rb")
     except OSError as err:
@@ -165,6 +225,7 @@ def load_checkpoint(path, map_location="cpu"):
         # torch.save writes a zip archive whose directory is at the end: a cut-off file has none.
         if not zipfile.is_zipfile(f):
             raise CheckpointError(f"{path} is truncated or not a checkpoint (no complete zip archive)")
+        verified = _check_digest(f, path)
         f.seek(0)
         try:
             payload = torch.load(f, map_location=map_location, weights_only=True)
@@ -178,6 +239,9 @@ def load_checkpoint(path, map_location="cpu"):
     missing = [key for key in REQUIRED_KEYS if not isinstance(payload, dict) or key not in payload]
     if missing:
         raise CheckpointError(f"{path} is not a training checkpoint of this code (missing {', '.join(missing)})")
+    if not verified:
+        log(f"checkpoint {path} has no digest (written by an older version of this code): a change to its bytes "
+            f"since cannot be detected; loading it unverified")
     return payload
 
 
@@ -188,7 +252,7 @@ def latest_valid_checkpoint(directory, log=print_warning, map_location="cpu"):
     """
     for path in list_checkpoints(directory):
         try:
-            return path, load_checkpoint(path, map_location)
+            return path, load_checkpoint(path, map_location, log)
         except CheckpointError as err:
             log(f"skipping checkpoint {path.name}: {err}")
     return None

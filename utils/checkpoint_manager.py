@@ -69,6 +69,7 @@ class CheckpointManager:
         state, info, params = self.state, self.state.info, self.state.params
         if resume_from == "never":
             return 0.0
+        found = None
         if resume_from == "auto":
             found = latest_valid_checkpoint(self.directory, log=logger.warning) if info.is_main else None
             chosen = [str(found[0]) if found else None]
@@ -79,7 +80,8 @@ class CheckpointManager:
             path = Path(chosen[0] or fallback).expanduser().resolve()
         else:
             path = Path(resume_from).expanduser().resolve()
-        payload = load_checkpoint(path)
+        # Rank 0 has loaded (and checked) the one it found; loading it again would read and hash it twice.
+        payload = found[1] if found else load_checkpoint(path, log=logger.warning)
         check_compatible(payload["config"], params, source=f"checkpoint {path}")
         changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
         load_model_state(state.train_model, payload["model"], source=f"checkpoint {path}")
