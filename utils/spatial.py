@@ -66,8 +66,9 @@ class SpatialGroup:
 def check_spatial_parallel(world_size, spatial_parallel):
     """One-line ConfigError unless spatial_parallel is a positive divisor of the world size."""
     if spatial_parallel < 1 or world_size % spatial_parallel:
-        raise ConfigError(f"spatial_parallel {spatial_parallel} does not divide the world size {world_size}; launch a "
-                          f"multiple of {spatial_parallel} ranks or set --spatial_parallel to a divisor of {world_size}")
+        raise ConfigError(f"spatial_parallel {spatial_parallel} does not divide the world size {world_size}; launch "
+                          f"a multiple of {spatial_parallel} ranks or set --spatial_parallel to a divisor of "
+                          f"{world_size}")
 
 
 def spatial_mesh(spatial_parallel, device_type="cpu"):
