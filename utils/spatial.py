@@ -1,0 +1,436 @@
+"""Spatial (domain) parallelism: one 3D crop shared by S ranks, each holding a slab along depth.
+
+A (B, C, D, H, W) crop is cut along D into S slabs of D / S planes; rank ``index`` of the spatial group holds
+planes [index * D / S, (index + 1) * D / S). Element-wise layers and the skip concatenations (on channels) act
+on the slabs as they are. A convolution's output planes near a slab's faces need input planes that a
+neighbour holds, so each convolution first fetches those planes (the halo) from its neighbours, then runs on
+its extended slab without padding along depth:
+
+- Conv3d(k, s, p): output plane j reads input planes s j - p ... s j - p + k - 1, so a slab's own outputs need
+  ``p`` planes before it and ``k - s - p`` after it (1 and 1 for the U-Net's k4 s2 p1).
+- ConvTranspose3d(k, s, p): output plane o gathers input planes i with s i + t = o + p, 0 <= t < k; a slab's own
+  outputs need ``(k - 1 - p) // s`` planes before it and ``(p + s - 1) // s`` after it (1 and 1 for k4 s2 p1);
+  the local transposed convolution then makes some planes the neighbours own, cropped away (``SpatialConv``).
+
+At the crop's own faces the halo is zeros, exactly what the unsharded layer's zero padding reads; with
+``periodic=True`` (whole periodic boxes) the halo wraps around, and H and W wrap too (circular padding).
+
+Deep in the U-Net a slab becomes thinner than the halo, or a level has fewer planes than ranks. There a layer
+gathers the activation whole (all-gather), runs whole, and keeps its slab of the output; an output with a depth
+S does not divide stays whole (replicated) on every rank. The layout of an activation is therefore a function
+of its depth T: sharded when S divides T, replicated otherwise. A replicated tensor's gradient is partial on
+each rank (each rank's share of the loss); every reduction below sums them, so parameter gradients summed over
+the spatial group equal the unsharded ones.
+
+Usage (the pieces ``train.py`` wires together)::
+
+    mesh, spatial = spatial_mesh(S, "cpu")               # 2D mesh (data, spatial); spatial: this rank's group
+    shard_model(model, spatial)                          # conv layers -> SpatialConv, same parameters
+    inputs, target = split_depth(inputs, spatial), split_depth(target, spatial)
+    loss = spatial_loss(model(inputs), target, spatial)  # the unsharded loss's value on every rank
+    loss.backward(); sum_gradients(model, spatial)       # (or DDP over the whole mesh, loss x S: see spatial_loss)
+"""
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from utils.errors import ConfigError
+
+logger = logging.getLogger("train")
+
+DEPTH = 2  # the sharded dimension of (B, C, D, H, W)
+
+
+# --- the spatial group ----------------------------------------------------------------------------------------
+@dataclass
+class SpatialGroup:
+    """The S ranks sharing one crop: ``index`` is this rank's slab, ``ranks`` the group's global ranks in slab
+    order, ``group`` their process group (None when S = 1: nothing to exchange)."""
+    size: int = 1
+    index: int = 0
+    ranks: list = field(default_factory=lambda: [0])
+    group: object = None
+
+    def neighbour(self, step, periodic):
+        """The global rank holding slab index + step (wrapping when ``periodic``), or None past the crop's face."""
+        other = self.index + step
+        if periodic:
+            other %= self.size
+        return self.ranks[other] if 0 <= other < self.size else None
+
+
+def check_spatial_parallel(world_size, spatial_parallel):
+    """One-line ConfigError unless spatial_parallel is a positive divisor of the world size."""
+    if spatial_parallel < 1 or world_size % spatial_parallel:
+        raise ConfigError(f"spatial_parallel {spatial_parallel} does not divide the world size {world_size}; launch "
+                          f"a multiple of {spatial_parallel} ranks or set --spatial_parallel to a divisor of "
+                          f"{world_size}")
+
+
+def spatial_mesh(spatial_parallel, device_type="cpu"):
+    """(DeviceMesh of shape (data, spatial), this rank's SpatialGroup); the process group must be initialised.
+
+    Row-major: the S ranks of one spatial group are consecutive global ranks (one node's GPUs, on NVLink).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    world_size = dist.get_world_size()
+    check_spatial_parallel(world_size, spatial_parallel)
+    mesh = init_device_mesh(device_type, (world_size // spatial_parallel, spatial_parallel),
+                            mesh_dim_names=("data", "spatial"))
+    group = mesh["spatial"].get_group()
+    return mesh, SpatialGroup(spatial_parallel, mesh.get_local_rank("spatial"), dist.get_process_group_ranks(group),
+                              group)
+
+
+# --- halo exchange --------------------------------------------------------------------------------------------
+def pad_depth(x, lo, hi, periodic=False):
+    """x (B, C, D, H, W) with ``lo`` planes before and ``hi`` after along D: zeros, or wrapped when periodic."""
+    if periodic:
+        return torch.cat([x.narrow(DEPTH, x.shape[DEPTH] - lo, lo), x, x.narrow(DEPTH, 0, hi)], DEPTH)
+    return F.pad(x, (0, 0, 0, 0, lo, hi))
+
+
+def _exchange(to_prev, to_next, from_prev_shape, from_next_shape, spatial, periodic, like):
+    """Send ``to_prev`` to the previous slab's rank and ``to_next`` to the next one; returns (from_prev, from_next),
+    zeros where there is no neighbour. The receives are posted in the order [from_next, from_prev], matching the
+    peer's sends [to_prev, to_next]: with S = 2 and periodic both neighbours are one rank, and backends that match
+    messages by order (NCCL ignores tags) still pair them right."""
+    prev, nxt = spatial.neighbour(-1, periodic), spatial.neighbour(1, periodic)
+    from_prev = like.new_zeros(from_prev_shape)
+    from_next = like.new_zeros(from_next_shape)
+    ops = []
+    if prev is not None and to_prev.shape[DEPTH]:
+        ops.append(dist.P2POp(dist.isend, to_prev.contiguous(), prev, spatial.group, tag=1))
+    if nxt is not None and to_next.shape[DEPTH]:
+        ops.append(dist.P2POp(dist.isend, to_next.contiguous(), nxt, spatial.group, tag=2))
+    if nxt is not None and from_next_shape[DEPTH]:
+        ops.append(dist.P2POp(dist.irecv, from_next, nxt, spatial.group, tag=1))
+    if prev is not None and from_prev_shape[DEPTH]:
+        ops.append(dist.P2POp(dist.irecv, from_prev, prev, spatial.group, tag=2))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return from_prev, from_next
+
+
+def _with_depth(shape, planes):
+    return shape[:DEPTH] + (planes,) + shape[DEPTH + 1:]
+
+
+class HaloExchange(torch.autograd.Function):
+    """(B, C, n, H, W) slab -> (B, C, lo + n + hi, H, W): ``lo`` planes from the previous slab, ``hi`` from the next.
+
+    Backward: the halo planes' gradients go back to the ranks that own those planes and are added to theirs.
+    """
+
+    @staticmethod
+    def forward(ctx, x, lo, hi, spatial, periodic):
+        ctx.lo, ctx.hi, ctx.spatial, ctx.periodic = lo, hi, spatial, periodic
+        if spatial.size == 1:
+            return pad_depth(x, lo, hi, periodic)
+        n, shape = x.shape[DEPTH], tuple(x.shape)
+        # my first hi planes are the previous slab's upper halo; my last lo planes are the next slab's lower halo
+        below, above = _exchange(x.narrow(DEPTH, 0, hi), x.narrow(DEPTH, n - lo, lo), _with_depth(shape, lo),
+                                 _with_depth(shape, hi), spatial, periodic, x)
+        return torch.cat([below, x, above], DEPTH)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lo, hi, spatial = ctx.lo, ctx.hi, ctx.spatial
+        n = grad.shape[DEPTH] - lo - hi
+        grad_x = grad.narrow(DEPTH, lo, n).clone()
+        if spatial.size == 1 and ctx.periodic:
+            grad_x.narrow(DEPTH, n - lo, lo).add_(grad.narrow(DEPTH, 0, lo))
+            grad_x.narrow(DEPTH, 0, hi).add_(grad.narrow(DEPTH, lo + n, hi))
+        elif spatial.size > 1:
+            shape = tuple(grad_x.shape)
+            # the lower halo's gradient belongs to the previous slab's last lo planes, the upper's to the next's first
+            from_prev, from_next = _exchange(grad.narrow(DEPTH, 0, lo), grad.narrow(DEPTH, lo + n, hi),
+                                             _with_depth(shape, hi), _with_depth(shape, lo), spatial, ctx.periodic,
+                                             grad)
+            grad_x.narrow(DEPTH, 0, hi).add_(from_prev)
+            grad_x.narrow(DEPTH, n - lo, lo).add_(from_next)
+        return grad_x, None, None, None, None
+
+
+def halo_exchange(x, lo, hi, spatial, periodic=False):
+    """See HaloExchange; needs lo, hi <= the slab's depth (thinner slabs: SpatialConv gathers instead)."""
+    if max(lo, hi) > x.shape[DEPTH]:
+        raise ValueError(f"halo of {lo}/{hi} planes is deeper than the {x.shape[DEPTH]}-plane slab")
+    return HaloExchange.apply(x, lo, hi, spatial, periodic)
+
+
+# --- whole activations: gather and split ----------------------------------------------------------------------
+class GatherDepth(torch.autograd.Function):
+    """(B, C, n, H, W) slabs of the group -> the whole (B, C, S n, H, W) on every rank.
+
+    Backward: each rank's gradient of the whole is its partial share; their sum, sliced to the slab, is the
+    slab's gradient (an all-reduce, then the own slice)."""
+
+    @staticmethod
+    def forward(ctx, x, spatial):
+        ctx.spatial = spatial
+        pieces = [torch.empty_like(x) for _ in range(spatial.size)]
+        dist.all_gather(pieces, x.contiguous(), group=spatial.group)
+        return torch.cat(pieces, DEPTH)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spatial = ctx.spatial
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=spatial.group)
+        n = grad.shape[DEPTH] // spatial.size
+        return grad.narrow(DEPTH, spatial.index * n, n), None
+
+
+def own_slab(x, spatial):
+    """This rank's slab of a whole (B, C, D, ...) tensor (D divisible by S)."""
+    n = x.shape[DEPTH] // spatial.size
+    return x.narrow(DEPTH, spatial.index * n, n)
+
+
+def split_depth(x, spatial):
+    """This rank's slab of a whole crop batch (B, C, D, H, W), contiguous; a one-line error unless S divides D."""
+    depth = x.shape[DEPTH]
+    if depth % spatial.size:
+        raise ConfigError(f"crop depth {depth} is not divisible by spatial_parallel {spatial.size}; use a crop size "
+                          f"(data_size) that is a multiple of {spatial.size} or a spatial_parallel dividing {depth}")
+    return own_slab(x, spatial).contiguous()
+
+
+def gather_depth(x, spatial):
+    """The whole crop batch from every rank's slab (differentiable)."""
+    return x if spatial.size == 1 else GatherDepth.apply(x, spatial)
+
+
+# --- convolutions ---------------------------------------------------------------------------------------------
+@dataclass
+class LayerPlan:
+    """How a SpatialConv runs at one crop depth: ``halo`` (exchange, run the slab) or ``gather`` (run whole)."""
+    mode: str
+    depth_in: int
+    depth_out: int
+    reason: str = ""
+
+
+class _Context:
+    """What the sharded layers of one model share: the group, the padding, and the crop depth of this forward."""
+
+    def __init__(self, spatial, periodic):
+        self.spatial, self.periodic = spatial, periodic
+        self.crop_depth = None  # the whole crop's depth of the forward pass under way
+        self.probing = False  # True while the layers learn their input depths from a shape-only (meta) pass
+        self.planned = set()
+
+
+class SpatialConv(nn.Module):
+    """A Conv3d or ConvTranspose3d run on depth slabs, holding the wrapped layer's own Parameters.
+
+    Registered under the same names (``weight``, ``bias``) as the layer it replaces: state dicts, optimisers and
+    checkpoints see the same tensors. Requires k = 2 p + s along every axis (output depth D / s or s D, so slabs
+    map to slabs), dilation 1, zero padding mode and no output_padding.
+    """
+
+    def __init__(self, conv, name, context):
+        super().__init__()
+        check_supported(conv, name)
+        self.transposed = isinstance(conv, nn.ConvTranspose3d)
+        self.kernel_size, self.stride, self.padding = conv.kernel_size, conv.stride, conv.padding
+        self.groups, self.in_channels, self.out_channels = conv.groups, conv.in_channels, conv.out_channels
+        self.weight = conv.weight
+        self.bias = conv.bias
+        self.name, self.context = name, context
+        self.plans = {}  # crop depth -> LayerPlan
+        self.dense = (conv,)  # the layer it replaces (a tuple: not a submodule, so not in the state dict)
+
+    def halo(self, axis=0):
+        """(planes before, planes after) a slab's own input that its own outputs read, along ``axis`` (0: depth)."""
+        k, s, p = self.kernel_size[axis], self.stride[axis], self.padding[axis]
+        if self.transposed:
+            return (k - 1 - p) // s, (p + s - 1) // s
+        return p, k - s - p
+
+    def run(self, x):
+        """The layer on x (B, C_in, lo + n + hi, H, W), already extended by its depth halo: (B, C_out, n_out, H', W').
+
+        Without padding along depth (the halo is the padding). Conv: output planes are exactly the slab's own.
+        Transposed: the local output's plane q is the whole layer's plane s (a - lo) + q - p, where a is the
+        slab's first global input plane (plane q of the padding-free output gathers inputs i with s i + t = q,
+        i counted from a - lo); the slab's own outputs s a ... s (a + n) - 1 are q = s lo + p ... s lo + p + s n - 1.
+        """
+        periodic = self.context.periodic
+        weight, bias = self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        if x.is_meta:  # the shape-only planning pass
+            weight, bias = weight.to("meta"), None if bias is None else bias.to("meta")
+        if periodic:  # H and W wrap too: pad them circularly by their own halos, then no padding at all
+            (lo_h, hi_h), (lo_w, hi_w) = self.halo(1), self.halo(2)
+            x = F.pad(x, (lo_w, hi_w, lo_h, hi_h, 0, 0), mode="circular")
+            padding = (0, 0, 0)
+        else:
+            padding = (0, self.padding[1], self.padding[2])
+        if not self.transposed:
+            return F.conv3d(x, weight, bias, self.stride, padding, groups=self.groups)
+        y = F.conv_transpose3d(x, weight, bias, self.stride, padding, groups=self.groups)
+        lo = self.halo(0)[0]
+        n = x.shape[DEPTH] - sum(self.halo(0))
+        y = y.narrow(DEPTH, self.stride[0] * lo + self.padding[0], self.stride[0] * n)
+        if periodic:
+            for axis, dim in ((1, 3), (2, 4)):
+                s, p, lo_axis = self.stride[axis], self.padding[axis], self.halo(axis)[0]
+                y = y.narrow(dim, s * lo_axis + p, s * (x.shape[dim] - sum(self.halo(axis))))
+        return y
+
+    def depth_out(self, depth_in):
+        return depth_in * self.stride[0] if self.transposed else depth_in // self.stride[0]
+
+    def plan(self, depth_in):
+        """LayerPlan for a whole input of ``depth_in`` planes on this group."""
+        size, stride = self.context.spatial.size, self.stride[0]
+        depth_out = self.depth_out(depth_in)
+        lo, hi = self.halo(0)
+        if depth_in % size:
+            return LayerPlan("gather", depth_in, depth_out, f"its {depth_in}-plane input is whole on every rank "
+                                                            f"({size} ranks do not divide it)")
+        planes = depth_in // size
+        if planes < max(lo, hi):
+            return LayerPlan("gather", depth_in, depth_out, f"a {planes}-plane slab is thinner than its halo "
+                                                            f"({lo} before, {hi} after)")
+        if not self.transposed and planes % stride:
+            return LayerPlan("gather", depth_in, depth_out, f"a {planes}-plane slab is not a multiple of its "
+                                                            f"stride {stride}")
+        return LayerPlan("halo", depth_in, depth_out)
+
+    def probe(self, x):
+        """Shape-only pass (x whole, on the meta device): record this crop depth's plan, log a switch to gather."""
+        crop_depth, size = self.context.crop_depth, self.context.spatial.size
+        if crop_depth in self.plans:
+            raise NotImplementedError(f"{self.name} is called twice in one forward pass; spatial parallelism "
+                                      f"supports each convolution once")
+        plan = self.plans[crop_depth] = self.plan(x.shape[DEPTH])
+        if plan.mode == "gather" and size > 1:
+            logger.info(f"spatial parallel: {self.name} gathers its input whole ({plan.depth_in} planes at S={size}) "
+                        f"and runs unsharded: {plan.reason}")
+        return self.run(pad_depth(x, *self.halo(0)))
+
+    def forward(self, x):  # x: this rank's slab (B, C_in, n, H, W), or the whole input where S does not divide it
+        context = self.context
+        if context.probing:
+            return self.probe(x)
+        spatial, plan = context.spatial, self.plans[context.crop_depth]
+        if plan.mode == "halo":
+            return self.run(halo_exchange(x, *self.halo(0), spatial, context.periodic))
+        whole = gather_depth(x, spatial) if plan.depth_in % spatial.size == 0 else x
+        y = self.run(pad_depth(whole, *self.halo(0), context.periodic))
+        return own_slab(y, spatial) if plan.depth_out % spatial.size == 0 else y
+
+    def extra_repr(self):
+        kind = "ConvTranspose3d" if self.transposed else "Conv3d"
+        return (f"{kind}({self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}), S={self.context.spatial.size}"
+                + (", periodic" if self.context.periodic else ""))
+
+
+# The conv_forms layers compute the plain convolution in their 'native' form (BlurredConvTranspose3d adds a blur).
+_NATIVE_FORM_CLASSES = ("StridedConv3d", "StridedConvTranspose3d")
+
+
+def check_supported(conv, name):
+    """Raise NotImplementedError (one line) for a convolution SpatialConv cannot run exactly."""
+    problems = []
+    if type(conv) not in (nn.Conv3d, nn.ConvTranspose3d) and not (
+            type(conv).__name__ in _NATIVE_FORM_CLASSES and getattr(conv, "form", "native") == "native"):
+        problems.append(f"{type(conv).__name__}, which computes more than a plain convolution")
+    if isinstance(conv.padding, str) or any(k != 2 * p + s for k, s, p in zip(conv.kernel_size, conv.stride,
+                                                                               conv.padding)):
+        problems.append(f"kernel {conv.kernel_size} != 2 x padding {conv.padding} + stride {conv.stride}")
+    if any(d != 1 for d in conv.dilation) or conv.padding_mode != "zeros":
+        problems.append("dilation or a padding mode other than zeros")
+    if any(conv.output_padding):
+        problems.append("output_padding")
+    if problems:
+        raise NotImplementedError(f"{name}: spatial parallelism does not support {'; '.join(problems)}; use "
+                                  f"upsample: transposed and the default conv forms")
+
+
+def shard_model(model, spatial, periodic=False):
+    """Swap every Conv3d / ConvTranspose3d in ``model`` for its SpatialConv, in place; returns the model.
+
+    The model then takes this rank's slab (B, C, D / S, H, W) and returns its slab of the output. At the first
+    forward pass of each crop depth, a shape-only pass on the meta device tells every layer its input depth and
+    whether it exchanges halos or gathers (logged). Other layers must act per voxel or on channels (the U-Net's
+    activations, concatenations and tanh do). Parameters and state-dict keys are unchanged.
+    """
+    context = _Context(spatial, periodic)
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, (nn.Conv3d, nn.ConvTranspose3d)) or hasattr(module, "transposed_weight")]
+    for name, module in targets:
+        if not isinstance(module, (nn.Conv3d, nn.ConvTranspose3d)):
+            raise NotImplementedError(f"{name}: spatial parallelism does not support {type(module).__name__}; use "
+                                      f"upsample: transposed")
+        check_supported(module, name)
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, SpatialConv(module, name, context))
+    model.register_forward_pre_hook(_plan_hook(context))
+    return model
+
+
+def _plan_hook(context):
+    def plan_before_forward(model, args):
+        if context.probing:
+            return
+        x = args[0]
+        context.crop_depth = x.shape[DEPTH] * context.spatial.size
+        if context.crop_depth in context.planned:
+            return
+        context.probing = True
+        try:
+            with torch.no_grad():
+                model(torch.empty(_with_depth(tuple(x.shape), context.crop_depth), dtype=x.dtype, device="meta"))
+        finally:
+            context.probing = False
+        context.planned.add(context.crop_depth)
+    return plan_before_forward
+
+
+# --- loss and gradients ---------------------------------------------------------------------------------------
+class _MeanOverGroup(torch.autograd.Function):
+    """The mean of one scalar over the group, on every rank; each rank's share of the gradient is 1 / S."""
+
+    @staticmethod
+    def forward(ctx, value, spatial):
+        ctx.size = spatial.size
+        total = value.detach().clone()
+        dist.all_reduce(total, group=spatial.group)
+        return total / spatial.size
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.size, None
+
+
+def spatial_loss(prediction, target, spatial, loss_fn=None, **loss_kwargs):
+    """The unsharded loss of the whole crops, from this rank's slabs (B, C, n, H, W); the same value on every rank.
+
+    Every term of networks/UNet.py's loss_func is a mean over voxels, and the slabs are equal, so the whole loss
+    is the mean of the slabs' losses. Backward leaves on each rank its slab's share of the parameter gradients:
+    their sum over the spatial group is the unsharded gradient (sum_gradients). DDP over the whole (data x
+    spatial) mesh averages over D x S ranks instead of summing over S: multiply this loss by S before backward.
+    """
+    if loss_fn is None:
+        from networks.UNet import loss_func as loss_fn
+    local = loss_fn(prediction, target, **loss_kwargs)
+    return local if spatial.size == 1 else _MeanOverGroup.apply(local, spatial)
+
+
+def sum_gradients(model, spatial):
+    """Sum every parameter's gradient over the spatial group: each rank then holds the unsharded gradient."""
+    if spatial.size == 1:
+        return
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            dist.all_reduce(parameter.grad, group=spatial.group)
