@@ -33,7 +33,8 @@ class Key:
     the cosine's total_steps; noddp stops gradient averaging) and the data (which crops, in which order); a
     checkpoint continues only under the same values. The others may change on resume: speed and precision
     knobs, DDP tuning and gradient compression (only rounding and speed change, as with another world size),
-    logging, profiling, where data is generated from, and the initialisation (weights come from the checkpoint).
+    logging, profiling, where data is generated from, the initialisation (weights come from the checkpoint), and
+    the world size (the loader gives every world size the same global batches).
     """
     type: object
     doc: str
