@@ -30,7 +30,8 @@ from utils import metrics
 from utils.checkpoint import list_checkpoints
 from utils.checkpoint_manager import CheckpointManager
 from utils.cli import OneLineParser, run as run_cli
-from utils.config import DEFAULT_YAML, add_config_arguments, config_overrides_from_args, load_config, save_config
+from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
+                          load_config, save_config)
 from utils.data import get_data_loader
 from utils.data.prepare import prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, env_world_size, init_distributed,
@@ -386,9 +387,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
         # Config errors first: before the process group exists, so a bad config fails fast on every rank.
         world_size = env_world_size()
         params = load_config(args.config, args.yaml_config, config_overrides(args, world_size))
-        if params.global_batch_size % world_size:
-            raise ConfigError(f"global batch size {params.global_batch_size} is not divisible by the world size "
-                              f"{world_size}; use a multiple of {world_size}")
+        check_batch_split(params.global_batch_size, world_size)
         if check is not None:
             check(params, world_size)
         info = init_distributed(params.device)

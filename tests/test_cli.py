@@ -12,7 +12,7 @@ import yaml
 import train
 import utils.config
 from conftest import REPO_ROOT, free_port, rank_env, run_train_cli
-from utils.config import SCHEMA, ConfigError, load_config
+from utils.config import SCHEMA, ConfigError, config_flags, load_config
 
 
 def overrides(argv, world_size=1):
@@ -22,11 +22,13 @@ def overrides(argv, world_size=1):
 # --- flags ------------------------------------------------------------------------------------------
 def test_every_schema_key_has_a_flag_and_an_absent_flag_is_none():
     args = train.parse_args([])
-    for key, (check, *_) in SCHEMA.items():
-        section = check.cli.get("section")
-        for name in ([f"{key}.{sub}" for sub in section] if section else [key]):
-            assert hasattr(args, name), f"no flag for config key {name}"
-            assert getattr(args, name) is None, name  # not given: changes nothing
+    sections = {key: entry.type for key, entry in SCHEMA.items() if isinstance(entry.type, dict)}
+    names = [f"{key}.{sub}" for key, section in sections.items() for sub in section] + \
+        [key for key in SCHEMA if key not in sections]
+    assert sorted(config_flags()) == sorted(names) and len(names) > len(SCHEMA)
+    for name in names:
+        assert hasattr(args, name), f"no flag for config key {name}"
+        assert getattr(args, name) is None, name  # not given: changes nothing
     assert overrides([]) == {}
 
 

@@ -147,7 +147,7 @@ def test_crop_larger_than_box(tiny_params):
 
 
 def test_batch_not_divisible_by_world_size():
-    with pytest.raises(DataError, match="global batch size 6 is not divisible by the world size 4"):
+    with pytest.raises(ConfigError, match="global batch size 6 is not divisible by the world size 4"):
         ShardedSampler(64, 6, 0, 4)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from utils import symmetry
-from utils.config import resolve_path
+from utils.config import check_batch_split, resolve_path
 from utils.errors import DataError
 from utils.units import VECTOR_CHANNELS  # noqa: F401 (the velocity channels of both volumes, re-exported)
 
@@ -126,9 +126,7 @@ class ShardedSampler(Sampler):
     """
 
     def __init__(self, num_samples, global_batch_size, rank=0, world_size=1, split="train", plan=None):
-        if global_batch_size % world_size:
-            raise DataError(f"global batch size {global_batch_size} is not divisible by the world size "
-                            f"{world_size}; choose a multiple of {world_size} or change the number of ranks")
+        check_batch_split(global_batch_size, world_size)
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.rank, self.world_size, self.split = rank, world_size, split
         self.local_batch_size = global_batch_size // world_size
