@@ -219,7 +219,8 @@ def test_periodic_one_rank_equals_circular_padding():
     assert torch.equal(pad_depth(x, 2, 1, periodic=True), F.pad(x, (0, 0, 0, 0, 2, 1), mode="circular"))
 
 
-def test_gather_is_logged_once_per_layer(caplog):
+def test_gather_is_logged_once_per_layer(caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("train"), "propagate", True)  # a train.main run earlier turned it off
     spatial = SpatialGroup(size=4, index=0, ranks=[0, 1, 2, 3])  # planning needs no communication
     model = shard_model(make_unet(QUICKSTART_CHANNELS), spatial)
     with caplog.at_level(logging.INFO, logger="train"):
