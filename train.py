@@ -83,7 +83,8 @@ def config_overrides(args, world_size):
     if args.local_batch_size is not None:
         if "global_batch_size" in overrides:
             raise ConfigError("give --local_batch_size or --global_batch_size, not both")
-        overrides["global_batch_size"] = args.local_batch_size * world_size // (overrides.get("spatial_parallel") or 1)
+        data_ranks = world_size // (overrides.get("spatial_parallel") or 1)  # the flag's: the config is not read yet
+        overrides["global_batch_size"] = args.local_batch_size * data_ranks
     expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
     if expdir:  # given on the command line or in the environment: relative to where you are
         overrides["expdir"] = str(Path(expdir).expanduser().resolve())
@@ -222,7 +223,7 @@ def forward_loss(state, model, inp, tar):
     """(prediction, float32 loss) of ``model`` on a batch, under the run's autocast: the one forward-and-loss
     of the eager step, the graph step and validation."""
     with state.autocast:
-        prediction = model(inp)  # (B, C_out, S, S, S)
+        prediction = model(inp)  # (B, C_out, S, S, S); with spatial_parallel P, this rank's slab (B, C_out, S/P, S, S)
     return prediction, state.loss_fn(prediction.float(), tar, lambda_rho=state.params.lambda_rho)
 
 

@@ -28,7 +28,7 @@ Usage (the pieces ``train.py`` wires together)::
     shard_model(model, spatial)                          # conv layers -> SpatialConv, same parameters
     inputs, target = split_depth(inputs, spatial), split_depth(target, spatial)
     loss = spatial_loss(model(inputs), target, spatial)  # the unsharded loss's value on every rank
-    loss.backward(); sum_gradients(model, spatial)       # (or DDP over the whole mesh, loss x S: see spatial_loss)
+    loss.backward(); sum_gradients(model, spatial)       # (or DDP over the whole mesh, ddp=True: see spatial_loss)
 """
 import logging
 from dataclasses import dataclass, field

@@ -18,7 +18,8 @@ memory-bound and the convolutions compute-bound, so the two can share the GPU.
 Crop and symmetry transform are one call per volume, ``symmetry.transform_torch``: a gather of the
 crops' positions, moved by each sample's element, from the flattened volume, then the velocity
 components' channel gather and sign. With fp32 storage the batches equal those of the CPU loaders bit
-for bit; with 16-bit storage they equal them rounded to that dtype.
+for bit; with 16-bit storage they equal them rounded to that dtype. Under spatial parallelism only this rank's
+slab of each crop is gathered (``planes``).
 
 Batches are always float32, whatever the storage dtype: the model and loss see what the other
 loaders give them (under autocast too), and the cast is fused into the sign multiply.

@@ -9,6 +9,8 @@ are a pure function of ``(seed, epoch, index)`` (see ``sample_plan``), independe
 rank and loader workers. Ranks take disjoint shares of the indices (``ShardedSampler``); step ``s``
 of an epoch uses indices ``[s * global_batch, (s + 1) * global_batch)`` whatever the world size, so
 a 2-rank run sees the same global batches as a 1-rank run and a resumed run continues exactly.
+Under spatial parallelism (``spatial_parallel: S``) the S ranks sharing a crop are one data rank: they get
+the same indices, and each loader serves each of them its slab of every crop (``SplitSpec.planes``).
 
 The sampler also cuts this rank's share of an epoch into ``BatchPlan``s -- the indices, crop
 corners and symmetry elements of each batch -- in the one place every loader that builds whole
