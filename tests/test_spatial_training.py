@@ -19,20 +19,20 @@ import yaml
 
 from conftest import REPO_ROOT, TINY_OVERRIDES, free_port, rank_env, run_train_cli
 from utils.config import DEFAULT_YAML
-from utils.errors import ConfigError
 from utils.plot_logs import load_run
 
 # A 3-level U-Net on 8^3 crops: at S = 2 the first layers exchange halos and the 2-plane level's convolution
 # gathers (its 1-plane slab is thinner than its stride), so both paths of utils/spatial.py train.
 SPATIAL_TINY = {**TINY_OVERRIDES, "model_channels": [4, 8, 8], "global_batch_size": 4, "Nsamples": 16,
-                "Nsamples_val": 6, "num_epochs": 1, "log_every_n_steps": 1, "checkpoint_every_n_steps": 0}
+                "Nsamples_val": 5, "num_epochs": 2, "log_every_n_steps": 1, "checkpoint_every_n_steps": 0}
 # fp32: the sharded step sums each gradient in another order (slab by slab); Adam carries that into the weights
 RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def spatial_yaml(tiny_files, tmp_path_factory):
-    """The 'tiny' config (2 steps of 4 crops, validation on 6 crops) as a YAML file for the module."""
+    """The 'tiny' config (2 epochs of 4 steps of 4 crops; validation on 5 crops: 2 data ranks get 3 and 2) as a
+    YAML file for the module."""
     configs = yaml.safe_load(DEFAULT_YAML.read_text())
     tiny = {**configs["quickstart"], **SPATIAL_TINY, "train_path": str(tiny_files[0]),
             "val_path": str(tiny_files[1])}
@@ -91,8 +91,8 @@ def assert_same_training(spatial_run, data_parallel_run):
 
 
 def test_one_data_by_two_spatial_ranks_train_as_one_rank(spatial_yaml, tmp_path):
-    spatial_run = train_ranks(spatial_yaml, tmp_path / "spatial", 2, "--spatial_parallel", "2", "--num_epochs", "2")
-    one_rank = train_ranks(spatial_yaml, tmp_path / "one", 1, "--num_epochs", "2")
+    spatial_run = train_ranks(spatial_yaml, tmp_path / "spatial", 2, "--spatial_parallel", "2")
+    one_rank = train_ranks(spatial_yaml, tmp_path / "one", 1)
     assert_same_training(spatial_run, one_rank)
     log = (spatial_run / "out.log").read_text()
     assert "Spatial parallelism: 2 ranks share each crop (slabs of 4 planes), 1 data ranks" in log
@@ -102,8 +102,8 @@ def test_one_data_by_two_spatial_ranks_train_as_one_rank(spatial_yaml, tmp_path)
 
 @pytest.mark.slow
 def test_two_data_by_two_spatial_ranks_train_as_two_data_parallel_ranks(spatial_yaml, tmp_path):
-    spatial_run = train_ranks(spatial_yaml, tmp_path / "spatial", 4, "--spatial_parallel", "2", "--num_epochs", "2")
-    data_parallel = train_ranks(spatial_yaml, tmp_path / "ddp", 2, "--num_epochs", "2")
+    spatial_run = train_ranks(spatial_yaml, tmp_path / "spatial", 4, "--spatial_parallel", "2")
+    data_parallel = train_ranks(spatial_yaml, tmp_path / "ddp", 2)
     assert_same_training(spatial_run, data_parallel)
     assert "2 data ranks" in (spatial_run / "out.log").read_text()
 
@@ -136,8 +136,7 @@ def kill_launch(launch):
 def test_spatial_run_killed_and_rerun_ends_with_the_uninterrupted_weights(spatial_yaml, tmp_path):
     """torchrun, 2 ranks sharing each crop; a checkpoint every step; kill -9 after step 5 of 16, then the same
     command: the final weights equal those of an uninterrupted run bit for bit (--deterministic)."""
-    flags = ["--spatial_parallel", "2", "--num_epochs", "2", "--Nsamples", "32", "--checkpoint_every_n_steps", "1",
-             "--deterministic"]
+    flags = ["--spatial_parallel", "2", "--Nsamples", "32", "--checkpoint_every_n_steps", "1", "--deterministic"]
 
     def command(expdir):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
