@@ -20,6 +20,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -70,7 +71,8 @@ def parse_args(argv=None):
                              "never: start over (in a new run folder unless --run_num names one); or a "
                              "checkpoint path")
     parser.add_argument("--local_batch_size", type=int, metavar="N",
-                        help="per-rank batch; sets global_batch_size = N x world size")
+                        help="per-rank batch (crops per data rank); sets global_batch_size = N x world size "
+                             "(/ --spatial_parallel)")
     add_config_arguments(parser, FLAG_ALIASES)
     return parser.parse_args(argv)
 
@@ -81,7 +83,8 @@ def config_overrides(args, world_size):
     if args.local_batch_size is not None:
         if "global_batch_size" in overrides:
             raise ConfigError("give --local_batch_size or --global_batch_size, not both")
-        overrides["global_batch_size"] = args.local_batch_size * world_size
+        data_ranks = world_size // (overrides.get("spatial_parallel") or 1)  # the flag's: the config is not read yet
+        overrides["global_batch_size"] = args.local_batch_size * data_ranks
     expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
     if expdir:  # given on the command line or in the environment: relative to where you are
         overrides["expdir"] = str(Path(expdir).expanduser().resolve())
@@ -105,6 +108,7 @@ class TrainState:
     profiler: object
     global_step: int = 0
     notes: list = field(default_factory=list)
+    spatial: object = None              # spatial_parallel > 1: this rank's SpatialGroup (utils/spatial.py)
 
     def to_device(self, tensor):
         # non_blocking: from pinned memory the copy overlaps with the step already queued on the GPU
@@ -170,6 +174,11 @@ def build_training(params, info, capturable=False, run_dir=None):
     set_backend_flags(params, device)
     memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
+    spatial = None
+    if params.spatial_parallel > 1:  # S ranks share each crop: every convolution exchanges halos (utils/spatial.py)
+        from utils.spatial import shard_model, spatial_mesh
+        _, spatial = spatial_mesh(params.spatial_parallel, device.type)
+        shard_model(model, spatial)  # same parameters and state-dict keys; before DDP registers its hooks
     optimizer, optimizer_name = build_optimizer(model, params, device, capturable)
 
     train_model, ddp_note = model, "single process"
@@ -188,6 +197,10 @@ def build_training(params, info, capturable=False, run_dir=None):
     if params.enable_jit:  # compile what the step calls: the (wrapped) model and the loss
         train_model = torch.compile(train_model)
         loss_fn = torch.compile(loss_func)
+    if spatial:  # the whole crops' loss from the slabs, on every rank
+        from utils.spatial import spatial_loss
+        # DDP averages over all D x S ranks: each rank's gradient share is then 1, not 1/S (see spatial_loss)
+        loss_fn = partial(spatial_loss, spatial=spatial, loss_fn=loss_fn, ddp=info.enabled and not params.noddp)
 
     # Mixed precision: autocast runs the convolutions in fp16/bf16 and keeps the reductions in fp32. fp16's narrow
     # range needs the loss scaled so that small gradients do not flush to zero; bf16 has fp32's range and needs none.
@@ -201,7 +214,7 @@ def build_training(params, info, capturable=False, run_dir=None):
     else:
         profiler = metrics.NO_PROFILER
     state = TrainState(params, info, model, train_model, loss_fn, optimizer, scaler, autocast, memory_format,
-                       profiler)
+                       profiler, spatial=spatial)
     state.notes += [f"optimizer: {optimizer_name}", ddp_note]
     return state
 
@@ -210,8 +223,8 @@ def forward_loss(state, model, inp, tar):
     """(prediction, float32 loss) of ``model`` on a batch, under the run's autocast: the one forward-and-loss
     of the eager step, the graph step and validation."""
     with state.autocast:
-        prediction = model(inp)  # (B, C_out, S, S, S)
-    return prediction, state.loss_fn(prediction.float(), tar, state.params.lambda_rho)
+        prediction = model(inp)  # (B, C_out, S, S, S); with spatial_parallel P, this rank's slab (B, C_out, S/P, S, S)
+    return prediction, state.loss_fn(prediction.float(), tar, lambda_rho=state.params.lambda_rho)
 
 
 def eager_step(state, inp, tar):
@@ -232,21 +245,28 @@ def eager_step(state, inp, tar):
 def validate(state, loader):
     """(validation loss over all ranks, weighted by samples (rank shares may differ), science hook or None): on real
     data the science metrics (science/) are measured on the same predictions."""
-    params, info = state.params, state.info
+    params, info, spatial = state.params, state.info, state.spatial
     science = None
     if params.data_loader_config != "synthetic":  # the physics of random numbers means nothing
         from science import ValidationScience
         science = ValidationScience(params, info.device)
+    # Spatial parallelism: the S ranks of a crop hold the same loss, and only the first counts it, once
+    counts_crops = spatial is None or spatial.index == 0
     state.model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
     count = 0
     for inp, tar in loader:
         inp, tar = state.to_device(inp), state.to_device(tar)
         prediction, loss = forward_loss(state, state.model, inp, tar)
-        loss_sum += loss.double() * inp.shape[0]
-        count += inp.shape[0]
+        if counts_crops:
+            loss_sum += loss.double() * inp.shape[0]
+            count += inp.shape[0]
         if science:
-            science.update(inp, prediction, tar)
+            if spatial:  # power spectra and skewers need whole crops: gathered from the slabs (a collective)
+                from utils.spatial import gather_depth
+                inp, prediction, tar = (gather_depth(t, spatial) for t in (inp, prediction, tar))
+            if counts_crops:
+                science.update(inp, prediction, tar)
     state.model.train()
     total, total_count = all_reduce_sum([loss_sum.item(), count], info)
     return total / total_count, science
@@ -387,7 +407,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
         # Config errors first: before the process group exists, so a bad config fails fast on every rank.
         world_size = env_world_size()
         params = load_config(args.config, args.yaml_config, config_overrides(args, world_size))
-        check_batch_split(params.global_batch_size, world_size)
+        check_world_size(params, world_size)
         if check is not None:
             check(params, world_size)
         info = init_distributed(params.device)
@@ -429,6 +449,15 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                     lock.release()
     finally:
         signals.close()
+
+
+def check_world_size(params, world_size):
+    """The launch fits the config: spatial_parallel divides the world size, and the data ranks (world size /
+    spatial_parallel) split each global batch of crops evenly."""
+    if params.spatial_parallel > 1:
+        from utils.spatial import check_spatial_parallel
+        check_spatial_parallel(world_size, params.spatial_parallel)
+    check_batch_split(params.global_batch_size, world_size, params.spatial_parallel)
 
 
 def training_stream(device, priority):

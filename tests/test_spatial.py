@@ -220,8 +220,7 @@ def test_periodic_one_rank_equals_circular_padding():
 
 
 def test_gather_is_logged_once_per_layer(caplog, monkeypatch):
-    # A training run earlier in this process stops the "train" logger's records at its own handlers (run_log)
-    monkeypatch.setattr(logging.getLogger("train"), "propagate", True)
+    monkeypatch.setattr(logging.getLogger("train"), "propagate", True)  # a train.main run earlier turned it off
     spatial = SpatialGroup(size=4, index=0, ranks=[0, 1, 2, 3])  # planning needs no communication
     model = shard_model(make_unet(QUICKSTART_CHANNELS), spatial)
     with caplog.at_level(logging.INFO, logger="train"):

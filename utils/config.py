@@ -135,6 +135,8 @@ SCHEMA = {  # every key of every named config
     "static_graph": Key(bool, "DDP static_graph optimisations (same graph every step)"),
     "ddp_comm_hook": Key(str, "gradient compression for the all-reduce", choices=("none", "bf16")),
     "noddp": Key(bool, "no gradient synchronisation: measures compute alone (not real training)", RUN),
+    "spatial_parallel": Key(int, "ranks sharing each crop, each holding a slab of its depth (utils/spatial.py); "
+                                 "world size = data ranks x this", at_least=1),
     "checkpoint_every_n_steps": Key(int, "steps between checkpoints; 0: off", at_least=0),
     "checkpoint_every_minutes": Key(float, "wall-clock minutes between checkpoints; 0: off (epoch ends and "
                                            "preemption always checkpoint)", at_least=0),
@@ -342,11 +344,14 @@ def config_overrides_from_args(args, aliases=None):
     return overrides
 
 
-def check_batch_split(global_batch_size, world_size):
-    """Every rank takes an equal share of each global batch."""
-    if global_batch_size % world_size:
-        raise ConfigError(f"global batch size {global_batch_size} is not divisible by the world size {world_size}; "
-                          f"set global_batch_size to a multiple of {world_size} or change the number of ranks")
+def check_batch_split(global_batch_size, world_size, spatial_parallel=1):
+    """Every data rank takes an equal share of each global batch (spatial_parallel ranks share each crop)."""
+    data_ranks = world_size // spatial_parallel
+    if global_batch_size % data_ranks:
+        ranks = (f"the world size {world_size}" if spatial_parallel == 1 else
+                 f"the {data_ranks} data ranks ({world_size} ranks / spatial_parallel {spatial_parallel})")
+        raise ConfigError(f"global batch size {global_batch_size} is not divisible by {ranks}; set "
+                          f"global_batch_size to a multiple of {data_ranks} or change the number of ranks")
 
 
 def _check_consistency(params):
@@ -363,10 +368,26 @@ def _check_consistency(params):
             parse_conv_forms(params.conv_forms, conv_layer_names(levels), conv_input_sizes(levels, params.data_size))
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    if params.spatial_parallel > 1:
+        _check_spatial(params)
     for box, split in zip(params.box_size, ("training", "validation")):
         if params.data_size > box:
             raise ConfigError(f"crop size data_size={params.data_size} is larger than the {split} box "
                               f"({box}); lower data_size or use a larger box")
+
+
+def _check_spatial(params):
+    """What spatial parallelism needs of the config alone (the world size is checked at launch, in train.py)."""
+    size = params.spatial_parallel
+    if params.data_size % size:
+        raise ConfigError(f"spatial_parallel {size} does not divide the crop depth data_size={params.data_size}; "
+                          f"use a data_size that is a multiple of {size} or a spatial_parallel dividing it")
+    if params.upsample != "transposed" or params.conv_forms != "native":
+        raise ConfigError(f"spatial_parallel {size} shards only plain convolutions; use upsample: transposed and "
+                          f"conv_forms: native (got {params.upsample}, {params.conv_forms})")
+    if params.data_loader_config == "dali-lowmem":
+        raise ConfigError(f"spatial_parallel {size} needs a loader that serves each rank its slab: use "
+                          f"data_loader_config inmem, lowmem, gpu or synthetic instead of dali-lowmem")
 
 
 def resolve_path(path):

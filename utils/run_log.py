@@ -166,10 +166,15 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     info = state.info
     shown = run_dir.relative_to(Path.cwd()) if run_dir.is_relative_to(Path.cwd()) else run_dir
     logger.info(f"Run directory: {shown}")
+    size = params.spatial_parallel
+    data_ranks = info.world_size // size
     logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
                 f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
-                f"global batch {params.global_batch_size} ({params.global_batch_size // info.world_size} per rank), "
-                f"{steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
+                f"global batch {params.global_batch_size} ({params.global_batch_size // data_ranks} per "
+                f"{'data ' * (size > 1)}rank), {steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
+    if size > 1:
+        logger.info(f"Spatial parallelism: {size} ranks share each crop (slabs of {params.data_size // size} "
+                    f"planes), {data_ranks} data ranks")
     logger.info(f"Model: U-Net {params.model_channels} full_scale={params.full_scale}, "
                 f"{metrics.describe_model(state.model, params.data_size)}")
     active = [f"amp_mode={params.amp_mode}"] + [name for name in (

@@ -28,7 +28,7 @@ Usage (the pieces ``train.py`` wires together)::
     shard_model(model, spatial)                          # conv layers -> SpatialConv, same parameters
     inputs, target = split_depth(inputs, spatial), split_depth(target, spatial)
     loss = spatial_loss(model(inputs), target, spatial)  # the unsharded loss's value on every rank
-    loss.backward(); sum_gradients(model, spatial)       # (or DDP over the whole mesh, loss x S: see spatial_loss)
+    loss.backward(); sum_gradients(model, spatial)       # (or DDP over the whole mesh, ddp=True: see spatial_loss)
 """
 import logging
 from dataclasses import dataclass, field
@@ -399,32 +399,35 @@ def _plan_hook(context):
 
 # --- loss and gradients ---------------------------------------------------------------------------------------
 class _MeanOverGroup(torch.autograd.Function):
-    """The mean of one scalar over the group, on every rank; each rank's share of the gradient is 1 / S."""
+    """The mean of one scalar over the group, on every rank; each rank's share of the gradient is 1 / S (or 1:
+    ``whole_share``)."""
 
     @staticmethod
-    def forward(ctx, value, spatial):
-        ctx.size = spatial.size
+    def forward(ctx, value, spatial, whole_share):
+        ctx.size = 1 if whole_share else spatial.size
         total = value.detach().clone()
         dist.all_reduce(total, group=spatial.group)
         return total / spatial.size
 
     @staticmethod
     def backward(ctx, grad):
-        return grad / ctx.size, None
+        return grad / ctx.size, None, None
 
 
-def spatial_loss(prediction, target, spatial, loss_fn=None, **loss_kwargs):
+def spatial_loss(prediction, target, spatial, loss_fn=None, ddp=False, **loss_kwargs):
     """The unsharded loss of the whole crops, from this rank's slabs (B, C, n, H, W); the same value on every rank.
 
     Every term of networks/UNet.py's loss_func is a mean over voxels, and the slabs are equal, so the whole loss
     is the mean of the slabs' losses. Backward leaves on each rank its slab's share of the parameter gradients:
     their sum over the spatial group is the unsharded gradient (sum_gradients). DDP over the whole (data x
-    spatial) mesh averages over D x S ranks instead of summing over S: multiply this loss by S before backward.
+    spatial) mesh averages over D x S ranks instead of summing over S: with ``ddp`` each rank's share is S times
+    larger (as if the loss were multiplied by S before backward), so DDP's average is the unsharded gradient
+    averaged over the D data ranks, and the loss's value stays the unsharded one.
     """
     if loss_fn is None:
         from networks.UNet import loss_func as loss_fn
     local = loss_fn(prediction, target, **loss_kwargs)
-    return local if spatial.size == 1 else _MeanOverGroup.apply(local, spatial)
+    return local if spatial.size == 1 else _MeanOverGroup.apply(local, spatial, ddp)
 
 
 def sum_gradients(model, spatial):

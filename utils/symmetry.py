@@ -124,11 +124,12 @@ def transform_view(volume, g):
     return np.flip(view, flip_axes) if flip_axes else view
 
 
-def transform(volume, g, vector_channels=VECTOR_CHANNELS, out=None, scratch=None):
+def transform(volume, g, vector_channels=VECTOR_CHANNELS, out=None, scratch=None, planes=None):
     """Apply element ``g`` to a (C, X, Y, Z) numpy array, vector channels included.
 
     Writes into ``out`` (a preallocated (C, X', Y', Z') array, e.g. a slot of a pinned batch buffer) or
-    a new array. Every path only copies and negates values, so all give the same bits.
+    a new array. Every path only copies and negates values, so all give the same bits. ``planes``
+    (start, stop): only those planes of the result's first spatial axis (a spatial-parallel rank's slab).
 
     ``scratch``, a (2, S, S, S) float32 buffer (cubic crops; one per thread), buys speed (about 40% less
     time, mean of the 48 elements): a strided copy is fast while it reads the volume's rows (its last
@@ -138,10 +139,13 @@ def transform(volume, g, vector_channels=VECTOR_CHANNELS, out=None, scratch=None
     """
     source, sign = channel_map(g, volume.shape[0], vector_channels)
     moved = transform_view(volume, g)                          # (C, X', Y', Z') strided view
+    if planes is not None:
+        moved = moved[:, planes[0]:planes[1]]
     if out is None:
         out = np.empty(moved.shape, dtype=volume.dtype)
     perm, flips = element(g)
-    if scratch is None or (perm[2] == 2 and not flips[2]):
+    # a slab takes the strided copy: the staged move writes whole crops
+    if scratch is None or planes is not None or (perm[2] == 2 and not flips[2]):
         for c in range(volume.shape[0]):
             _signed_copy(moved[source[c]], out[c], sign[c])
         return out
@@ -184,13 +188,15 @@ def _staged_move(g, scratch):
 
 
 # --- torch ------------------------------------------------------------------------------------------------
-def transform_torch(volume, elements, corners=None, crop=None, table=None, memory_format=torch.contiguous_format):
+def transform_torch(volume, elements, corners=None, crop=None, table=None, memory_format=torch.contiguous_format,
+                    planes=None):
     """(B, C, S, S, S) float32: crop b of ``volume`` (C, N, N, N), the S^3 cube at ``corners[b]``, moved by
     element ``elements[b]`` (B,), vector channels included.
 
     Without ``corners`` and ``crop`` each sample is the whole volume moved by its element. ``table``: the
     volume's ``element_table(C).to(device)``, made once by a caller that transforms many batches (and
-    needed under ``torch.compile``). Output position j along new axis k reads
+    needed under ``torch.compile``). ``planes`` (start, stop): only those planes of new axis 0, (B, C,
+    stop - start, S, S), gathered alone (a spatial-parallel rank's slab). Output position j along new axis k reads
 
         old coordinate along axis perm[k] = corners[perm[k]] + (S - 1 - j if flips[k] else j),
 
@@ -204,30 +210,31 @@ def transform_torch(volume, elements, corners=None, crop=None, table=None, memor
     if table is None:
         table = element_table(volume.shape[0]).to(volume.device)
     index_dtype = torch.int32 if volume[0].numel() < 2**31 else torch.int64  # half the index memory and traffic
-    index = crop_index(corners, table.perm[elements], table.flips[elements], n, crop, index_dtype)
+    index = crop_index(corners, table.perm[elements], table.flips[elements], n, crop, index_dtype, planes)
     return _gather_channels(volume, index, table.source[elements], table.sign[elements], memory_format)
 
 
-def crop_index(corners, perm, flips, n, s, dtype):
+def crop_index(corners, perm, flips, n, s, dtype, planes=None):
     """(B, S, S, S) flat positions in an N^3 volume of the S^3 crops at ``corners`` (B, 3), with new axis k
-    taken from old axis ``perm[b, k]``, reversed where ``flips[b, k]``."""
+    taken from old axis ``perm[b, k]``, reversed where ``flips[b, k]``; (B, stop - start, S, S) with ``planes``."""
     j = torch.arange(s, device=corners.device)
     along = torch.where(flips[..., None], s - 1 - j, j)                          # (B, 3, S)
     stride = n ** (2 - perm)                                                      # (B, 3): flat stride of old axis
     offsets = ((torch.gather(corners, 1, perm)[..., None] + along) * stride[..., None]).to(dtype)
-    return offsets[:, 0, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
+    first = offsets[:, 0] if planes is None else offsets[:, 0, planes[0]:planes[1]]
+    return first[:, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
 
 
 def _gather_channels(volume, index, source, sign, memory_format=torch.contiguous_format):
-    """(B, C, S, S, S) float32 samples of ``volume`` (C, N, N, N) at ``index`` (B, S, S, S): output channel c of
+    """(B, C, D, S, S) float32 samples of ``volume`` (C, N, N, N) at ``index`` (B, D, S, S): output channel c of
     sample b is channel ``source[b, c]`` times ``sign[b, c]``."""
-    num_channels, batch, s = volume.shape[0], index.shape[0], index.shape[1]
+    num_channels, batch = volume.shape[0], index.shape[0]
     moved = volume.view(num_channels, -1).index_select(1, index.view(-1))         # (C, B*S^3), storage dtype
     # Output channel c of sample b is row source[b, c] * B + b of `moved` seen as (C*B, S^3) rows, times
     # sign[b, c]; picking the rows in (b, c) order also puts the batch first.
     rows = source * batch + torch.arange(batch, device=volume.device)[:, None]    # (B, C)
     rotated = moved.view(num_channels * batch, -1).index_select(0, rows.view(-1))  # (B*C, S^3)
-    shape = (batch, num_channels, s, s, s)
+    shape = (batch, num_channels, *index.shape[1:])
     if torch.compiler.is_compiling():  # Dynamo cannot trace mul(out=) into a channels-last tensor (a graph
         # break); Inductor fuses this form, the gathers above included, into one kernel with the same result
         return (rotated.view(shape).float() * sign[..., None, None, None]).contiguous(memory_format=memory_format)

@@ -20,7 +20,8 @@ def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cp
     """The loader factory: returns ``(loader, sampler)`` for ``split`` ('train' or 'val').
 
     Every loader yields batches ``(input (B, 4, S, S, S), target (B, 5, S, S, S))`` of the same
-    sample stream, in the sampler's order, after ``sampler.set_epoch(epoch)``. With ``channels_last``
+    sample stream, in the sampler's order, after ``sampler.set_epoch(epoch)``; with ``spatial_parallel`` P, each
+    rank's slab (B, C, S/P, S, S) of the crops its data rank gets (``rank`` is global). With ``channels_last``
     the fast loader (on its copy stream) and the GPU-resident loader (in its gather) already lay the
     batches out channels-last, so the training step's own conversion has nothing left to do.
     """

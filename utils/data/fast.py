@@ -142,7 +142,9 @@ class FastLoader(PlannedLoader):
         self.read_crops = crop_reader(dataset)
         self.local = threading.local()  # each thread's scratch crop for symmetry.transform
         size, crop = sampler.local_batch_size, dataset.crop
-        self.buffers = BatchBuffers([(size, volume.shape[0], crop, crop, crop)
+        self.planes = dataset.spec.planes  # under spatial parallelism: this rank's slab of each crop's depth
+        depth = crop if self.planes is None else self.planes[1] - self.planes[0]
+        self.buffers = BatchBuffers([(size, volume.shape[0], depth, crop, crop)
                                      for volume in (self.read_crops.inp, self.read_crops.tar)], pin_memory)
         self.description = (f"fast {dataset.mode}: {self.read_crops.description}, "
                             f"{num_workers} thread{'s' * (num_workers != 1)}{', pinned' * pin_memory}")
@@ -178,8 +180,8 @@ class FastLoader(PlannedLoader):
         """Sample ``slot`` of a batch: the crop at ``corner`` (3,) under symmetry ``element``."""
         inp, tar = self.read_crops(*corner)
         element, scratch = int(element), self._scratch()
-        symmetry.transform(inp, element, out=views[0][slot], scratch=scratch)
-        symmetry.transform(tar, element, out=views[1][slot], scratch=scratch)
+        symmetry.transform(inp, element, out=views[0][slot], scratch=scratch, planes=self.planes)
+        symmetry.transform(tar, element, out=views[1][slot], scratch=scratch, planes=self.planes)
 
     def _scratch(self):
         if not hasattr(self.local, "scratch"):

@@ -18,7 +18,8 @@ memory-bound and the convolutions compute-bound, so the two can share the GPU.
 Crop and symmetry transform are one call per volume, ``symmetry.transform_torch``: a gather of the
 crops' positions, moved by each sample's element, from the flattened volume, then the velocity
 components' channel gather and sign. With fp32 storage the batches equal those of the CPU loaders bit
-for bit; with 16-bit storage they equal them rounded to that dtype.
+for bit; with 16-bit storage they equal them rounded to that dtype. Under spatial parallelism only this rank's
+slab of each crop is gathered (``planes``).
 
 Batches are always float32, whatever the storage dtype: the model and loss see what the other
 loaders give them (under autocast too), and the cast is fused into the sign multiply.
@@ -148,13 +149,14 @@ class GPUResidentLoader(PlannedLoader):
     def make_batch(self, corners, elements):
         """(inp, tar) of the crops at ``corners`` (B, 3) moved by the symmetry ``elements`` (B,)."""
         return self.make_crops(self.inp, self.tar, corners, elements, *self.tables, self.spec.crop,
-                               self.memory_format)
+                               self.memory_format, self.spec.planes)
 
 
-def make_crops(inp, tar, corners, elements, inp_table, tar_table, crop, memory_format):
+def make_crops(inp, tar, corners, elements, inp_table, tar_table, crop, memory_format, planes=None):
     """(inp, tar): (B, C, S, S, S) float32 crops of the (C, N, N, N) volumes ``inp`` and ``tar`` at ``corners``
-    (B, 3), moved by the symmetry ``elements`` (B,); each volume's ``symmetry.element_table`` on its device."""
-    return tuple(symmetry.transform_torch(volume, elements, corners, crop, table, memory_format)
+    (B, 3), moved by the symmetry ``elements`` (B,); each volume's ``symmetry.element_table`` on its device.
+    ``planes`` (spatial parallelism): only this rank's slab of each crop's depth is gathered."""
+    return tuple(symmetry.transform_torch(volume, elements, corners, crop, table, memory_format, planes)
                  for volume, table in ((inp, inp_table), (tar, tar_table)))
 
 

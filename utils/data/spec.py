@@ -9,6 +9,8 @@ are a pure function of ``(seed, epoch, index)`` (see ``sample_plan``), independe
 rank and loader workers. Ranks take disjoint shares of the indices (``ShardedSampler``); step ``s``
 of an epoch uses indices ``[s * global_batch, (s + 1) * global_batch)`` whatever the world size, so
 a 2-rank run sees the same global batches as a 1-rank run and a resumed run continues exactly.
+Under spatial parallelism (``spatial_parallel: S``) the S ranks sharing a crop are one data rank: they get
+the same indices, and each loader serves each of them its slab of every crop (``SplitSpec.planes``).
 
 The sampler also cuts this rank's share of an epoch into ``BatchPlan``s -- the indices, crop
 corners and symmetry elements of each batch -- in the one place every loader that builds whole
@@ -69,13 +71,18 @@ class SplitSpec:
     in_channels: int
     out_channels: int
     global_batch_size: int
-    rank: int = 0
-    world_size: int = 1
+    rank: int = 0              # the data rank: ranks sharing a crop (spatial parallelism) share it
+    world_size: int = 1        # the number of data ranks
     num_workers: int = 0       # num_data_workers: worker processes or threads, by loader
+    spatial_parallel: int = 1  # ranks sharing each crop, each served a slab of its depth
+    spatial_index: int = 0     # which slab this rank gets
 
     @classmethod
     def from_params(cls, params, split, rank=0, world_size=1, mode=None):
+        """``rank`` and ``world_size`` are global: the S = spatial_parallel ranks of one crop are consecutive
+        (utils/spatial.py's mesh), so global rank r is data rank r // S and holds slab r % S."""
         mode = mode or params.data_loader_config
+        size = params.spatial_parallel
         train = split == "train"
         box, crop = params.box_size[SPLITS[split]], params.data_size
         if mode == "synthetic":
@@ -85,13 +92,21 @@ class SplitSpec:
                    num_samples=params.Nsamples if train else params.Nsamples_val,
                    augment=params.enable_augmentation and train,
                    in_channels=params.N_in_channels, out_channels=params.N_out_channels,
-                   global_batch_size=params.global_batch_size, rank=rank, world_size=world_size,
-                   num_workers=params.num_data_workers)
+                   global_batch_size=params.global_batch_size, rank=rank // size, world_size=world_size // size,
+                   num_workers=params.num_data_workers, spatial_parallel=size, spatial_index=rank % size)
 
     @property
     def local_batch_size(self):
         """This rank's share of a global batch (``ShardedSampler`` checks that it divides evenly)."""
         return self.global_batch_size // self.world_size
+
+    @property
+    def planes(self):
+        """(start, stop): this rank's planes along each crop's depth, or None when it gets whole crops."""
+        if self.spatial_parallel == 1:
+            return None
+        depth = self.crop // self.spatial_parallel
+        return self.spatial_index * depth, (self.spatial_index + 1) * depth
 
     def plan(self, epoch):
         """``sample_plan`` of this split: crop corners and symmetry elements of every sample of ``epoch``."""

@@ -27,7 +27,8 @@ from utils.errors import DataError
 
 
 class RandomCropDataset(Dataset):
-    """Sample ``(epoch, index)`` -> (input (C_in, S, S, S), target (C_out, S, S, S)) float32 tensors.
+    """Sample ``(epoch, index)`` -> (input (C_in, S, S, S), target (C_out, S, S, S)) float32 tensors; under
+    spatial parallelism this rank's slab of them, (C, S / spatial_parallel, S, S) (``spec.planes``).
 
     mode ``lowmem`` reads each crop straight from the HDF5 file; ``inmem`` loads both volumes into
     memory once (shared with forked workers); ``synthetic`` crops random in-memory volumes, so the
@@ -84,8 +85,10 @@ class RandomCropDataset(Dataset):
     def __getitem__(self, key):
         epoch, index = key
         (inp, tar), element = self.read_crop(epoch, index)
-        # One strided copy per channel moves the grid and rotates the velocity components together.
-        return tuple(torch.from_numpy(np.asarray(symmetry.transform(volume, element), dtype=np.float32))
+        # One strided copy per channel moves the grid and rotates the velocity components together; under
+        # spatial parallelism it copies only this rank's planes of the moved crop (lowmem still reads it whole).
+        return tuple(torch.from_numpy(np.asarray(symmetry.transform(volume, element, planes=self.spec.planes),
+                                                 dtype=np.float32))
                      for volume in (inp, tar))
 
     def __getstate__(self):
