@@ -220,6 +220,7 @@ def checkpoint_steps(run_dir):
     ("1", [4, 7, 8, 11, 14, 16]),
     ("0", [8, 16]),  # both intervals off: epoch ends only, however much time passes
 ])
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_wall_clock_checkpoints_in_a_training_run(tiny_argv, tmp_path, monkeypatch, minutes, expected):
     now = [0.0]
     monkeypatch.setattr(checkpoint, "monotonic", lambda: now[0])
@@ -253,6 +254,7 @@ def validation_curve(run_dir):
     return [(point.step, point.value) for point in events.Scalars("Loss/valid")]
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 @pytest.mark.parametrize("stopped_epoch", [1, 2])
 def test_a_stop_at_an_epochs_end_checkpoints_before_validating_and_the_rerun_validates_first(tiny_argv, tmp_path,
                                                                                               stopped_epoch):
@@ -294,6 +296,7 @@ def test_a_stop_at_an_epochs_end_checkpoints_before_validating_and_the_rerun_val
     assert "This run already finished (16 of 16 steps); nothing to do" in third and "val loss" not in third
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_failed_final_write_ends_the_run_with_one_line(tiny_argv, tmp_path, monkeypatch, capsys):
     real_fsync, calls = checkpoint.os.fsync, []
 

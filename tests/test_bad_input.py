@@ -2,6 +2,7 @@
 import errno
 import os
 
+import pytest
 import torch
 
 import train
@@ -77,6 +78,7 @@ def test_wrong_box_in_file(tiny_argv, tmp_path, capsys):
     assert code == 2 and "holds a 32^3 box but the config's box_size says 24" in err
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_file_without_units_needs_a_cell_size_and_is_flagged(tiny_argv, tmp_path, capsys):
     """A file made elsewhere (no make_dataset attributes): the Lyman-alpha statistics refuse to guess its cell size;
     given one, the run trains and its log says the physical units are assumed."""
@@ -127,6 +129,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tiny_argv, 
     assert torch.load(first, weights_only=True)["step"] == 1
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_checkpoint_from_another_model_is_refused(tiny_argv, tmp_path, capsys):
     assert train.main(tiny_argv + ["--run_num", "a"]) is not None
     checkpoint = next((tmp_path / "runs" / "tiny" / "1GPU" / "a" / "checkpoints").glob("*.pt"))

@@ -21,6 +21,7 @@ def test_benchmark_mode_reports_three_modes_and_exits(tiny_argv, tmp_path):
     assert "Time taken for epoch" not in log  # exited without training
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_benchmark_then_training_equals_training_alone(tiny_argv, tmp_path, monkeypatch):
     monkeypatch.setenv("BENCHY_OUTPUT", "named.json")
     with_benchmark = train.main(tiny_argv + ["--enable_benchy", "--benchy_continue", "--run_num", "b"])
@@ -32,6 +33,7 @@ def test_benchmark_then_training_equals_training_alone(tiny_argv, tmp_path, monk
 
 @pytest.mark.parametrize("loader", [["--data_loader_config", "lowmem", "--no-fast_loader"], ["--fast_loader"],
                                     ["--data_loader_config", "gpu"], ["--data_loader_config", "synthetic"]])
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_benchmark_mode_works_with_every_loader(tiny_argv, tmp_path, loader):
     assert train.main(tiny_argv + ["--enable_benchy"] + loader) is None
     results = json.loads((run_dir(tmp_path) / "benchy.json").read_text())

@@ -166,6 +166,7 @@ def run(trained, tmp_path):
     return argv, tmp_path / "runs" / "tiny" / "1GPU" / "0" / "checkpoints"
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_resume_skips_a_changed_checkpoint_and_continues_from_the_one_before(run):
     argv, checkpoints = run
     newest = checkpoints / "ckpt_step00000016.pt"

@@ -119,6 +119,7 @@ def run_folders(tmp_path):
     return sorted(p.name for p in (tmp_path / "runs" / "tiny" / "1GPU").iterdir())
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_the_same_command_continues_and_another_command_starts_a_new_run(tiny_argv, tmp_path, capsys):
     run_dir = tmp_path / "runs" / "tiny" / "1GPU"
     assert train.main(tiny_argv) is not None
@@ -137,6 +138,7 @@ def test_the_same_command_continues_and_another_command_starts_a_new_run(tiny_ar
     assert run_folders(tmp_path) == ["0", "1", "2", "mine"]
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_a_rerun_on_another_gpu_count_says_where_the_run_is(tiny_argv, tmp_path):
     runs = tmp_path / "runs" / "tiny"
     train.main(tiny_argv)
@@ -161,6 +163,7 @@ def test_a_run_made_before_a_speed_knob_existed_is_still_the_same_command(tmp_pa
     assert not same_command(tmp_path, params)  # a key that is there and differs: another command
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_resume_never_in_a_named_run_starts_a_clean_history(tiny_argv, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     argv = tiny_argv + ["--run_num", "0"]
@@ -178,6 +181,7 @@ def test_resume_never_in_a_named_run_starts_a_clean_history(tiny_argv, tmp_path)
     assert "moved to" in (run_dir / "out.log").read_text()
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 @pytest.mark.parametrize("counter", ["SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"])
 def test_a_restarted_job_continues_its_attempt_whatever_resume_said(tiny_argv, tmp_path, monkeypatch, counter):
     """A requeue repeats the command: --resume never must not start over (and be requeued) on every attempt."""
@@ -200,6 +204,7 @@ def test_a_restarted_job_continues_its_attempt_whatever_resume_said(tiny_argv, t
     assert not any(p.name.startswith("previous-") for p in (tmp_path / "runs" / "tiny" / "1GPU" / "mine").iterdir())
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_a_restart_of_a_resume_path_run_before_its_first_checkpoint_starts_from_path(tiny_argv, tmp_path,
                                                                                      monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
@@ -213,6 +218,7 @@ def test_a_restart_of_a_resume_path_run_before_its_first_checkpoint_starts_from_
     assert f"Resumed from {first} at global step 8" in log    # not from scratch
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_going_back_to_a_checkpoint_drops_the_newer_ones_at_once(tiny_argv, tmp_path, monkeypatch):
     """A restart before the first save of a run that went back must not jump forward into the abandoned ones."""
     from utils.checkpoint_manager import CheckpointManager
@@ -231,6 +237,7 @@ def test_going_back_to_a_checkpoint_drops_the_newer_ones_at_once(tiny_argv, tmp_
     assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt_step00000008.pt"]
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_a_run_folder_in_use_is_refused_in_one_line(tiny_argv, tmp_path, capsys):
     """Two processes in one run folder would delete each other's checkpoints: the second stops, naming the first."""
     from utils.run_dir import RunLock
@@ -272,6 +279,7 @@ def test_a_run_folder_in_use_stops_every_ddp_rank(tiny_argv, tmp_path):
 
 
 # --- stop signals from the first second ---------------------------------------------------------
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 @pytest.mark.parametrize("when", ["before any checkpoint", "after a checkpoint"])
 def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_argv, capsys, monkeypatch, when):
     handler_before = signal.getsignal(signal.SIGUSR1)

@@ -180,6 +180,7 @@ def test_the_matmul_form_in_the_model_and_where_it_fits():
 @pytest.mark.parametrize("form, native", [(conv3d_unfold, F.conv3d),
                                           (conv_transpose3d_overlap_add, F.conv_transpose3d)],
                          ids=["unfold", "overlap_add"])
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_the_matrix_product_forms_compile_to_the_native_layer(form, native):
     """torch.compile (Inductor's C++ on the CPU) of the unfold and overlap_add forms in one graph each (overlap_add
     through its plain-ops path): the native layer's outputs and gradients."""
@@ -229,6 +230,7 @@ def test_a_wrong_rearrangement_would_be_caught():
     assert error.max() > 1e-3
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_conv_variants_times_every_form_of_every_layer():
     """benchmarks/conv_variants.py (the GPU suite's part h) on a tiny model: every layer, every form, whole steps."""
     from benchmarks.conv_variants import measure, slowest_layers
@@ -344,6 +346,7 @@ def test_every_form_keeps_the_channels_last_layout(spec, input_layout):
     assert layouts == [(name, True) for name, _ in model.conv_layers()]
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_train_py_trains_with_conv_forms_and_refuses_a_wrong_value(tiny_argv, tmp_path, capsys):
     import train
     train.main(tiny_argv + ["--conv_forms", "rewritten,down0=padded", "--num_epochs", "1"])

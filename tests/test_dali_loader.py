@@ -214,6 +214,7 @@ def test_twins_of_another_box_are_rejected(tmp_path, dali_params):
     get_dali_loader(dali_params(val_path=str(h5)), "val")   # accepted now
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_train_py_runs_with_the_dali_loader(tiny_argv, tmp_path):
     import train
     from utils.make_dataset import ensure_dataset

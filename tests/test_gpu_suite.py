@@ -132,6 +132,7 @@ PROFILE_ONCE = ("import torch\nwith torch.profiler.profile(activities=[torch.pro
                 "    torch.ones(3).sum()\n")
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_the_cpu_kernel_probe_prints_no_profiler_markers():
     """Kineto prints 'USDT: ... profiler_start' and 'profiler_stop' on stderr around every profiled region, at a
     level above its errors; the probe turns them off on a CPU (KINETO_LOG_LEVEL), and its verdict still prints."""
@@ -354,6 +355,7 @@ def test_part_b_compares_the_overlap_add_candidate_with_the_opt_rung(tmp_path, m
     assert goal["status"] == "PASS" and goal["kind"] == "goal" and "compile_overlap_add: 3240" in goal["detail"]
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_part_i_runs_two_fresh_ladders_and_compares_them(tmp_path, monkeypatch):
     """Part i's bookkeeping, on the CPU with the tiny ladder in place of the full one: the compile + channels-last
     rung needs CUDA, so its run is a FAIL naming why; every cuDNN engine's run is compared with the eager rung."""

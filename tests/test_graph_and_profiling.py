@@ -277,6 +277,7 @@ def test_profile_window_must_be_a_nonempty_range(tmp_path):
 
 
 # --- benchmarks/ladder.py -----------------------------------------------------------------------
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke run")
 def test_ladder_tiny_runs_on_cpu_and_skips_cuda_rungs(tmp_path):
     out = tmp_path / "cpu.json"

@@ -235,6 +235,7 @@ def test_two_gloo_ranks_give_the_single_process_result(generated, tmp_path):
             assert reduced[tag] == pytest.approx(expected[tag], rel=1e-6, abs=1e-9), (rank, tag)
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_tensorboard_gets_the_flux_scalars_and_figure(generated, tmp_path):
     box, crops = generated
     metrics = science.ScienceMetrics(16, "cpu", lyman_alpha=SETTINGS)

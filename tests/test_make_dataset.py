@@ -124,6 +124,7 @@ def _one_line_error(argv, capsys, exit_code=2):
     return err
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_cli_refuses_to_overwrite(tmp_path):
     """End to end: ``python -m utils.make_dataset`` in a process of its own."""
     out = tmp_path / "d.h5"

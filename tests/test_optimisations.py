@@ -164,6 +164,7 @@ class ApexStyleFusedAdam(torch.optim.Optimizer):
                 param.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / (1 - beta1 ** step))
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_apex_fused_adam_trains_benchmarks_and_resumes_exactly(tiny_argv, tmp_path, monkeypatch):
     """--enable_apex with apex's FusedAdam interface (a stand-in in sys.modules): the step runs, benchmark mode
     undoes its trials' steps (the group's step count too) and a run stopped after epoch 1 resumes exactly."""

@@ -208,6 +208,7 @@ def test_errors_say_what_was_wrong():
         metrics.update(torch.zeros(2, 5, 8, 8, 8), torch.zeros(2, 5, 8, 8, 8))
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_figures_and_tensorboard_logging(generated, tmp_path):
     nbody, hydro = generated
     prediction = hydro * 0.9 + 0.01

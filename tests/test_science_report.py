@@ -34,6 +34,7 @@ def check_page(path):
     assert (height, width) == (19 * DPI, 15 * DPI)
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_page_from_a_prediction_file(pair, tmp_path, capsys):
     truth_path, hydro = pair
     prediction = tmp_path / "prediction.h5"

@@ -67,6 +67,7 @@ def ddp_weights(tiny_files, tmp_path_factory):
     return initial, weights
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_ddp_two_ranks_match_one_rank_over_the_same_global_batch(ddp_weights):
     initial, weights = ddp_weights
     single, rank0, rank1 = (weights[f"plain_world{w}_rank{r}"] for w, r in ((1, 0), (2, 0), (2, 1)))
@@ -123,6 +124,7 @@ def test_each_rank_takes_its_gpu_however_the_launcher_binds_them(monkeypatch, gp
         assert not chosen
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):
     data = tmp_path / "data"
     argv = ["--config=quickstart", "--expdir", str(tmp_path / "runs"), "--run_num", "e2e",
