@@ -17,7 +17,8 @@ import predict
 import train
 from conftest import TINY_OVERRIDES, run_train_cli, write_random_box
 from networks.UNet import build_model
-from utils import checkpoint, science_report
+from science import report as science_report
+from utils import checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, latest_valid_checkpoint, load_checkpoint,
                               plain_state_dict, save_checkpoint)
 from utils.config import DEFAULT_YAML, load_config
