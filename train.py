@@ -262,8 +262,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
           resume_fallback=None):
     """The tutorial's loop: data, step, log, validate, checkpoint. ``control``: the run's stop signals and the ranks'
     agreement (utils/checkpoint.py); ``make_step(state)`` returns the step function (train_graph.py's captures a
-    CUDA graph). Returns the final validation loss (None when there was nothing to
-    train, or in benchmark mode)."""
+    CUDA graph). Returns the final validation loss (None when there was nothing to train, or in benchmark mode)."""
     info = state.info
     train_loader, train_sampler = get_data_loader(params, "train", info.rank, info.world_size, info.device)
     val_loader, val_sampler = get_data_loader(params, "val", info.rank, info.world_size, info.device)
