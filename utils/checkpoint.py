@@ -128,7 +128,8 @@ def _write_error(err, path, previous):
     elif os_error:
         what, advice = "cannot write", "check that the directory is writable or point --expdir elsewhere"
     else:
-        what, advice = "cannot write", "check free space and that the directory is writable, or point --expdir elsewhere"
+        what = "cannot write"
+        advice = "check free space and that the directory is writable, or point --expdir elsewhere"
     cause = storage_cause(os_error) if os_error else f"{type(err).__name__}: {first_line(err, 'no details')}"
     intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
     return CheckpointError(f"{what} checkpoint {path} ({cause}); {intact}; {advice}")
