@@ -28,8 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from networks.UNet import build_model, conv_input_sizes, loss_func
 from utils import metrics
-from utils.checkpoint import list_checkpoints
-from utils.checkpoint_manager import CheckpointManager
+from utils.checkpoint import CheckpointManager, RunControl
 from utils.cli import OneLineParser, run as run_cli
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
                           load_config, save_config)
@@ -39,9 +38,8 @@ from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_syn
                                peer_lost, register_comm_hook)
 from utils.errors import ConfigError
 from utils.lr_schedule import learning_rate, total_steps
-from utils.run_control import StartupSignals
 from utils.run_dir import make_run_dir, resume_on_restart
-from utils.run_log import EventWriter, agree_on_held_failure, log_epoch, log_interval, log_startup, setup_logging
+from utils.run_log import EventWriter, log_epoch, log_interval, log_startup, setup_logging
 
 logger = logging.getLogger("train")
 
@@ -281,10 +279,11 @@ def log_validation(writer, state, val_loss, science):
 
 # --- the loop ------------------------------------------------------------------------------------------------
 
-def train(params, state, run_dir, make_step=lambda state: eager_step, resume_from="auto", resume_fallback=None):
-    """The tutorial's loop: data, step, log, validate, checkpoint. ``make_step(state)`` returns the step function
-    (train_graph.py's captures a CUDA graph). Returns the final validation loss (None when there was nothing to
-    train, or in benchmark mode)."""
+def train(params, state, run_dir, control, make_step=lambda state: eager_step, resume_from="auto",
+          resume_fallback=None):
+    """The tutorial's loop: data, step, log, validate, checkpoint. ``control``: the run's stop signals and the ranks'
+    agreement (utils/checkpoint.py); ``make_step(state)`` returns the step function (train_graph.py's captures a
+    CUDA graph). Returns the final validation loss (None when there was nothing to train, or in benchmark mode)."""
     info = state.info
     train_loader, train_sampler = get_data_loader(params, "train", info.rank, info.world_size, info.device)
     val_loader, val_sampler = get_data_loader(params, "val", info.rank, info.world_size, info.device)
@@ -293,7 +292,7 @@ def train(params, state, run_dir, make_step=lambda state: eager_step, resume_fro
         from science import check_settings
         check_settings(params)  # a data file that does not say its cell size fails now, not after an epoch
     log_startup(params, state, run_dir, steps_per_epoch, train_loader)
-    checkpoints = CheckpointManager(state, run_dir)
+    checkpoints = CheckpointManager(state, run_dir, control)
     resumed_loss_sum = checkpoints.resume(resume_from, resume_fallback)
     if info.is_main:  # now that the checkpoint accepted this config, it is the run's record
         save_config(params, run_dir / "config.yaml")
@@ -322,7 +321,7 @@ def train(params, state, run_dir, make_step=lambda state: eager_step, resume_fro
 
     # purge_step: TensorBoard drops what a killed run logged after the checkpoint we resume from (all of it when
     # there was none: an attempt killed before its first checkpoint left events of steps that will run again).
-    writer = (EventWriter(run_dir / "logs", hold=info.enabled,  # under DDP a failure stops all ranks together
+    writer = (EventWriter(run_dir / "logs", report=control.write_failed,  # under DDP: all ranks stop together
                           purge_step=state.global_step + 1 if state.global_step else 0) if info.is_main else None)
     if state.global_step == 0 or checkpoints.validation_pending:
         val_loss, science = validate(state, val_loader)
@@ -401,7 +400,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
 
     train_graph.py passes its step (``make_step``), a capturable optimizer and ``check(params, world_size)``,
     which refuses what it cannot run before any work is done."""
-    signals = StartupSignals()  # a stop signal from the first second on ends with exit code 3
+    control = RunControl()  # one stop-signal handler from the first second on: exit code 3 outside the loop
     try:
         args = parse_args(argv)
         # Config errors first: before the process group exists, so a bad config fails fast on every rank.
@@ -411,12 +410,13 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
         if check is not None:
             check(params, world_size)
         info = init_distributed(params.device)
+        control.attach(info)
         state, finished, lock = None, False, None
         try:
             resume, resume_fallback, restart_note = resume_on_restart(args.resume)
             run_dir, note, lock = make_run_dir(args.run_num, resume, params, info)
-            signals.checkpoint = lambda: next(iter(list_checkpoints(run_dir / "checkpoints")), None)
-            setup_logging(logger, run_dir, info)
+            control.checkpoints = run_dir / "checkpoints"  # named when a signal stops the start-up
+            setup_logging(logger, run_dir, info, report=control.write_failed)
             for line in (restart_note, note):
                 if line:
                     logger.info(line)
@@ -428,8 +428,8 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
             prepare_data(params, info, logger.info)
             with training_stream(info.device, params.stream_priority):  # DDP's gradient hooks are made here too
                 state = build_training(params, info, capturable, run_dir)
-                result = train(params, state, run_dir, make_step, resume, resume_fallback)
-            agree_on_held_failure(info)  # a log write that failed on rank 0 since the last agreement stops all
+                result = train(params, state, run_dir, control, make_step, resume, resume_fallback)
+            control.agree()  # a log write that failed on rank 0 after the loop's last agreement stops every rank
             finished = True
             return result
         except RuntimeError as err:  # a peer rank went away: one line here too, its own log says why
@@ -448,7 +448,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                 if lock is not None:
                     lock.release()
     finally:
-        signals.close()
+        control.close()
 
 
 def check_world_size(params, world_size):

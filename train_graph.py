@@ -29,7 +29,7 @@ import warnings
 import torch
 
 import train
-from utils.checkpoint import restore_training_state, snapshot_training_state
+from utils.snapshot import restore_training_state, snapshot_training_state
 from utils.errors import ConfigError
 
 NUM_WARMUP_STEPS = 3  # eager steps before capture: cuDNN autotuning, lazy optimizer state, compilation

@@ -17,12 +17,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import train
 from networks.UNet import UNet, loss_func
 from utils import checkpoint
-from utils.checkpoint import (AsyncCheckpointer, CheckpointError, load_checkpoint, plain_state_dict, rng_state,
-                              save_checkpoint)
+from utils.checkpoint import (AsyncCheckpointer, CheckpointError, RunControl, load_checkpoint, plain_state_dict,
+                              rng_state, save_checkpoint)
 from utils.config import load_config
 from utils.errors import Preempted
 from conftest import REPO_ROOT, free_port, rank_env
-from utils.run_control import RunControl
 
 
 def trained_model_and_optimizer(steps=2):
@@ -200,11 +199,14 @@ def test_wall_clock_interval():
 def test_agree_carries_the_checkpoint_flag_on_one_process():
     control = RunControl(SimpleNamespace(device=torch.device("cpu"), enabled=False))
     try:
-        assert control.agree() == (False, None, False, False)
-        assert control.agree(checkpoint_due=True) == (False, None, True, False)
+        assert control.agree() == (False, None, False)
+        assert control.agree(checkpoint_due=True) == (False, None, True)
         control.track(torch.tensor(float("nan")), 4)
+        control.track(torch.tensor(float("inf")), 5)  # the first bad step is kept
         control.signal_name = "SIGUSR1"
-        assert control.agree() == (True, 4, False, False)
+        assert control.agree() == (True, 4, False)
+        with pytest.raises(CheckpointError, match="disk full"):  # one process: a failed write stops it at once
+            control.write_failed(CheckpointError("disk full"))
     finally:
         control.close()
 

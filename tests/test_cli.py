@@ -221,7 +221,7 @@ def test_a_restart_of_a_resume_path_run_before_its_first_checkpoint_starts_from_
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_going_back_to_a_checkpoint_drops_the_newer_ones_at_once(tiny_argv, tmp_path, monkeypatch):
     """A restart before the first save of a run that went back must not jump forward into the abandoned ones."""
-    from utils.checkpoint_manager import CheckpointManager
+    from utils.checkpoint import CheckpointManager
     train.main(tiny_argv)
     checkpoints = tmp_path / "runs" / "tiny" / "1GPU" / "0" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt_step00000008.pt", "ckpt_step00000016.pt"]

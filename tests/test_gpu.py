@@ -30,7 +30,7 @@ from benchmarks import kernel_probe
 from conftest import TINY_OVERRIDES
 from networks.UNet import UNet, loss_func
 from utils import metrics
-from utils.checkpoint import restore_training_state, snapshot_training_state
+from utils.snapshot import restore_training_state, snapshot_training_state
 from utils.config import DEFAULT_YAML, load_config
 from utils.data import get_data_loader, sample_plan
 from utils.distributed import init_distributed
@@ -623,8 +623,8 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
     CPU tests run gloo, which takes them): the run's collectives and DDP with the bf16 hook on the real backend."""
     from science import lyman_alpha
     from utils.distributed import DistInfo, all_reduce_sum
-    from utils.checkpoint_manager import CHECKPOINT_FAILED, LOG_FAILED
-    from utils.run_control import RunControl
+    from utils.checkpoint import RunControl
+    from utils.errors import CheckpointError
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
                             device_id=CUDA)
     try:
@@ -639,8 +639,10 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
         assert all_reduce_sum([1.5, 2.0], info) == [1.5, 2.0]
         control = RunControl(info)
         try:
-            assert control.agree(checkpoint_due=True) == (False, None, True, False)
-            assert control.agree(write_failed=CHECKPOINT_FAILED | LOG_FAILED)[3] == 3  # rank 0's failed writes
+            assert control.agree(checkpoint_due=True) == (False, None, True)
+            control.write_failed(CheckpointError("disk full"))  # rank 0's failed write: held for the agreement
+            with pytest.raises(CheckpointError, match="disk full"):
+                control.agree()
         finally:
             control.close()
         with pytest.raises(ValueError, match="no optical depths"):

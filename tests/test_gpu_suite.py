@@ -17,7 +17,7 @@ from benchmarks.suite import part_b_ladder, part_g_tests, part_i_levers, setting
 from benchmarks.suite.core import with_up0_rewritten
 from benchmarks.suite.part_de_training import checkpoint_stalls
 from benchmarks.suite.summary import markdown
-from utils.checkpoint_manager import stall_message
+from utils.checkpoint import stall_message
 
 
 @pytest.mark.slow  # integration: run with --full (CI does)

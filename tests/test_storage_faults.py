@@ -14,7 +14,7 @@ import torch
 
 import train
 from conftest import run_train_cli, write_random_box
-from utils import checkpoint_manager
+from utils import checkpoint
 from utils.errors import storage_cause
 
 pytestmark = [pytest.mark.slow,
@@ -87,7 +87,7 @@ def test_tensorboard_events_cannot_be_written(tiny_argv, tmp_path, capsys, fault
 def test_full_disk_at_the_second_checkpoint_keeps_the_first(tiny_argv, tmp_path, capsys, monkeypatch):
     checkpoints = run_dir(tmp_path) / "checkpoints"
     with tmpfs(checkpoints, size="16m"):
-        real, saves = checkpoint_manager.CheckpointManager.save, []
+        real, saves = checkpoint.CheckpointManager.save, []
 
         def fill_before_the_second(self, *args, **kwargs):
             saves.append(args)
@@ -96,7 +96,7 @@ def test_full_disk_at_the_second_checkpoint_keeps_the_first(tiny_argv, tmp_path,
                 fill(checkpoints)
             return real(self, *args, **kwargs)
 
-        monkeypatch.setattr(checkpoint_manager.CheckpointManager, "save", fill_before_the_second)
+        monkeypatch.setattr(checkpoint.CheckpointManager, "save", fill_before_the_second)
         code, err = run_train_cli(tiny_argv + ["--run_num", "0", "--checkpoint_every_n_steps", "2"], capsys)
         first = checkpoints / "ckpt_step00000002.pt"
         assert code == 2 and "disk full while writing checkpoint" in err and f"{first} is intact" in err, err

@@ -1,5 +1,5 @@
 """The project's library. It needs a POSIX system: run folders are locked with ``fcntl`` (utils/run_dir.py),
-Slurm's warning signal SIGUSR1 stops a run cleanly (utils/run_control.py), and peak host memory comes from
+Slurm's warning signal SIGUSR1 stops a run cleanly (utils/checkpoint.py), and peak host memory comes from
 ``resource`` (utils/metrics.py). On native Windows, importing it ends the process with one line that says so
 (exit status 2, a user error's), instead of a traceback from the first of those imports."""
 import os

@@ -19,7 +19,7 @@ from itertools import count
 import torch
 import torch.distributed as dist
 
-from utils.checkpoint import restore_training_state, snapshot_training_state
+from utils.snapshot import restore_training_state, snapshot_training_state
 from utils.errors import StorageError, storage_cause
 
 MODES = ("IO", "SYNTHETIC", "FULL")

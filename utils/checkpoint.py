@@ -1,72 +1,59 @@
-"""Checkpoints that survive crashes, full disks and changes of wrapping (DDP, torch.compile).
+"""Run safety in one place: the checkpoint files, the background writer, stop signals, the ranks' agreement
+and the manager train.py's loop calls.
 
-A run directory holds one timeline of checkpoints ``ckpt_step{step:08d}.pt`` written by one process
-(rank 0 of the run that owns the directory):
-
-- ``save_checkpoint`` writes a temporary file, fsyncs it and renames it over the final name, so a
-  checkpoint file is either complete or absent; a failed save leaves every earlier one untouched.
-- ``AsyncCheckpointer`` (what train.py uses) copies the payload's tensors to host memory and runs
-  ``save_checkpoint`` on a background thread, so training stalls only for the copy; a failed write
-  is raised at its next ``save``, ``poll`` or ``wait``.
-- Each checkpoint carries the SHA-256 of its bytes, hashed as they are written and checked before every
-  load: torch.load checks no CRC-32, so bit rot or a partial overwrite would load silently. One
-  written before digests existed loads with a warning that it cannot be verified.
-- ``latest_valid_checkpoint`` returns the newest checkpoint that loads, skipping (with a warning)
-  one that a crash or a full disk of another tool left truncated, or whose bytes changed since.
-- Model weights are stored without the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile)
-  prefixes, so a checkpoint loads into the model however either run wrapped it.
-- ``check_compatible`` refuses to continue a run under a config that would make it a different
-  run (``RUN_DEFINING_KEYS``: the keys the schema marks RUN); everything else may change between the pieces of a run.
-
-Checkpoints are read with ``torch.load(weights_only=True)``: a payload holds tensors and plain
-Python data only (dicts, lists, tuples, numbers, strings), so loading one never runs code. Store
-the config as ``dict(params)``, not the ``Params`` object.
+- A checkpoint ``ckpt_step{step:08d}.pt`` is complete or absent (temporary file, fsync, rename) and carries the
+  SHA-256 of its bytes: torch.load checks no CRC-32, so bit rot or an overwrite would load silently. A truncated
+  or changed one is skipped with a warning on resume. Weights are stored without DDP's and torch.compile's
+  prefixes; payloads are tensors and plain data (``dict(params)``), read with ``weights_only=True``.
+- ``RunControl`` is the run's one SIGTERM/SIGUSR1 handler and its one agreement: a single small all-reduce of
+  {stop signal, checkpoint due by rank 0's clock, rank 0's failed write, first non-finite step}.
+- Exit codes (utils/errors.py): 2 a failed write, 3 a stop signal (submit_pm.sh requeues), 4 a non-finite loss.
+  torchrun ends the other ranks when one fails, but submit_pm.sh runs srun with --kill-on-bad-exit=0 (exit code 3
+  must reach the requeue): so no rank stops alone, which would leave the others in their next collective (NCCL:
+  10 minutes, then SIGABRT).
 """
 import errno
 import hashlib
+import logging
 import os
 import random
 import re
+import signal
 import sys
 import zipfile
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from time import monotonic, perf_counter
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from utils.config import SCHEMA, resolve_path
-from utils.errors import CheckpointError, first_line, os_error_in, storage_cause
+from utils.distributed import all_reduce_sum
+from utils.errors import (CheckpointError, NonFiniteLoss, Preempted, StorageError, first_line, os_error_in,
+                          storage_cause)
 
+logger = logging.getLogger("train")
 CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")
-# Keys every payload must have for a run to continue from it.
-REQUIRED_KEYS = ("step", "config", "model", "optimizer")
-# Prefixes DDP and torch.compile put in front of the wrapped module's state-dict keys.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+REQUIRED_KEYS = ("step", "config", "model", "optimizer")  # what a run needs to continue from a payload
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's, before the wrapped module's keys
 # Optimizer param-group entries that choose the implementation, not the maths: the current run's win.
 OPTIMIZER_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
-
-# Which keys must match for a checkpoint to continue a run: the schema says (utils/config.py, Key).
-RUN_DEFINING_KEYS = tuple(key for key, entry in SCHEMA.items() if entry.defines_run)
+RUN_DEFINING_KEYS = tuple(key for key, entry in SCHEMA.items() if entry.defines_run)  # utils/config.py says
 RESUME_MAY_CHANGE_KEYS = tuple(key for key, entry in SCHEMA.items() if not entry.defines_run)
 ABSENT = "<absent>"  # how a key missing from one config shows in differences
-# How values are compared where equal meaning has several spellings: paths resolve against the
-# repository root; inmem and lowmem read the same files (only synthetic data is another run).
-_COMPARED_AS = {
-    "train_path": resolve_path,
-    "val_path": resolve_path,
-    "data_loader_config": lambda loader: "synthetic" if loader == "synthetic" else "files",
-}
+# Equal meaning, several spellings: paths resolve against the repository; inmem and lowmem read the same files.
+_COMPARED_AS = {"train_path": resolve_path, "val_path": resolve_path,
+                "data_loader_config": lambda loader: "synthetic" if loader == "synthetic" else "files"}
 
-
-# The digest is the zip archive's comment, the file's last bytes (``_trailer``: comment length, tag, hex SHA-256 of
-# the archive as torch.save wrote it, empty comment). Inside the file it is fsynced and renamed with the checkpoint,
-# so no crash can leave the two disagreeing, as a sidecar file could (a step's checkpoint may be written twice).
+# --- 1. the file format -------------------------------------------------------------------------------------------
+# The digest is the zip archive's comment, the file's last bytes (comment length, tag, hex SHA-256 of the archive as
+# torch.save wrote it with its empty comment). Inside the file, it is fsynced and renamed with the checkpoint: no
+# crash can leave the two disagreeing, as a sidecar file could (a step's checkpoint may be written twice).
 DIGEST_TAG = b"sha256:"
 DIGEST_TRAILER_BYTES = 2 + len(DIGEST_TAG) + 64
 END_RECORD = b"PK\x05\x06"  # signature of the zip's end record, 22 bytes, the last in torch.save's files
@@ -91,17 +78,9 @@ class _HashingFile:
         return getattr(self.file, name)
 
 
-def _save_with_digest(payload, f):
-    """torch.save ``payload`` into the new binary file ``f``, then set its zip comment to the digest of those bytes."""
-    hashing = _HashingFile(f)
-    torch.save(payload, hashing)
-    f.seek(-2, os.SEEK_END)  # the end record's comment length, 0 as torch.save wrote it
-    f.write(_trailer(hashing.sha256))
-
-
 def _check_digest(f, path):
-    """True if checkpoint file ``f`` matches its digest, False if it has none (an archive as torch.save alone
-    writes it: the end record with an empty comment is last); CheckpointError if its bytes changed since."""
+    """True if checkpoint file ``f`` matches its digest, False if it has none (torch.save's own archive ends with
+    the end record and an empty comment); CheckpointError if its bytes changed since."""
     size = f.seek(0, os.SEEK_END)
     f.seek(max(size - DIGEST_TRAILER_BYTES, 0))
     tail = f.read()
@@ -136,17 +115,24 @@ def list_checkpoints(directory):
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    paths = [path for path in directory.iterdir() if CHECKPOINT_NAME.fullmatch(path.name)]
-    return sorted(paths, key=checkpoint_step, reverse=True)
+    return sorted((p for p in directory.iterdir() if CHECKPOINT_NAME.fullmatch(p.name)), key=checkpoint_step,
+                  reverse=True)
 
 
 def _write_error(err, path, previous):
-    reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}.get(err.errno)
-    what = f"{reason} while writing" if reason else "cannot write"
-    advice = ("free space there or point --expdir at a file system with room" if reason
-              else "check that the directory is writable or point --expdir elsewhere")
+    """One line for a failed write of checkpoint ``path``: an OSError (maybe wrapped by torch) or anything else."""
+    os_error = os_error_in(err)
+    reason = os_error and {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}.get(os_error.errno)
+    if reason:
+        what, advice = f"{reason} while writing", "free space there or point --expdir at a file system with room"
+    elif os_error:
+        what, advice = "cannot write", "check that the directory is writable or point --expdir elsewhere"
+    else:
+        what = "cannot write"
+        advice = "check free space and that the directory is writable, or point --expdir elsewhere"
+    cause = storage_cause(os_error) if os_error else f"{type(err).__name__}: {first_line(err, 'no details')}"
     intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    return CheckpointError(f"{what} checkpoint {path} ({storage_cause(err)}); {intact}; {advice}")
+    return CheckpointError(f"{what} checkpoint {path} ({cause}); {intact}; {advice}")
 
 
 def _check_payload(payload, step, keep_last):
@@ -159,25 +145,21 @@ def _check_payload(payload, step, keep_last):
 
 
 def save_checkpoint(directory, payload, step, keep_last):
-    """Write ``payload`` as ``directory/ckpt_step{step:08d}.pt`` atomically; keep the newest ``keep_last``.
-
-    Checkpoints with a higher step than ``step`` belong to an abandoned timeline (the run went back to
-    an earlier checkpoint) and are removed, so that resuming never jumps forward into them.
-    """
+    """Write ``payload`` as ``directory/ckpt_step{step:08d}.pt`` atomically; keep the newest ``keep_last``, and drop
+    any with a higher step: an abandoned timeline (the run went back), which a resume must never jump into."""
     _check_payload(payload, step, keep_last)
-    directory = Path(directory)
-    path = checkpoint_path(directory, step)
+    directory, path = Path(directory), checkpoint_path(directory, step)
     existing = list_checkpoints(directory)
-    previous = existing[0] if existing else None
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        # One writer per directory: any temporary file here is a leftover of a crashed save, and
-        # removing it first may be what makes room for this one.
-        for stale in directory.glob("ckpt_step*.pt.*.tmp"):
-            stale.unlink()
+        for stale in directory.glob("ckpt_step*.pt.*.tmp"):  # one writer per folder: a crashed save's leftover,
+            stale.unlink()                                     # and removing it may make room for this one
         with open(tmp, "wb") as f:
-            _save_with_digest(payload, f)
+            hashing = _HashingFile(f)
+            torch.save(payload, hashing)
+            f.seek(-2, os.SEEK_END)  # the end record's comment length, 0 as torch.save wrote it
+            f.write(_trailer(hashing.sha256))
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the name points at it
         os.replace(tmp, path)
@@ -188,9 +170,8 @@ def save_checkpoint(directory, payload, step, keep_last):
             os.close(dir_fd)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        os_error = os_error_in(err) if isinstance(err, Exception) else None
-        if os_error is not None:
-            raise _write_error(os_error, path, previous) from err
+        if isinstance(err, Exception) and os_error_in(err) is not None:
+            raise _write_error(err, path, existing[0] if existing else None) from err
         raise
     older = [old for old in existing if checkpoint_step(old) < step]
     _remove([new for new in existing if checkpoint_step(new) > step] + older[keep_last - 1:], f"wrote {path} but")
@@ -199,8 +180,7 @@ def save_checkpoint(directory, payload, step, keep_last):
 
 def prune_newer(directory, step):
     """Remove the checkpoints after ``step``: the run went back to it, and they belong to the abandoned timeline."""
-    _remove([path for path in list_checkpoints(directory) if checkpoint_step(path) > step], "going back to step "
-            f"{step}")
+    _remove([p for p in list_checkpoints(directory) if checkpoint_step(p) > step], f"going back to step {step}")
 
 
 def _remove(paths, context):
@@ -214,16 +194,13 @@ def _remove(paths, context):
 
 def load_checkpoint(path, map_location="cpu", log=print_warning):
     """The payload of checkpoint ``path``; CheckpointError if it is unreadable, truncated, changed since it was
-    written or incomplete. A checkpoint without a digest (older code) loads with a warning through ``log``."""
+    written or incomplete. One without a digest (older code) loads with a warning through ``log``."""
     try:
         f = open(path, "rb")
     except OSError as err:
         raise CheckpointError(f"cannot read checkpoint {path}: {err.strerror}") from None
-    # Opened here, because on damaged content torch.load raises anything, OSError included
-    # (EINVAL on some truncations), as well as RuntimeError, EOFError, KeyError, UnpicklingError.
-    with f:
-        # torch.save writes a zip archive whose directory is at the end: a cut-off file has none.
-        if not zipfile.is_zipfile(f):
+    with f:  # opened here: on damaged content torch.load raises anything, OSError included
+        if not zipfile.is_zipfile(f):  # torch.save's zip has its directory at the end: a cut-off file has none
             raise CheckpointError(f"{path} is truncated or not a checkpoint (no complete zip archive)")
         verified = _check_digest(f, path)
         f.seek(0)
@@ -246,10 +223,8 @@ def load_checkpoint(path, map_location="cpu", log=print_warning):
 
 
 def latest_valid_checkpoint(directory, log=print_warning, map_location="cpu"):
-    """(path, payload) of the newest checkpoint in ``directory`` that loads, or None if there is none.
-
-    A damaged checkpoint is skipped with a warning through ``log`` in favour of the previous one.
-    """
+    """(path, payload) of the newest checkpoint in ``directory`` that loads (a damaged one is skipped with a
+    warning through ``log``), or None if there is none."""
     for path in list_checkpoints(directory):
         try:
             return path, load_checkpoint(path, map_location, log)
@@ -274,9 +249,11 @@ def plain_state_dict(module):
     return unwrap_model(module).state_dict()
 
 
-def _strip_wrapper_prefixes(state_dict, expected_keys):
-    """Remove wrapper prefixes that a checkpoint of a wrapped module's own state_dict() carries."""
-    while set(state_dict) != expected_keys:
+def load_model_state(module, state_dict, source="the checkpoint"):
+    """Load plain (or wrapped: prefixes stripped) weights into ``module``, whether plain, DDP-wrapped or compiled."""
+    target = unwrap_model(module)
+    expected = target.state_dict()
+    while set(state_dict) != set(expected):
         prefix = next((p for p in WRAPPER_PREFIXES if state_dict and all(k.startswith(p) for k in state_dict)), None)
         if prefix is None:
             break
@@ -285,14 +262,6 @@ def _strip_wrapper_prefixes(state_dict, expected_keys):
             stripped._metadata = OrderedDict(state_dict._metadata)
         consume_prefix_in_state_dict_if_present(stripped, prefix)
         state_dict = stripped
-    return state_dict
-
-
-def load_model_state(module, state_dict, source="the checkpoint"):
-    """Load plain (or wrapped) weights into ``module``, whether plain, DDP-wrapped or compiled."""
-    target = unwrap_model(module)
-    expected = target.state_dict()
-    state_dict = _strip_wrapper_prefixes(state_dict, set(expected))
     missing = [key for key in expected if key not in state_dict]
     unexpected = [key for key in state_dict if key not in expected]
     shapes = [f"{key} {tuple(value.shape)} vs {tuple(expected[key].shape)} here" for key, value in state_dict.items()
@@ -306,14 +275,12 @@ def load_model_state(module, state_dict, source="the checkpoint"):
 
 
 def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
-    """Restore the optimizer's moments and hyperparameters but keep its implementation (fused, foreach, ...).
+    """Restore the optimizer's moments and hyperparameters but keep its implementation (fused, foreach, ...) and
+    its lr object (the schedule sets it every step; a CUDA-graph-captured optimizer must keep its lr tensor).
 
-    ``Optimizer.load_state_dict`` alone would also restore the saved implementation flags, silently
-    undoing a changed ``enable_fused``. It also keeps the moments' saved memory layout: after a resume that
-    switched ``channels_last`` they would not match the parameters', which CUDA's fused Adam refuses ("must
-    have same dtype, device, and layout") and the CPU's silently pairs up element by memory position. So
-    every moment takes its parameter's layout here.
-    """
+    ``Optimizer.load_state_dict`` alone would restore the saved implementation, silently undoing a changed
+    ``enable_fused``, and keep the moments' saved memory layout, which after a switch of ``channels_last`` CUDA's
+    fused Adam refuses and the CPU's silently pairs up by memory position: every moment takes its parameter's."""
     saved_groups, groups = state_dict["param_groups"], optimizer.param_groups
     if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
         raise CheckpointError(f"{source} holds optimizer state for {[len(g['params']) for g in saved_groups]} "
@@ -326,9 +293,6 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
             raise CheckpointError(f"{source} holds the state of a different optimizer (settings {', '.join(unknown)} "
                                   f"are unknown here: apex FusedAdam vs torch Adam, or a newer PyTorch); "
                                   f"resume with the optimizer flags and PyTorch it was written with")
-    # Settings a newer PyTorch added keep this optimizer's defaults; the implementation stays this one's.
-    # So does the lr object: the schedule sets its value every step, and a CUDA-graph-captured
-    # optimizer must keep its lr tensor (a float would be baked into the graph).
     kept = OPTIMIZER_IMPLEMENTATION_KEYS + ("lr",)
     merged = [{**current, **saved, **{key: current[key] for key in kept if key in current}}
               for saved, current in zip(saved_groups, groups)]
@@ -343,48 +307,37 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
 
 
 def rng_state(device=None):
-    """Generator states of python ``random``, numpy's global generator, torch CPU and the current CUDA device.
-
-    ``device``: the run's device; a CPU run (``device: cpu`` on a GPU machine) never touches CUDA.
-    """
+    """Generator states of python ``random``, numpy, torch CPU and the current CUDA device (not for a CPU run,
+    ``device: cpu``, on a GPU machine)."""
     numpy_state = np.random.get_state(legacy=False)
-    state = {
-        "python": random.getstate(),
-        # numpy arrays are not plain data for a weights-only load: keep the key as a list of ints
-        "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()}},
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             # numpy arrays are not plain data for a weights-only load: the key as a list of ints
+             "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()}}}
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         state["cuda"] = torch.cuda.get_rng_state()  # this rank's device, whatever else is visible
     return state
 
 
 def set_rng_state(state):
-    """Restore ``rng_state()``; a CUDA state is restored where CUDA is available (a CPU run has no CUDA generator)."""
+    """Restore ``rng_state()``; the CUDA state only where a CUDA run has initialised CUDA."""
     random.setstate(state["python"])
     numpy_state = state["numpy"]
     np.random.set_state({**numpy_state, "state": {**numpy_state["state"],
                                                    "key": np.asarray(numpy_state["state"]["key"], dtype=np.uint32)}})
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.set_rng_state(state["cuda"])  # only a CUDA run has initialised CUDA by the time it resumes
-
-
-def _flatten(config, keys):
-    """{key: value} for ``keys``, with dict sections split into ``section.sub`` entries."""
-    flat = {}
-    for key in keys:
-        value = config.get(key, ABSENT)
-        if isinstance(value, dict):
-            flat.update({f"{key}.{sub}": sub_value for sub, sub_value in value.items()})
-        else:
-            flat[key] = value
-    return flat
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def config_differences(saved, current, keys=RUN_DEFINING_KEYS):
-    """[(key, saved value, current value)] for the ``keys`` whose values differ (sections per entry)."""
-    saved_flat, current_flat = _flatten(saved, keys), _flatten(current, keys)
+    """[(key, saved value, current value)] for the ``keys`` whose values differ (dict sections per entry)."""
+    def flat(config):
+        entries = {}
+        for key in keys:
+            value = config.get(key, ABSENT)
+            entries.update({f"{key}.{sub}": v for sub, v in value.items()} if isinstance(value, dict) else {key: value})
+        return entries
+    saved_flat, current_flat = flat(saved), flat(current)
     differences = []
     for key in sorted(set(saved_flat) | set(current_flat)):
         old, new = saved_flat.get(key, ABSENT), current_flat.get(key, ABSENT)
@@ -403,87 +356,30 @@ def check_compatible(saved, current, source="the checkpoint"):
                               f"use --resume never or a new --run_num")
 
 
-# In-memory snapshots, for steps that must leave no trace (benchmark trials, CUDA-graph warm-up).
-
-def snapshot_training_state(model, optimizer):
-    """Copies of the weights and of the optimizer state (empty before the first step; full on resume), with the
-    step count that apex FusedAdam keeps in each parameter group (None where a group has none)."""
-    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    moments = {param: {key: value.clone() for key, value in param_state.items()}
-               for param, param_state in optimizer.state.items()}
-    steps = [group.get("step") for group in optimizer.param_groups]
-    return weights, moments, [step.clone() if torch.is_tensor(step) else step for step in steps]
-
-
-@torch.no_grad()
-def restore_training_state(model, optimizer, snapshot):
-    """Weights and Adam state back to ``snapshot``, in place (undoing CUDA-graph warm-up or benchmark steps).
-
-    In place, because a captured CUDA graph records these tensors' addresses. State created after
-    the snapshot (a fresh optimizer's first steps) goes to zero, which is exactly a fresh Adam's
-    state (moments 0, step count 0), so training continues as if those steps never ran. A step count kept in a
-    parameter group (apex FusedAdam's) goes back to its snapshot value, or away where the group had none.
-    """
-    weights, moments, group_steps = snapshot
-    for name, tensor in model.state_dict().items():
-        tensor.copy_(weights[name])
-    for param, param_state in optimizer.state.items():
-        saved = moments.get(param)
-        for key, value in param_state.items():
-            if saved is None:
-                value.zero_()
-            else:
-                value.copy_(saved[key])
-    for group, step in zip(optimizer.param_groups, group_steps):
-        if step is None:
-            group.pop("step", None)
-        elif torch.is_tensor(group.get("step")):
-            group["step"].copy_(step)
-        else:
-            group["step"] = step
-
-
-# Asynchronous checkpoints: the training loop stalls only while the state is copied to host memory.
-
-@dataclass
-class WrittenCheckpoint:
-    """A finished background write."""
-    path: Path
-    step: int
-    reason: str
-    seconds: float  # from the hand-over to the thread until the file was in place (fsync and rename included)
-    size_bytes: int
+# --- 2. the background writer ----------------------------------------------------------------------------------------
+# A finished write; seconds: from the hand-over to the thread until the file was in place (fsync and rename too).
+WrittenCheckpoint = namedtuple("WrittenCheckpoint", "path step reason seconds size_bytes")
 
 
 class AsyncCheckpointer:
-    """Rank 0's checkpoint writer: ``save`` copies the payload to host memory and returns; one background
-    thread writes the copy with ``save_checkpoint`` (temporary file, fsync, atomic rename, pruning).
+    """Rank 0's writer: ``save`` copies the payload to host memory and returns; one thread writes it with
+    ``save_checkpoint``. One write is in flight: ``save`` first waits for the previous one (its buffers are reused).
 
-    - Host copies: CUDA tensors go into pinned buffers kept from one save to the next (non_blocking copies
-      on the current stream, then a wait on an event recorded after them, not on the whole device); CPU
-      tensors are cloned. Once ``save`` returns, nothing done to the live tensors (optimizer steps,
-      CUDA-graph replays) reaches the file. ``reserve`` pins the buffers ahead of the first save.
-    - One write in flight: ``save`` first waits for the previous one (its buffers are reused).
-    - A failed write raises its CheckpointError (one line, naming the intact previous checkpoint) at the
-      next ``save``, ``poll`` or ``wait``, exactly once; ``close`` waits too, so none is lost.
-    - ``due()``: ``every_minutes`` (> 0) have passed on ``clock`` since the last save started, or since
-      construction.
-    - Statistics for benchmarks: ``saves``, ``stall_seconds`` (per save, the time the caller was blocked:
-      from ``started``, waiting for the previous write included), ``wait_seconds`` (per save, the part of
-      the stall spent waiting for the previous write: zero when saves are further apart than a write
-      takes), ``write_seconds`` and ``write_bytes`` (per finished write).
+    CUDA tensors go to pinned buffers kept from one save to the next (``reserve`` pins them ahead, on the thread),
+    copied on the current stream and waited for by an event, not the whole device; once ``save`` returns, nothing
+    done to the live tensors reaches the file. A failed write raises its one-line CheckpointError at the next
+    ``save``, ``poll``, ``wait`` or ``close``, once. ``due()``: ``every_minutes`` (> 0) have passed on ``clock``
+    since the last save started. For benchmarks, per save: ``stall_seconds`` (the caller blocked, from ``started``),
+    ``wait_seconds`` (of it, waiting for the previous write); per write: ``write_seconds``, ``write_bytes``.
     """
 
     def __init__(self, directory, every_minutes=0.0, log=None, clock=None):
-        self.directory = Path(directory)
-        self.every_minutes = every_minutes
-        self.log = log or (lambda message: None)
-        self.clock = clock or monotonic
-        self.last_save = self.clock()
-        self.saves = 0
+        self.directory, self.every_minutes = Path(directory), every_minutes
+        self.log, self.clock = log or (lambda message: None), clock or monotonic
+        self.last_save, self.saves = self.clock(), 0
         self.stall_seconds, self.wait_seconds, self.write_seconds, self.write_bytes = [], [], [], []
         self._pinned = {}  # where a CUDA tensor sits in the payload (its keys) -> its reusable pinned host buffer
-        self._executor = None
+        self._executor = None  # the writer thread, from the first save until close
         self._pending = None  # (future, step, reason) of the write in flight
         self._reserving = None  # future of reserve()
 
@@ -501,15 +397,13 @@ class AsyncCheckpointer:
         return self._executor
 
     def reserve(self, payload):
-        """Pin host buffers for payloads laid out like ``payload`` on the writer thread, so that the first
-        save does not stall for it (pinning the 1.4 GB of the reference U-Net and its Adam state takes about
-        a second). Optional; nothing is copied here."""
+        """Pin host buffers for payloads laid out like ``payload`` on the thread, so that the first save does not
+        stall for it (about a second for the reference U-Net and its Adam state). Nothing is copied."""
         layouts = {}
 
         def note(tensor, keys):
             if tensor.device.type == "cuda":
                 layouts[keys] = _host_layout(tensor)
-            return None
 
         _map_tensors(payload, note)
         if layouts:
@@ -521,41 +415,33 @@ class AsyncCheckpointer:
             self._pinned[keys] = torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
 
     def save(self, payload, step, keep_last, reason="checkpoint", started=None):
-        """Copy ``payload`` to host memory and start writing it; the seconds the caller was blocked.
-
-        ``started``: the ``time.perf_counter()`` at which the caller began the checkpoint (default: now), so
-        the stall counts what it did before (building the payload) too.
-        """
+        """Copy ``payload`` to host memory and start writing it; the seconds the caller was blocked since
+        ``started`` (a ``time.perf_counter()``; default now), building the payload included."""
         started = perf_counter() if started is None else started
         waiting = perf_counter()
-        self.wait()  # one write in flight; raises the previous write's error
+        self.wait()  # raises the previous write's error
         waited = perf_counter() - waiting
         if self._reserving is not None:
             self._reserving.exception()  # finished (a failure only means the buffers are pinned below instead)
             self._reserving = None
         _check_payload(payload, step, keep_last)
         self.last_save = self.clock()
-        snapshot = self._snapshot(payload)
-        future = self._thread().submit(_write_in_background, self.directory, snapshot, step, keep_last)
+        future = self._thread().submit(_write_in_background, self.directory, self._snapshot(payload), step, keep_last)
         self._pending = (future, step, reason)
-        stall = perf_counter() - started
         self.saves += 1
-        self.stall_seconds.append(stall)
+        self.stall_seconds.append(perf_counter() - started)
         self.wait_seconds.append(waited)
-        return stall
+        return self.stall_seconds[-1]
 
     def poll(self):
-        """The write in flight if it has finished (logged, as ``wait``), else None; never blocks."""
-        if self._pending is not None and self._pending[0].done():
-            return self.wait()
-        return None
+        """The write in flight if it has finished (as ``wait``), else None; never blocks."""
+        return self.wait() if self._pending is not None and self._pending[0].done() else None
 
     def wait(self):
-        """Wait for the write in flight, if any: log and return it (WrittenCheckpoint), or raise its CheckpointError."""
+        """Wait for the write in flight, if any: log and return it, or raise its CheckpointError."""
         if self._pending is None:
             return None
-        future, step, reason = self._pending
-        self._pending = None
+        (future, step, reason), self._pending = self._pending, None
         path, seconds, size = future.result()  # a failed write raises here, once
         self.write_seconds.append(seconds)
         self.write_bytes.append(size)
@@ -578,12 +464,11 @@ class AsyncCheckpointer:
         def copy(tensor, keys):
             tensor = tensor.detach()
             if tensor.device.type != "cuda":
-                return tensor.clone()  # preserves the strides (channels-last included) of dense tensors
+                return tensor.clone()  # keeps the strides (channels-last included) of dense tensors
             shape, strides, dtype, _ = _host_layout(tensor)
             buffer = self._pinned.get(keys)
             if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.stride() != strides:
-                buffer = torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
-                self._pinned[keys] = buffer
+                buffer = self._pinned[keys] = torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
             buffer.copy_(tensor, non_blocking=True)  # queued on the current stream, after the step
             devices.add(tensor.device)
             return buffer
@@ -602,14 +487,12 @@ def _host_layout(tensor):
 
 
 def _map_tensors(obj, function, keys=()):
-    """A copy of the containers of ``obj`` (dicts, lists, tuples) with ``function(tensor, keys)`` applied to
-    every tensor; ``keys``: where it sits (dict keys and list positions from the top)."""
+    """A copy of the containers of ``obj`` (dicts, lists, tuples) with ``function(tensor, keys)`` applied to every
+    tensor; ``keys``: where it sits (dict keys and list positions from the top)."""
     if isinstance(obj, torch.Tensor):
         return function(obj, keys)
     if isinstance(obj, dict):
-        copied = type(obj)()
-        for key, value in obj.items():
-            copied[key] = _map_tensors(value, function, keys + (key,))
+        copied = type(obj)((key, _map_tensors(value, function, keys + (key,))) for key, value in obj.items())
         if hasattr(obj, "__dict__"):  # a state dict's OrderedDict carries its module versions in _metadata
             copied.__dict__.update(obj.__dict__)
         return copied
@@ -626,21 +509,320 @@ def _write_in_background(directory, snapshot, step, keep_last):
     start = perf_counter()
     try:
         path = save_checkpoint(directory, snapshot, step, keep_last)
-        size = path.stat().st_size
+        return path, perf_counter() - start, path.stat().st_size
     except CheckpointError:
         raise
     except Exception as err:  # not an OSError (those are CheckpointErrors by now): still one line, not lost
-        raise _background_write_error(err, Path(directory), step) from err
-    return path, perf_counter() - start, size
+        path = checkpoint_path(directory, step)
+        try:
+            previous = next((old for old in list_checkpoints(directory) if old != path), None)
+        except OSError:
+            previous = None
+        raise _write_error(err, path, previous) from err
 
 
-def _background_write_error(err, directory, step):
-    path = checkpoint_path(directory, step)
-    try:
-        previous = next((old for old in list_checkpoints(directory) if old != path), None)
-    except OSError:
-        previous = None
-    intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    return CheckpointError(f"cannot write checkpoint {path} ({type(err).__name__}: {first_line(err, 'no details')}); "
-                           f"{intact}; check free space and that the directory is writable, or point --expdir "
-                           f"elsewhere")
+# --- 3. stop signals and the ranks' agreement --------------------------------------------------------------------
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Slurm's --signal=USR1@90, torchrun's and most schedulers' warning
+CHECKPOINT_FAILED, LOG_FAILED = 1, 2  # what rank 0 failed to write, in the agreement
+PEER_FAILED = {CHECKPOINT_FAILED: (CheckpointError, "rank 0 could not write a checkpoint"),
+               LOG_FAILED: (StorageError, "rank 0 could not write its run log or TensorBoard events")}
+
+
+class RunControl:
+    """The run's one stop-signal handler, installed from main's first line to its end, and the ranks' agreement.
+
+    Outside the training loop (start-up: data generation, loading, compilation; the final validation) a signal
+    raises Preempted at once, naming the newest checkpoint in ``checkpoints`` (a folder, once known): nothing new
+    was trained, so nothing is lost. While the loop runs (``in_loop``) it only sets ``signal_name``: the step ends,
+    and the next agreement checkpoints and stops every rank at the same step.
+    """
+
+    def __init__(self, info=None):
+        self.checkpoints, self.in_loop, self.signal_name = None, False, None
+        self.failed_write = None  # rank 0's first failed write under DDP, until the ranks agree on it
+        self.info = self.first_bad_step = None
+        if info is not None:
+            self.attach(info)
+        self._previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
+
+    def attach(self, info):
+        """The process group's ``info`` (DistInfo), once it exists."""
+        self.info = info
+        # The first step whose loss was not finite, tracked on the device so no step waits for the host.
+        self.first_bad_step = torch.full((), -1, dtype=torch.long, device=info.device)
+
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.in_loop:
+            self.signal_name = name
+            return
+        last = list_checkpoints(self.checkpoints)[:1] if self.checkpoints else None
+        resume = f"the run's last checkpoint is {last[0]}" if last else "no checkpoint was written yet"
+        raise Preempted(f"stopped by {name} outside the training steps (start-up, or the final validation); "
+                        f"{resume}; rerun the same command to continue")
+
+    def close(self):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def track(self, loss, step):
+        """Remember ``step`` if ``loss`` is not finite and no earlier step was (device-side, no sync)."""
+        bad = ~torch.isfinite(loss) & (self.first_bad_step < 0)
+        self.first_bad_step = torch.where(bad, step, self.first_bad_step)
+
+    def write_failed(self, error):
+        """Rank 0's failed write (checkpoint, out.log, events: utils/run_log.py reports here). A single process
+        raises it now; under DDP it is held until the next agreement, where every rank stops with it."""
+        if self.info is None or not self.info.enabled:
+            raise error
+        self.failed_write = self.failed_write or error
+
+    def agree(self, checkpoint_due=False):
+        """(stop, first non-finite step or None, checkpoint due), the same on every rank, from one MAX all-reduce:
+        any rank's signal, rank 0's clock (only rank 0 looks at it), and minus the first bad step (MAX finds the
+        earliest). Rank 0's held failed write is raised here on every rank: rank 0's own error, the others one
+        naming it (a non-finite loss at the same time is logged, not lost). A host sync."""
+        none = -(2 ** 62)
+        failed = self.failed_write and (CHECKPOINT_FAILED if isinstance(self.failed_write, CheckpointError)
+                                        else LOG_FAILED)
+        flags = torch.tensor([self.signal_name is not None, checkpoint_due, failed or 0, none], dtype=torch.long,
+                             device=self.info.device)
+        flags[3] = torch.where(self.first_bad_step >= 0, -self.first_bad_step, none)
+        if self.info.enabled:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, due, failed, negated = flags.tolist()
+        bad_step = None if negated == none else -negated
+        if failed:
+            if bad_step is not None:
+                logger.error(f"non-finite loss (NaN or Inf) at global step {bad_step + 1} too")
+            error, what = PEER_FAILED[failed]
+            raise self.failed_write or error(f"{what} (its error line says why); this rank stops with it")
+        return bool(stop), bad_step, bool(due)
+
+
+# --- 4. the manager train.py's loop calls --------------------------------------------------------------------------
+def stall_message(reason, step, stall, waited):
+    """The log line of a checkpoint's stall (benchmarks/suite/part_de_training.py parses it)."""
+    return (f"Checkpoint ({reason}) at step {step}: state copied to host in {stall:.3f} s"
+            + (f" ({waited:.3f} s of it waiting for the previous write)" if waited >= 0.001 else "")
+            + ", writing in the background")
+
+
+class CheckpointManager:
+    """Resume, the periodic, end-of-epoch and preemption saves, and the stops. train.py's loop::
+
+        resumed_loss_sum = checkpoints.resume("auto")      # before the first step
+        with checkpoints.running(tensorboard_writer):      # signals only set a flag now; writes land on exit
+            checkpoints.validated()                        # first: after the validation a stopped run left
+            checkpoints.after_step(loss, loss_sum, last_in_epoch)   # after every step
+            if checkpoints.end_of_epoch():                 # before validation; True: a stop signal arrived,
+                checkpoints.save_epoch(epoch)              # so save and raise Preempted (the rerun validates first)
+            checkpoints.save_epoch(epoch, last=...)        # else after validation
+
+    Between epoch ends a checkpoint is written when rank 0's clock or the step interval says so, or at once after a
+    stop signal. Under DDP the ranks agree at log steps (a collective); a single process checks every step.
+    """
+
+    def __init__(self, state, run_dir, control):
+        self.state, self.control = state, control
+        self.directory = Path(run_dir) / "checkpoints"
+        self.writer = None       # rank 0's AsyncCheckpointer, made on first use (that starts its clock)
+        self.tensorboard = None  # where the stall statistics go at the end
+        self.stop = False        # a stop signal agreed on at the end of an epoch
+        # The resumed checkpoint was saved at an epoch's end on a stop signal, before that epoch's validation,
+        # which this run does first (the grace period before SIGKILL is for the checkpoint).
+        self.validation_pending = False
+
+    def resume(self, resume_from="auto", fallback=None):
+        """Load the newest valid checkpoint (or the path ``resume_from``; nothing for "never") into the training
+        state; returns the epoch's saved loss sum (rank 0; 0 elsewhere or when starting fresh). ``fallback``: the
+        path when "auto" finds none (a restart of a ``--resume PATH`` run killed before its first checkpoint)."""
+        state, info, params = self.state, self.state.info, self.state.params
+        if resume_from == "never":
+            return 0.0
+        found = None
+        if resume_from == "auto":
+            found = latest_valid_checkpoint(self.directory, log=logger.warning) if info.is_main else None
+            chosen = [str(found[0]) if found else None]
+            if info.enabled:
+                dist.broadcast_object_list(chosen, src=0)  # every rank loads the file rank 0 chose
+            if chosen[0] is None and fallback is None:
+                return 0.0
+            resume_from = chosen[0] or fallback
+        path = Path(resume_from).expanduser().resolve()
+        # Rank 0 has loaded (and hashed) the one it found: not twice.
+        payload = found[1] if found else load_checkpoint(path, log=logger.warning)
+        check_compatible(payload["config"], params, source=f"checkpoint {path}")
+        changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
+        load_model_state(state.train_model, payload["model"], source=f"checkpoint {path}")
+        load_optimizer_state(state.optimizer, payload["optimizer"], source=f"checkpoint {path}")
+        if params.amp_mode == "fp16" and payload["config"].get("amp_mode") == "fp16":
+            state.scaler.load_state_dict(payload["scaler"])
+        set_rng_state(payload["rng"])
+        state.global_step = payload["step"]
+        self.validation_pending = bool(payload.get("validation_pending", False))  # older checkpoints lack it
+        if info.is_main and path.parent == self.directory.resolve():
+            # Going back in this run: a restart before the first save must not jump forward into the newer ones.
+            prune_newer(self.directory, state.global_step)
+        logger.info(f"Resumed from {path} at global step {state.global_step}"
+                    + (f"; changed settings: {', '.join(f'{k} {a} -> {b}' for k, a, b in changed)}" if changed else "")
+                    + ("; its epoch's validation, skipped by the stopped run, comes first"
+                       if self.validation_pending else ""))
+        return payload["epoch_loss_sum"] if info.is_main else 0.0
+
+    def running(self, tensorboard=None):
+        """``with checkpoints.running(writer):`` around the training loop."""
+        self.tensorboard = tensorboard
+        return self
+
+    def __enter__(self):
+        self.control.in_loop = True
+        return self
+
+    def __exit__(self, *exc):
+        """However the loop ends: a write in flight lands (or fails), then signals raise again (in that order: a
+        signal meanwhile only sets a flag, and cannot turn a failed write into a stop)."""
+        try:
+            failed = self.close()
+        finally:
+            self.control.in_loop = False
+        if failed is not None and exc[1] is None:
+            raise failed
+        return False
+
+    def after_step(self, loss, loss_sum, last_in_epoch):
+        """After each step (global_step counts it): track the loss; between epoch ends, agree, then checkpoint when
+        due or after a stop signal (and raise Preempted), or stop on a non-finite loss."""
+        state, params, control = self.state, self.state.params, self.control
+        control.track(loss, state.global_step - 1)
+        writer = self._writer()  # rank 0's; None elsewhere
+        if writer is not None and control.failed_write is None:
+            try:
+                writer.poll()  # logs a finished background write, raises a failed one
+            except CheckpointError as err:
+                control.write_failed(err)
+        if last_in_epoch:
+            return
+        by_steps = params.checkpoint_every_n_steps > 0 and state.global_step % params.checkpoint_every_n_steps == 0
+        by_clock = writer is not None and writer.due()  # a clock read, no sync
+        if state.info.enabled:  # log steps sync with the host anyway: the agreement's collective costs little there
+            agree_now = by_steps or state.global_step % params.log_every_n_steps == 0
+        else:
+            agree_now = by_steps or by_clock or control.signal_name is not None
+        if not agree_now:
+            return
+        stop, bad_step, clock_due = control.agree(checkpoint_due=by_clock)
+        if bad_step is not None:
+            self._raise_nonfinite(bad_step)
+        if stop or by_steps or clock_due:
+            self.save(loss_sum, "preemption" if stop else "periodic", wait=stop)
+        if stop:
+            raise Preempted(f"stopped by {control.signal_name or 'a signal on another rank'} at global step "
+                            f"{state.global_step}; rerun the same command to continue")
+
+    def end_of_epoch(self):
+        """Before validation: stop on a non-finite loss; returns whether a stop signal arrived (then the caller
+        skips validation, and save_epoch checkpoints and raises Preempted)."""
+        self.stop, bad_step, _ = self.control.agree()
+        if bad_step is not None:
+            self._raise_nonfinite(bad_step)
+        return self.stop
+
+    def validated(self, wait=False):
+        """After the validation a stop at an epoch's end left to this run: the same step's checkpoint again, without
+        the flag, so a later rerun neither validates nor logs it twice (``wait``: no steps left)."""
+        if self.validation_pending:
+            self.validation_pending = False
+            self.save(0.0, "validated", wait=wait)
+
+    def save_epoch(self, epoch, last=False):
+        """The end-of-epoch checkpoint: in the background, except before exiting (``last`` epoch, stop signal), where
+        every rank waits for the file. After a stop signal it comes before the epoch's validation, and says so."""
+        self.save(0.0, f"end of epoch {epoch + 1}", wait=self.stop or last, validation_pending=self.stop)
+        if self.stop:
+            raise Preempted(f"stopped by {self.control.signal_name or 'a signal on another rank'} after epoch "
+                            f"{epoch + 1}, before its validation (which the rerun does first); rerun the same "
+                            f"command to continue")
+
+    def payload(self, epoch_loss_sum, validation_pending=False):
+        state = self.state
+        return {"step": state.global_step, "config": dict(state.params), "model": plain_state_dict(state.model),
+                "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(),
+                "rng": rng_state(state.info.device), "epoch_loss_sum": epoch_loss_sum,
+                "validation_pending": validation_pending}
+
+    def _writer(self):
+        """Rank 0's background writer (made on first use, which starts its wall-clock interval); None elsewhere."""
+        if self.state.info.is_main and self.writer is None:
+            self.writer = AsyncCheckpointer(self.directory, self.state.params.checkpoint_every_minutes, log=logger.info)
+            if self.state.info.device.type == "cuda":  # pin the host buffers now, on the writer thread
+                self.writer.reserve(self.payload(0.0))
+        return self.writer
+
+    def save(self, epoch_loss_sum, reason, wait=False, validation_pending=False):
+        """Checkpoint at this step boundary, after an agreement that every loss so far was finite: rank 0 copies
+        the state to host memory and writes it in the background. A failure goes to ``control.write_failed``.
+        ``wait``: also until the file is complete (exit points)."""
+        state = self.state
+        started = perf_counter()  # the stall: everything the training loop waits for here
+        # The epoch's loss so far, summed over ranks: the resumed rank 0 carries it for everyone.
+        loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
+        writer = self._writer()
+        if writer is not None:
+            try:  # waits for the previous write first, and raises its error
+                stall = writer.save(self.payload(loss_sum, validation_pending), state.global_step,
+                                    state.params.keep_checkpoints, reason, started)
+            except CheckpointError as err:
+                self.control.write_failed(err)
+            else:
+                logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
+                if self.tensorboard is not None:  # events up to the checkpoint on disk: a resume purges later ones
+                    self.tensorboard.flush()
+        if wait:
+            self.wait()
+
+    def wait(self):
+        """Rank 0's write in flight lands and is logged; under DDP no rank goes on (exits, reads) before that, and
+        a failed write stops every rank (the agreement is the barrier)."""
+        if self.writer is not None:
+            try:
+                self.writer.wait()
+            except CheckpointError as err:
+                self.control.write_failed(err)
+        if self.state.info.enabled:
+            self.control.agree()
+
+    def close(self):
+        """Wait for a write in flight, log the stall statistics (TensorBoard Perf/checkpoint_stall_s: the longest),
+        stop the thread. Returns the write's CheckpointError for the caller, logging it if another exception is
+        under way."""
+        writer = self.writer
+        if writer is None:
+            return None
+        ending_with, failed = sys.exc_info()[1], None
+        try:
+            writer.close()
+        except CheckpointError as err:
+            failed = err
+            if ending_with is not None:  # that exception goes on; this one must not get lost
+                logger.error(f"error: {err}")
+        if writer.stall_seconds:
+            logger.info(f"Checkpoints: {writer.saves}, training stalled {max(writer.stall_seconds):.2f} s at "
+                        f"most ({sum(writer.stall_seconds):.1f} s in all)")
+            if self.tensorboard:
+                step = self.state.global_step
+                self.tensorboard.add_scalar("Perf/checkpoint_stall_s", max(writer.stall_seconds), step)
+                if writer.write_seconds:
+                    self.tensorboard.add_scalar("Perf/checkpoint_write_s", max(writer.write_seconds), step)
+        return failed
+
+    def _raise_nonfinite(self, bad_step):
+        try:  # the last good checkpoint may still be on its way to disk: let it land first
+            self.wait()
+        except CheckpointError as err:  # the non-finite loss is what stops the run; report this one too
+            logger.error(f"error: {err}")
+        newest = next(iter(list_checkpoints(self.directory)), None)
+        last = f"the last good checkpoint is {newest}" if newest else "no checkpoint was written yet"
+        raise NonFiniteLoss(f"non-finite loss (NaN or Inf) at global step {bad_step + 1}; training stopped and no "
+                            f"checkpoint was written after it; {last}. Check the data for NaNs, lower the learning "
+                            f"rate or use amp_mode=bf16 instead of fp16, then rerun (it resumes from that checkpoint)")

@@ -5,10 +5,9 @@ A write that fails (disk full, quota, read-only, I/O error) stops the run with o
 and the cause (StorageError, exit 2) instead of a traceback per log record; the checkpoints written
 before are intact, so rerunning the same command once there is room continues the run.
 
-Under DDP only rank 0 writes these files, and a rank 0 that stopped alone would leave the others waiting in
-their next collective (NCCL: 10 minutes, then SIGABRT). So there the failure is held (``held_failure``)
-and every rank stops together at the next agreement: the checkpoint manager's at log steps and epoch
-ends (utils/checkpoint_manager.py), or ``agree_on_held_failure`` at the end of the run.
+The failure goes to ``report`` (train.py passes RunControl.write_failed, utils/checkpoint.py): under DDP only
+rank 0 writes these files, and one rank stopping alone would leave the others waiting in their next collective,
+so there it is held until the ranks' next agreement and every rank stops together.
 """
 import logging
 import sys
@@ -20,44 +19,25 @@ from torch.utils.tensorboard import SummaryWriter
 
 from utils import metrics
 from utils.data import lacks_normalisation
-
-from utils.distributed import all_reduce_sum
 from utils.errors import StorageError, storage_cause
 
 RERUN = "the checkpoints written before are intact: free space (or fix the file system), then rerun the same command"
-PEER_FAILED = ("rank 0 could not write its run log or TensorBoard events (its error line says why); this rank stops "
-               "with it")
-_held = []  # under DDP: the first failed write of this process's run log or events, until the ranks agree to stop
 
 
-def held_failure():
-    """The StorageError of a failed out.log or TensorBoard write held until the ranks agree to stop, or None."""
-    return _held[0] if _held else None
-
-
-def _raise_or_hold(error, hold):
-    if not hold:
-        raise error
-    if not _held:
-        _held.append(error)
-
-
-def agree_on_held_failure(info):
-    """Under DDP, at the end of a run (before the ranks wait for each other to finish): one all-reduce, and
-    every rank raises if rank 0 holds a failed log write (rank 0 its own error, the others PEER_FAILED)."""
-    if info.enabled and all_reduce_sum([float(held_failure() is not None)], info)[0]:
-        raise held_failure() or StorageError(PEER_FAILED)
+def raise_error(error):
+    """The default ``report`` of a failed write: stop now."""
+    raise error
 
 
 class RunLogHandler(logging.FileHandler):
-    """out.log. A failed write raises StorageError in the main thread (a background thread's failure is raised
-    at the main thread's next log line), once, or with ``hold`` (DDP) is held: the handler then stops writing."""
+    """out.log. A failed write goes to ``report`` as a StorageError in the main thread (a background thread's
+    failure at the main thread's next log line), once; the handler then stops writing."""
 
-    def __init__(self, path, hold=False):
+    def __init__(self, path, report=raise_error):
         super().__init__(path)
         self.failed = None      # the StorageError of the first failed write
-        self.reported = False   # raised (or held) once, in the main thread
-        self.hold = hold
+        self.reported = False   # reported once, in the main thread
+        self.report = report
 
     def emit(self, record):
         if self.failed is None:
@@ -73,12 +53,12 @@ class RunLogHandler(logging.FileHandler):
     def _raise_in_main_thread(self):
         if self.failed is not None and not self.reported and threading.current_thread() is threading.main_thread():
             self.reported = True
-            _raise_or_hold(self.failed, self.hold)
+            self.report(self.failed)
 
 
-def setup_logging(logger, run_dir, info):
-    """Rank 0 logs INFO to stdout and ``run_dir/out.log``; the other ranks only warnings, to stdout."""
-    _held.clear()  # a new run (tests run several in one process)
+def setup_logging(logger, run_dir, info, report=raise_error):
+    """Rank 0 logs INFO to stdout and ``run_dir/out.log`` (a failed write goes to ``report``); the other ranks only
+    warnings, to stdout."""
     logger.handlers.clear()
     logger.propagate = False
     formatter = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -88,7 +68,7 @@ def setup_logging(logger, run_dir, info):
     if info.is_main:
         logger.setLevel(logging.INFO)
         try:
-            file_handler = RunLogHandler(run_dir / "out.log", hold=info.enabled)
+            file_handler = RunLogHandler(run_dir / "out.log", report)
         except OSError as err:
             raise StorageError(f"cannot open the run log {run_dir / 'out.log'} ({storage_cause(err)}); {RERUN}") from None
         file_handler.setFormatter(formatter)
@@ -105,11 +85,11 @@ def _quiet_event_thread(args, default=threading.excepthook):
 
 
 class EventWriter(SummaryWriter):
-    """A SummaryWriter whose failed writes stop the run with one StorageError line (``hold``: under DDP, at the
-    ranks' next agreement; the writer is then done)."""
+    """A SummaryWriter whose first failed write goes to ``report`` as one StorageError line; the writer is then
+    done."""
 
-    def __init__(self, log_dir, hold=False, **kwargs):
-        self.hold, self.failed = hold, False
+    def __init__(self, log_dir, report=raise_error, **kwargs):
+        self.report, self.failed = report, False
         threading.excepthook = _quiet_event_thread
         try:
             super().__init__(log_dir=str(log_dir), **kwargs)
@@ -121,14 +101,14 @@ class EventWriter(SummaryWriter):
                             f"{RERUN}")
 
     def _reporting(self, method, *args, **kwargs):
-        if self.failed:  # reported (or held) once: nothing more is written
+        if self.failed:  # reported once: nothing more is written
             return None
         try:
             return method(*args, **kwargs)
         except OSError as err:  # also what the writer thread stored and the main thread's next call raises
             error = self._error(err)
         self.failed = True
-        _raise_or_hold(error, self.hold)
+        self.report(error)
 
     def add_scalar(self, *args, **kwargs):
         return self._reporting(super().add_scalar, *args, **kwargs)
@@ -142,7 +122,7 @@ class EventWriter(SummaryWriter):
     def close(self, ending_with=None):
         """``ending_with``: the exception ending the run, which a failure here must not replace (a preemption
         still exits with 3); the failure is then printed in one line, unless that exception already is one."""
-        if self.failed:  # stop the writer's thread; its error was reported (or held) already
+        if self.failed:  # stop the writer's thread; its error was reported already
             try:
                 super().close()
             except OSError:
