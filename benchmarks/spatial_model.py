@@ -1,6 +1,7 @@
 """On paper: step time, efficiency and memory of spatial parallelism (S ranks sharing each crop, utils/spatial.py).
 
-    python benchmarks/spatial_model.py --out benchmarks/results/spatial_model.md --plot spatial_model.png
+    python benchmarks/spatial_model.py --out benchmarks/results/spatial_model.md \
+        --plot benchmarks/results/spatial_model.png
     python benchmarks/spatial_model.py --batch 1 --intra_bw 200 --overlap 0.5
 
 One rank's training step, layer by layer, with utils/spatial.py's own plan (run on the meta device) saying which
@@ -18,6 +19,7 @@ Efficiency = t(one GPU, whole crop) / (S x t(slab)). Memory: an analytic estimat
 import argparse
 import functools
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,33 +44,31 @@ GOAL = dict(crop=128, spatial=4, efficiency=0.85)
 
 @dataclass
 class ShardLayer:
-    """One convolution as a rank of an S-way group runs it: whole shapes (B, C, D, H, W) and the plan."""
+    """One convolution as a rank of an S-way group runs it: whole shapes (B, C, D, H, W), utils/spatial.py's mode
+    ("halo"; "gather": all-gathers its sharded input; "whole": its input is whole already; "plain": S = 1)."""
     name: str
     transposed: bool
     input_shape: tuple
     output_shape: tuple
     weight_shape: tuple
-    mode: str         # "halo", "gather" (collects its sharded input) or "whole" (input already whole), "plain"
-    halo: tuple       # (planes before, after) its own slab reads
+    mode: str
+    halo: tuple  # (planes before, planes after) its own slab reads
     spatial: int
     reason: str = ""
 
     def planes(self):
-        """(input planes this rank computes on, output planes it keeps in memory)."""
-        depth_in, depth_out = self.input_shape[2], self.output_shape[2]
-        lo, hi = self.halo
+        """(input planes this rank computes on, output planes it keeps): a padding-free transposed convolution
+        makes 2 (n + lo + hi) + 2 planes and its in-place ReLU keeps them all alive."""
         if self.mode == "plain":
-            return depth_in, depth_out
-        n = depth_in // self.spatial if self.mode == "halo" else depth_in
-        extended = n + lo + hi
-        # the padding-free transposed convolution makes 2 (n + lo + hi) + 2 planes; its ReLU keeps them all alive
+            return self.input_shape[2], self.output_shape[2]
+        n = self.input_shape[2] // self.spatial if self.mode == "halo" else self.input_shape[2]
+        extended = n + sum(self.halo)
         return extended, (2 * extended + 2 if self.transposed else n // 2)
 
     def shard_flops(self, recompute=True):
-        """FLOPs of one pass on this rank: a transposed one per input voxel, halo planes included unless not
-        ``recompute`` (a layer that computed only its own output planes)."""
-        depth_in, depth_out = self.planes()
-        if self.transposed:
+        """FLOPs of one pass on this rank; not ``recompute``: transposed layers skip their halo planes' work."""
+        depth_in = self.planes()[0]
+        if self.transposed:  # FLOPs per input voxel
             if not recompute and self.mode == "halo":
                 depth_in = self.input_shape[2] // self.spatial
             x = self.input_shape[:2] + (depth_in,) + self.input_shape[3:]
@@ -77,40 +77,29 @@ class ShardLayer:
         y = self.output_shape[:2] + (own_out,) + self.output_shape[3:]
         return ConvLayer(self.name, False, self.input_shape, y, self.weight_shape).flops()
 
-    def plane_bytes(self, dtype_bytes):
-        b, c, _, h, w = self.input_shape
-        return b * c * h * w * dtype_bytes
-
     def halo_bytes(self, dtype_bytes):
-        """Bytes this rank sends per step, forward + backward (the busiest rank: both neighbours when S > 2)."""
-        if self.mode != "halo":
-            return 0
-        lo, hi = self.halo
-        planes = lo + hi if self.spatial > 2 else max(lo, hi)
-        return 2 * planes * self.plane_bytes(dtype_bytes)
+        """Bytes the busiest rank sends per step (forward, and the gradients back): both neighbours when S > 2."""
+        b, c, _, h, w = self.input_shape
+        planes = sum(self.halo) if self.spatial > 2 else max(self.halo)
+        return 2 * planes * b * c * h * w * dtype_bytes if self.mode == "halo" else 0
 
     def gather_bytes(self, dtype_bytes):
-        """Bytes this rank sends per step: a ring all-gather of the whole input (forward), (S - 1) / S of it, and
-        a ring all-reduce of its gradient (backward), 2 (S - 1) / S of it."""
-        whole = self.input_shape[2] * self.plane_bytes(dtype_bytes)
+        """Bytes a rank sends per step: ring all-gather of the input, (S - 1) / S of it, and ring all-reduce of
+        its gradient, 2 (S - 1) / S of it."""
+        whole = math.prod(self.input_shape) * dtype_bytes
         return 3 * (self.spatial - 1) * whole // self.spatial if self.mode == "gather" else 0
 
-    def output_elements(self):
-        """Elements of the output this rank keeps: all of a transposed layer's padding-free output (its ReLU
-        keeps the storage alive), but only the last layer's own planes (tanh makes a new tensor)."""
-        depth_out = self.planes()[1]
+    def kept_elements(self):
+        """(input, output) elements kept for backward: the input with its halo (or padded whole) the convolution
+        keeps, the output of its activation (for the last layer only its own planes, which tanh copies)."""
+        (b, c_in, _, h, w), (_, c_out, depth_out, h_out, w_out) = self.input_shape, self.output_shape
+        depth_in, kept_out = self.planes()
         if self.name == "last":
-            depth_out = self.output_shape[2] // (1 if self.mode == "plain" else self.spatial)
-        return self.output_shape[0] * self.output_shape[1] * depth_out * self.output_shape[3] * self.output_shape[4]
-
-    def input_elements(self):
-        """Elements of the input the convolution reads and keeps: the slab with its halo, or the padded whole."""
-        b, c_in, _, h, w = self.input_shape
-        return b * c_in * self.planes()[0] * h * w
+            kept_out = depth_out // (1 if self.mode == "plain" else self.spatial)
+        return b * c_in * depth_in * h * w, b * c_out * kept_out * h_out * w_out
 
     def saved_bytes(self, dtype_bytes):
-        """Activations saved for backward: the input and the output above."""
-        return (self.input_elements() + self.output_elements()) * dtype_bytes
+        return sum(self.kept_elements()) * dtype_bytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,10 +191,10 @@ def step_time(crop, spatial, setup, measured, data=1):
     return {"compute": compute, "halo": exposed, "ddp": ddp, "step": compute + exposed + ddp}
 
 
-def efficiency(crop, spatial, setup, measured, data=1):
-    """Crops per second per GPU of S x D ranks against one GPU training the whole crop."""
-    return step_time(crop, 1, setup, measured)["step"] / (spatial * step_time(crop, spatial, setup, measured, data)[
-        "step"])
+def efficiency(crop, spatial, setup, measured, data=1, baseline_data=1):
+    """Crops per second per GPU of S x D ranks against ``baseline_data`` data-parallel GPUs (default: one GPU)."""
+    slab = step_time(crop, spatial, setup, measured, data)["step"]
+    return step_time(crop, 1, setup, measured, baseline_data)["step"] / (spatial * slab)
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,19 +204,16 @@ def num_parameters(channels=tuple(DEFAULT_CHANNELS)):
 
 
 def memory_bytes(crop, spatial, batch, dtype="bf16"):
-    """{activations, transient, data, parameters, total} bytes: an analytic estimate of one rank's peak.
-
-    Activations saved for backward (ShardLayer.saved_bytes), the largest layer's again as gradients during
-    backward, the fp32 input and target slabs with tanh's output and loss's fp32 copy, and per parameter fp32
-    value, gradient and two Adam moments, its bf16 copy, and DDP's fp32 bucket when S > 1. Also
-    ``largest_tensor``: the elements of the largest activation a layer reads or writes (not in the total)."""
+    """Bytes of one rank's peak, an analytic estimate: activations saved for backward, the largest layer's again
+    as gradients, the fp32 input and target with tanh's output and the loss's fp32 copy, per parameter 16 B
+    (fp32 value, gradient, Adam moments), its bf16 copy and DDP's bucket (S > 1); ``largest_tensor``: elements."""
     dtype_bytes = DTYPE_BYTES[dtype]
     layers = plan_layers(crop, spatial, batch)
     saved = [layer.saved_bytes(dtype_bytes) for layer in layers]
     data = batch * crop ** 3 // spatial * (4 * 4 + 5 * 4 + 5 * dtype_bytes + 5 * 4)
     params = num_parameters() * (16 + dtype_bytes + (4 if spatial > 1 else 0))
     parts = {"activations": sum(saved), "transient": max(saved), "data": data, "parameters": params}
-    largest = max(max(layer.input_elements(), layer.output_elements()) for layer in layers)
+    largest = max(max(layer.kept_elements()) for layer in layers)
     return {**parts, "total": sum(parts.values()), "largest_tensor": largest}
 
 
@@ -278,20 +264,17 @@ def efficiency_tables(setup, measured, batches=(1, 8, 64)):
         for spatial in SPATIAL:
             t = step_time(crop, spatial, setup, measured)
             effs = [efficiency(crop, spatial, replace(setup, batch=b), measured) for b in batches]
-            versus = step_time(crop, 1, setup, measured, spatial)["step"] / (spatial * t["step"])
+            versus = efficiency(crop, spatial, setup, measured, baseline_data=spatial)
             node.append(row(f"{crop}³", spatial, *(f"{1e3 * t[k]:.2f}" for k in ("compute", "halo", "ddp", "step")),
                             *(f"{100 * e:.1f}%" for e in effs), f"{100 * versus:.1f}%"))
     gpus = (16, 128, 512)
     across = [row("crop", "S", *(f"{n} GPUs ({n // setup.network.gpus_per_node} nodes)" for n in gpus)),
               row(*["---:"] * (2 + len(gpus)))]
     for crop in CROPS[1:]:
-        for spatial in SPATIAL:
-            cells = []
-            for n in gpus:
-                t = step_time(crop, spatial, setup, measured, n // spatial)["step"]
-                cells.append(f"{100 * step_time(crop, 1, setup, measured)['step'] / (spatial * t):.1f}% "
-                             f"({100 * step_time(crop, 1, setup, measured, n)['step'] / (spatial * t):.1f}%)")
-            across.append(row(f"{crop}³", spatial, *cells))
+        for s in SPATIAL:
+            across.append(row(f"{crop}³", s, *(f"{100 * efficiency(crop, s, setup, measured, n // s):.1f}% "
+                                               f"({100 * efficiency(crop, s, setup, measured, n // s, n):.1f}%)"
+                                               for n in gpus)))
     return node, across
 
 
