@@ -56,6 +56,7 @@ EXPECTED = [
     "python benchmarks/ladder.py --tiny",
     "python benchmarks/roofline.py",
     "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1",
+    "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1 --spatial_parallel 2",
     "python benchmarks/gpu_suite.py OUT --small",
     "python -m utils.plot_logs logs/quickstart/1GPU/0",
     "python -m science.report logs/quickstart/1GPU/0",
@@ -252,7 +253,7 @@ def check_torchrun(clone, output, seen):
 
 
 def check_gpu_suite(clone, output, seen):
-    # Section 16: a PASS/FAIL line per check, at most 8 files in OUT.
+    # Section 17: a PASS/FAIL line per check, at most 8 files in OUT.
     files = list((clone / "OUT").iterdir())
     assert 1 <= len(files) <= 8, files
     summary = json.loads((clone / "OUT" / "summary.json").read_text())
@@ -270,7 +271,7 @@ CLAIMS = {
     "python train.py --config=quickstart --enable_benchy": check_benchy,
     "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1": check_torchrun,
     "python benchmarks/gpu_suite.py OUT --small": check_gpu_suite,
-    # Section 14: loss plots, the science report of the run and of a whole-box prediction.
+    # Section 15: loss plots, the science report of the run and of a whole-box prediction.
     "python -m utils.plot_logs logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/loss.png"),
     "python -m science.report logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/science_report.png"),
     "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output hydro.h5 --force":
