@@ -33,7 +33,7 @@ from utils.cli import OneLineParser, run as run_cli
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
                           load_config, save_config)
 from utils.data import get_data_loader
-from utils.data.prepare import prepare_data
+from utils.data.files import prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, env_world_size, init_distributed,
                                peer_lost, register_comm_hook)
 from utils.errors import ConfigError
