@@ -90,12 +90,12 @@ def test_two_ranks_equal_one_process(tmp_path):
            "2 ranks" in result.stdout
     assert result.stdout.count("wrote ") == 1 and "Lyman-alpha (4096 skewers" in result.stdout  # rank 0 alone
     with h5py.File(output, "r") as f:
-        hydro, attrs = f["Hydro"][...], dict(f.attrs)
-    assert attrs["spatial_parallel"] == 2 and "lyman_alpha" in h5py.File(output, "r")
+        hydro, attrs, groups = f["Hydro"][...], dict(f.attrs), list(f)
+    assert attrs["spatial_parallel"] == 2 and "lyman_alpha" in groups
     single = inference.predict_whole_box_array(model, volume)
-    assert np.abs(single).max() > 0.1  # not a trivially flat prediction
     scale = np.abs(single).max()
-    np.testing.assert_allclose(hydro, single, rtol=0, atol=1e-5 * scale)
+    assert scale > 0.1  # not a trivially flat prediction
+    np.testing.assert_allclose(hydro, single, rtol=0, atol=1e-5 * scale)  # measured: 6e-7 of the scale
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hydro.h5", "nbody.h5", "run"]  # no temporary file left
 
 
