@@ -12,9 +12,22 @@ Compute grows by ``(tile / (tile - overlap))^3``: 2.4x for 64^3 tiles with overl
 quickstart model of example_logs/ (32^3 tiles) has a whole-box L1 of 0.00623 on its 64^3 validation
 box without overlap, 0.00493 with overlap 8 (the default) and 0.00491 with 16.
 
-Memory is bounded by one slab of windows along the first axis (about ``(4 + 5) x tile x (N + tile)^2``
+Memory of the tiles is bounded by one slab of windows along the first axis (about ``(4 + 5) x tile x (N + tile)^2``
 floats), never the whole box, so boxes larger than host memory stream from and to HDF5.
+
+Whole box (``predict.py --whole_box``): a periodic box has no faces, so the U-Net can run on the entire box at
+once with every convolution padded circularly instead of with zeros (utils/spatial.py's ``shard_model(...,
+periodic=True)``: a conv reads a wrapped halo; a transposed conv runs on its wrapped halo without padding and is
+cropped to its own output planes). Every cell then sees its true neighbours: the result is the zero-padded model's
+prediction deep inside the infinitely repeated box, which the tiles above approach once their margin covers the
+receptive field (the tests check both). It costs 1x the box's compute but holds the whole box's activations
+(the quickstart U-Net on the CPU: about 32 floats per cell above the input, measured at 128^3; some 2 GB at 256^3
+in fp32). ``--spatial_parallel S`` (torchrun, S ranks) shares that memory: rank r reads and predicts only depth
+slab r of N / S planes, the convolutions exchange periodic halos with the neighbouring slabs (and gather the
+deepest, thinnest levels whole), and rank 0 collects the slabs and writes the file: the single-process whole-box
+prediction to rounding. The box's edge must be a multiple of 2^levels, its depth a multiple of S.
 """
+import copy
 import dataclasses
 from contextlib import nullcontext
 from pathlib import Path
@@ -29,6 +42,7 @@ from utils.checkpoint import latest_valid_checkpoint, load_checkpoint, load_mode
 from utils.config import Params
 from utils.data import check_normalisation, read_volume_shapes
 from utils.errors import CheckpointError, ConfigError, DataError
+from utils.spatial import SpatialGroup, shard_model
 
 # Config keys build_model and the default tile need; older or foreign checkpoints may lack them.
 MODEL_KEYS = ("model_channels", "full_scale", "N_in_channels", "N_out_channels", "weight_init", "data_size")
@@ -146,6 +160,87 @@ def predict_array(model, nbody, tile, overlap, **kwargs):
         hydro[:, x0:x1] = slab
     return hydro
 
+
+
+def check_whole_box(box, num_levels, spatial_parallel=1):
+    """One-line ConfigError unless the U-Net can run on the whole ``box``^3 box in ``spatial_parallel`` slabs."""
+    divisor = 2 ** num_levels
+    if box % divisor:
+        raise ConfigError(f"--whole_box: the {box}^3 box is not a multiple of 2^{num_levels} = {divisor} (this U-Net "
+                          f"halves it {num_levels} times); predict it in tiles (without --whole_box)")
+    if box % spatial_parallel:
+        raise ConfigError(f"--spatial_parallel {spatial_parallel} does not divide the {box}^3 box's depth; use a "
+                          f"divisor of {box}")
+
+
+def periodic_model(model, spatial=None):
+    """``model`` (in place) as a fully periodic one: every convolution pads circularly, over ``spatial``'s slabs.
+
+    Without ``spatial`` (one process) it takes and returns whole (B, C, N, N, N) boxes; with an S-rank
+    SpatialGroup each rank passes its depth slab (B, C, N / S, N, N) and gets its slab of the output.
+    """
+    return shard_model(model, spatial or SpatialGroup(), periodic=True)
+
+
+def read_depth_slab(nbody, spatial):
+    """This rank's depth slab (C_in, N / S, N, N) float32 of ``nbody`` (array or dataset); a one-line DataError on
+    every rank when any rank's slab holds NaN or Inf (so no rank waits for a halo that never comes)."""
+    box = nbody.shape[1]
+    planes = box // spatial.size
+    x0 = spatial.index * planes
+    slab = np.asarray(nbody[:, x0:x0 + planes], dtype=np.float32)
+    first = np.argwhere(~np.isfinite(slab))
+    # the box's flat (channel, x, y, z) index of the first bad cell; one past the end when none
+    bad = torch.tensor(np.ravel_multi_index(first[0] + [0, x0, 0, 0], (slab.shape[0], box, box, box))
+                       if len(first) else slab.shape[0] * box ** 3)
+    if spatial.size > 1:
+        bad = bad.to(_group_device(spatial))
+        torch.distributed.all_reduce(bad, torch.distributed.ReduceOp.MIN, group=spatial.group)
+    if bad < slab.shape[0] * box ** 3:
+        c, x, y, z = np.unravel_index(int(bad), (slab.shape[0], box, box, box))
+        raise DataError(f"the input has NaN or Inf values (first at channel {c}, cell ({x}, {y}, {z})); "
+                        f"fix the input file")
+    return slab
+
+
+def _group_device(spatial):
+    """Where the group's collectives take tensors: the current GPU under NCCL, else the CPU."""
+    nccl = torch.distributed.get_backend(spatial.group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def predict_whole_box(model, nbody, spatial=None, device="cpu", amp_mode="none"):
+    """This rank's slab (C_out, N / S, N, N) of the periodic whole-box prediction; ``model``: a periodic_model.
+
+    ``nbody``: the whole (C_in, N, N, N) box, array or dataset; each rank reads only its own depth slab.
+    """
+    spatial = spatial or SpatialGroup()
+    device = torch.device(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp_mode == "bf16" else nullcontext()
+    slab = torch.from_numpy(read_depth_slab(nbody, spatial))[None].to(device)   # (1, C_in, N / S, N, N)
+    with torch.no_grad(), autocast:
+        return model(slab)[0].float()                                           # (C_out, N / S, N, N)
+
+
+def gather_slabs(slab, spatial):
+    """Every rank's slab, in depth order, on the group's first rank (a list of S tensors there, None elsewhere).
+
+    ``torch.distributed.gather`` rather than gather_depth's all-gather: only the writer needs the whole box.
+    """
+    if spatial.size == 1:
+        return [slab]
+    slab = slab.contiguous()
+    first = spatial.index == 0
+    slabs = [torch.empty_like(slab) for _ in range(spatial.size)] if first else None
+    torch.distributed.gather(slab, slabs, dst=spatial.ranks[0], group=spatial.group)
+    return slabs
+
+
+def predict_whole_box_array(model, nbody, **kwargs):
+    """The periodic whole-box prediction (C_out, N, N, N) of an in-memory ``nbody`` in one process (tests);
+    ``model`` is left as it was (a periodic copy runs)."""
+    periodic = periodic_model(copy.deepcopy(model))
+    return predict_whole_box(periodic, nbody, **kwargs).cpu().numpy()
 
 class WholeBoxScience:
     """Whole-box L1 against the truth and the Lyman-alpha flux statistics, accumulated slab by slab.
