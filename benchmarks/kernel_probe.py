@@ -27,7 +27,6 @@ kernel depends on its instruction set (without AVX-512, PyTorch runs bf16 channe
 """
 import argparse
 import json
-import os
 import statistics
 import sys
 from contextlib import nullcontext
