@@ -52,8 +52,8 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from utils.distributed import sum_over_ranks
 from utils.errors import DataError, first_line
 from utils.units import DEFAULT_CELL_SIZE, denormalize_density, denormalize_temperature, denormalize_velocity
 
@@ -201,12 +201,6 @@ def optical_depth_of_fields(fields, settings, axis, stride=None):
 
 # --- normalisation ---------------------------------------------------------------------------------------------
 
-def _sum_over_ranks(values, info):
-    if info is not None and info.enabled:
-        dist.all_reduce(values)
-    return values
-
-
 def solve_amplitude(tau, mean_flux, info=None, newton_steps=3):
     """A with <exp(-A tau)> = mean_flux over every element of ``tau`` on every rank (float; same on all ranks).
 
@@ -228,7 +222,7 @@ def solve_amplitude(tau, mean_flux, info=None, newton_steps=3):
         index = ((part.clamp_min(1e-300).log10() - low) * scale).floor().long().clamp(0, _LOG10_TAU_BINS - 1)
         sums[:_LOG10_TAU_BINS].index_add_(0, index, torch.ones_like(part))
         sums[_LOG10_TAU_BINS:].index_add_(0, index, part)
-    counts, totals = _sum_over_ranks(sums, info).cpu().numpy().reshape(2, -1)
+    counts, totals = sum_over_ranks(sums, info).cpu().numpy().reshape(2, -1)
     occupied = counts > 0
     if not occupied.any():
         raise ValueError("no optical depths to normalise")
@@ -255,7 +249,7 @@ def solve_amplitude(tau, mean_flux, info=None, newton_steps=3):
             flux = torch.exp(-a * part)
             sums += torch.stack([flux.sum(), (a * part * flux).sum(), torch.tensor(float(part.numel()),
                                                                                    dtype=torch.float64, device=device)])
-        total_flux, slope, count = _sum_over_ranks(sums, info).tolist()   # slope: -d<F>/d ln A, times count
+        total_flux, slope, count = sum_over_ranks(sums, info).tolist()   # slope: -d<F>/d ln A, times count
         if slope <= 0:
             break
         step = (total_flux - mean_flux * count) / slope
@@ -356,7 +350,7 @@ class FluxStatistics:
             self.examples[which] = (torch.stack(examples).float().cpu().numpy() if examples   # spread over skewers
                                     else np.zeros((0, self.length), dtype=np.float32))
         self._tau = {"pred": [], "true": []}                                             # free the memory
-        _sum_over_ranks(self.sums, info)
+        sum_over_ranks(self.sums, info)
         self._host = None
         return self
 

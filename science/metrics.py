@@ -59,9 +59,9 @@ import math
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from science.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_for
+from utils.distributed import sum_over_ranks
 from utils.units import (DENSITY_LOG_SCALE, HYDRO_CHANNELS, TEMPERATURE_LOG10_OFFSET, TEMPERATURE_LOG10_SCALE,
                          to_physical)
 
@@ -212,8 +212,7 @@ class ScienceMetrics:
     def all_reduce(self, info):
         """Sum the state over ranks (one collective; a no-op in a single process), and finalize the flux
         statistics over ranks (a fixed number of small collectives). Call on every rank."""
-        if info.enabled:
-            dist.all_reduce(self.sums)
+        sum_over_ranks(self.sums, info)
         if self.flux is not None:
             self.flux.finalize(info)
         self._host = None

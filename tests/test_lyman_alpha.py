@@ -274,7 +274,7 @@ def test_a_rank_without_samples_reduces_on_its_own_device(monkeypatch):
         devices.append(values.device)
         return torch.zeros(values.shape, dtype=values.dtype)  # no optical depths on any rank
 
-    monkeypatch.setattr(lya, "_sum_over_ranks", record)
+    monkeypatch.setattr(lya, "sum_over_ranks", record)
     info = DistInfo(rank=1, local_rank=1, world_size=2, device=torch.device("meta"))  # stands in for the rank's GPU
     with pytest.raises(ValueError, match="no optical depths"):
         lya.solve_amplitude([], 0.7, info)

@@ -101,12 +101,17 @@ def _rendezvous():
     return {"store": dist.PrefixStore(f"restart_{restart}", store)}
 
 
-def all_reduce_sum(values, info):
-    """Sum a list of floats over ranks (one collective); identity when single-process."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=info.device)
-    if info.enabled:
+def sum_over_ranks(tensor, info):
+    """Sum ``tensor`` over ranks in place (one collective) and return it; unchanged in a single process (or with no
+    ``info``). Every rank must call it."""
+    if info is not None and info.enabled:
         dist.all_reduce(tensor)
-    return tensor.tolist()
+    return tensor
+
+
+def all_reduce_sum(values, info):
+    """Sum a list of floats over ranks (one collective, in float64); identity when single-process."""
+    return sum_over_ranks(torch.tensor(values, dtype=torch.float64, device=info.device), info).tolist()
 
 
 def peer_lost(err, info):
