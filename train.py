@@ -29,14 +29,13 @@ from torch.nn.parallel import DistributedDataParallel
 from networks.UNet import build_model, conv_input_sizes, loss_func
 from utils import metrics
 from utils.checkpoint import CheckpointManager, RunControl
-from utils.cli import OneLineParser, run as run_cli
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
                           load_config, save_config)
 from utils.data import get_data_loader
 from utils.data.files import prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, env_world_size, init_distributed,
                                peer_lost, register_comm_hook)
-from utils.errors import ConfigError
+from utils.errors import ConfigError, OneLineParser, run as run_cli
 from utils.lr_schedule import learning_rate, total_steps
 from utils.run_dir import make_run_dir, resume_on_restart
 from utils.run_log import EventWriter, log_epoch, log_interval, log_startup, setup_logging

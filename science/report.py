@@ -31,11 +31,10 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from utils import inference
 from science import lyman_alpha as lya
-from utils.cli import run as run_cli
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
 from utils.data import check_normalisation
-from utils.errors import CheckpointError, DataError
+from utils.errors import CheckpointError, DataError, run as run_cli
 from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
                            log_density_edges, log_temperature_edges)
 from science.plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
@@ -276,7 +275,7 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    """Run ``main``; a user error ends with one line on stderr and exit code 2 (utils/cli.py)."""
+    """Run ``main``; a user error ends with one line on stderr and exit code 2 (utils/errors.py)."""
     run_cli(main, argv)
 
 

@@ -13,8 +13,7 @@ from tqdm import tqdm
 from conftest import REPO_ROOT
 from utils import make_dataset as md
 from utils import symmetry, units
-from utils.cli import run
-from utils.errors import GenerationError
+from utils.errors import GenerationError, run
 
 N = 32
 
@@ -112,7 +111,7 @@ def test_cli_writes_h5_and_npy_layout(tmp_path):
 
 
 def _one_line_error(argv, capsys, exit_code=2):
-    """The command line (main under utils/cli.py's run, as ``python -m utils.make_dataset`` runs it) on
+    """The command line (main under utils/errors.py's run, as ``python -m utils.make_dataset`` runs it) on
     ``argv``: it must end with ``exit_code`` and one stderr line ``error: ...``; returns that line."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:

@@ -131,7 +131,7 @@ def test_full_disk_for_a_prediction(tiny_argv, tiny_files, tmp_path, capsys):
 
 def test_full_disk_for_the_generator(tmp_path, capsys):
     from utils import make_dataset
-    from utils.cli import run
+    from utils.errors import run
     with tmpfs(tmp_path / "data", size="64k") as data:
         with pytest.raises(SystemExit) as exit_info:
             run(make_dataset.main, ["--box", "32", "--out", str(data / "train.h5")])

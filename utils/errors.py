@@ -2,12 +2,15 @@
 
 A user error (bad config, bad or missing data, an unusable checkpoint, data that cannot be generated)
 ends with ``error: ...`` on stderr and exit code 2; a preemption with ``stopped: ...`` and 3 (submit_pm.sh
-requeues on 3); a non-finite loss with 4. utils/cli.py turns them into that line and code; anything else
-is a bug and keeps its traceback.
+requeues on 3); a non-finite loss with 4. ``run`` (below) turns them into that line and code for every
+command (train.py, train_graph.py, predict.py, the science report, the generator); anything else is a bug and
+keeps its traceback. ``OneLineParser`` makes argparse's own errors one line too.
 """
+import argparse
 import errno
 import os
 import re
+import sys
 
 PREEMPTED_EXIT_CODE = 3
 NONFINITE_EXIT_CODE = 4
@@ -86,3 +89,25 @@ def storage_cause(err):
     if number:
         return f"{errno.errorcode.get(number, f'errno {number}')}: {os.strerror(number)}"
     return f"{type(err).__name__}: {first_line(err, 'no details')}"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, the reason and where the flags are listed, instead of the usage block
+    (train.py's lists a flag per config key: some 50 lines above the one that matters). Exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (`python {self.prog} --help` lists the flags)\n")
+
+
+def run(entry, *args):
+    """``entry(*args)``; a ReportedError ends the process with ``<prefix>: <message>`` and its exit code.
+
+    An entry that returns an int (an exit status) ends the process with it."""
+    try:
+        status = entry(*args)
+    except ReportedError as err:
+        print(f"{err.prefix}: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    if isinstance(status, int) and not isinstance(status, bool):
+        sys.exit(status)
+    return status
