@@ -216,6 +216,14 @@ def build_training(params, info, capturable=False, run_dir=None):
     return state
 
 
+def training_stream(device, priority):
+    """The CUDA stream the run's work goes to: PyTorch's default, or a high-priority one (utils/data/gpu.py)."""
+    if priority == "normal" or device.type != "cuda":
+        return nullcontext()
+    from utils.data.gpu import high_priority_stream
+    return high_priority_stream(device)
+
+
 def forward_loss(state, model, inp, tar):
     """(prediction, float32 loss) of ``model`` on a batch, under the run's autocast: the one forward-and-loss
     of the eager step, the graph step and validation."""
@@ -247,6 +255,8 @@ def validate(state, loader):
     if params.data_loader_config != "synthetic":  # the physics of random numbers means nothing
         from science import ValidationScience
         science = ValidationScience(params, info.device)
+    if science and spatial:
+        from utils.spatial import gather_depth
     # Spatial parallelism: the S ranks of a crop hold the same loss, and only the first counts it, once
     counts_crops = spatial is None or spatial.index == 0
     state.model.eval()
@@ -260,7 +270,6 @@ def validate(state, loader):
             count += inp.shape[0]
         if science:
             if spatial:  # power spectra and skewers need whole crops: gathered from the slabs (a collective)
-                from utils.spatial import gather_depth
                 inp, prediction, tar = (gather_depth(t, spatial) for t in (inp, prediction, tar))
             if counts_crops:
                 science.update(inp, prediction, tar)
@@ -457,14 +466,6 @@ def check_world_size(params, world_size):
         from utils.spatial import check_spatial_parallel
         check_spatial_parallel(world_size, params.spatial_parallel)
     check_batch_split(params.global_batch_size, world_size, params.spatial_parallel)
-
-
-def training_stream(device, priority):
-    """The CUDA stream the run's work goes to: PyTorch's default, or a high-priority one (utils/data/gpu.py)."""
-    if priority == "normal" or device.type != "cuda":
-        return nullcontext()
-    from utils.data.gpu import high_priority_stream
-    return high_priority_stream(device)
 
 
 def cli(entry=main):
