@@ -15,6 +15,7 @@ Runs write ``out.log``, ``config.yaml`` and TensorBoard ``logs/`` to
 """
 import gc
 import logging
+import math
 import os
 import sys
 import time
@@ -36,9 +37,8 @@ from utils.data.files import prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, env_world_size, init_distributed,
                                peer_lost, register_comm_hook)
 from utils.errors import ConfigError, OneLineParser, run as run_cli
-from utils.lr_schedule import learning_rate, total_steps
-from utils.run_dir import make_run_dir, resume_on_restart
-from utils.run_log import EventWriter, log_epoch, log_interval, log_startup, setup_logging
+from utils.metrics import log_epoch, log_interval, log_startup
+from utils.run_dir import EventWriter, make_run_dir, resume_on_restart, setup_logging
 
 logger = logging.getLogger("train")
 
@@ -141,6 +141,35 @@ def build_optimizer(model, params, device, capturable=False):
     # PyTorch's default: foreach (a few multi-tensor kernels) on CUDA, a loop over the parameters on the CPU
     implementation = "foreach" if device.type == "cuda" else "for-loop"
     return torch.optim.Adam(model.parameters(), lr=lr), f"torch Adam ({implementation})"
+
+
+# --- the learning rate: batch-size scaling, linear warm-up, cosine decay -------------------------------------------
+# A pure function of the step, so a resumed run needs only the step number.
+
+def initial_lr(schedule, global_batch_size, base_batch_size):
+    """start_lr scaled for the batch size: by 1 (``none``), global/base (``linear``) or sqrt(global/base)."""
+    ratio = global_batch_size / base_batch_size
+    return schedule["start_lr"] * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[schedule["scaling"]]
+
+
+def warmup_steps(schedule, global_batch_size, base_batch_size, total_steps):
+    """Linear warm-up from 0 only where the rate is scaled up (global > base batch), over at most the whole run."""
+    scaled_up = global_batch_size > base_batch_size and schedule["scaling"] != "none"
+    return min(schedule["warmup_steps"] if scaled_up else 0, total_steps)
+
+
+def learning_rate(step, schedule, global_batch_size, base_batch_size, total_steps):
+    """The rate of optimiser step ``step`` (0-based): warm-up, then a cosine decay to ``end_lr`` at ``total_steps``."""
+    init_lr, end_lr = initial_lr(schedule, global_batch_size, base_batch_size), schedule["end_lr"]
+    warmup = warmup_steps(schedule, global_batch_size, base_batch_size, total_steps)
+    if step < warmup:
+        return init_lr * step / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return end_lr + 0.5 * (init_lr - end_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def total_steps(params):
+    return params.num_epochs * (params.Nsamples // params.global_batch_size)
 
 
 def set_backend_flags(params, device):

@@ -10,7 +10,7 @@
     python benchmarks/large_batch_study.py --runs logs/bs64_opt/1GPU/0 logs/bs512_opt/32GPU/0
 
 An arm is BATCH:SCALING:EPOCHS[:RANKS]: the global batch, the learning-rate scaling (none, sqrt or linear,
-relative to the config's base_batch_size; utils/lr_schedule.py) and the number of epochs, on RANKS processes
+relative to the config's base_batch_size; train.py, `learning_rate`) and the number of epochs, on RANKS processes
 (torchrun; default 1). Every arm trains --config once per seed (--seeds: weight init and crop stream), with
 the same crops per epoch (Nsamples), so arms differ only in how those crops are grouped into steps and in the
 learning rate. Arguments after ``--`` go to every train.py run (for example --lr_schedule.warmup_steps, which
@@ -50,7 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.scaling_study import machine_description  # noqa: E402
-from utils.lr_schedule import initial_lr, warmup_steps  # noqa: E402
+from train import initial_lr, warmup_steps  # noqa: E402
 from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks, run_label  # noqa: E402
 
 SCALINGS = ("none", "sqrt", "linear")
@@ -166,7 +166,7 @@ def summarise(run_dir):
     schedule = config["lr_schedule"]
     steps, minutes, losses = scalars["Loss/valid"]
     rates = scalars.get("Perf/samples_per_sec", (None, None, []))[2]
-    planned = config["num_epochs"] * (config["Nsamples"] // batch)  # utils/lr_schedule.total_steps
+    planned = config["num_epochs"] * (config["Nsamples"] // batch)  # train.total_steps
     row = {"run": run_label(run_dir), "config": config.get("config_name"),
            "ranks": ranks_of(run_dir), "seed": config["seed"], "global_batch": batch, "base_batch": base,
            "scaling": schedule["scaling"], "initial_lr": initial_lr(schedule, batch, base),

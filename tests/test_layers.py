@@ -66,7 +66,7 @@ def find_cycle(graph):
 
 def test_the_graph_is_real():
     graph = import_graph()
-    assert "utils.errors" in graph["utils.checkpoint"] and "utils.run_log" in graph["train"]
+    assert "utils.errors" in graph["utils.checkpoint"] and "utils.run_dir" in graph["train"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from utils.lr_schedule import initial_lr, learning_rate
+from train import initial_lr, learning_rate
 
 SQRT = {"scaling": "sqrt", "start_lr": 2e-4, "end_lr": 0.0, "warmup_steps": 128}
 

@@ -1,9 +1,11 @@
 """The model's FLOPs, throughput, data-wait share, MFU and peak memory: the numbers the tutorial teaches people to
-read."""
+read, and the log lines train.py shows them in (``log_startup``, ``log_interval``, ``log_epoch``)."""
+import logging
 import resource
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 
@@ -157,3 +159,77 @@ class _NoProfiler:
 
 
 NO_PROFILER = _NoProfiler()
+
+
+# --- the lines train.py logs -----------------------------------------------------------------------------------------
+
+logger = logging.getLogger("train")
+
+
+def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
+    info = state.info
+    shown = run_dir.relative_to(Path.cwd()) if run_dir.is_relative_to(Path.cwd()) else run_dir
+    logger.info(f"Run directory: {shown}")
+    size = params.spatial_parallel
+    data_ranks = info.world_size // size
+    logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
+                f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
+                f"global batch {params.global_batch_size} ({params.global_batch_size // data_ranks} per "
+                f"{'data ' * (size > 1)}rank), {steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
+    if size > 1:
+        logger.info(f"Spatial parallelism: {size} ranks share each crop (slabs of {params.data_size // size} "
+                    f"planes), {data_ranks} data ranks")
+    logger.info(f"Model: U-Net {params.model_channels} full_scale={params.full_scale}, "
+                f"{describe_model(state.model, params.data_size)}")
+    active = [f"amp_mode={params.amp_mode}"] + [name for name in (
+        "enable_fused", "enable_apex", "enable_jit", "channels_last") if params[name]]
+    if info.device.type == "cuda":
+        active += [f"tf32={'on' if params.enable_tf32 else 'off'}",
+                   f"cudnn_benchmark_limit={params.cudnn_benchmark_limit}",
+                   f"stream={'high-priority' if params.stream_priority == 'high' else 'default'}"]
+    loader = getattr(train_loader, "description", f"straightforward {params.data_loader_config}: per-sample crops, "
+                                                   f"{params.num_data_workers} worker processes, default collate")
+    logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")
+    logger.info(f"Data loader: {loader}")
+    if params.noddp and info.enabled:
+        logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "
+                       "communication and is NOT real training.")
+
+
+def log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses, lr, meter):
+    """The log line of an interval, and every step's loss since the last one (one host sync) to TensorBoard."""
+    losses = torch.stack(step_losses).tolist()
+    step_losses.clear()
+    rates = meter.interval(steps=state.global_step, samples_per_step=state.params.global_batch_size)
+    eta = (num_steps - state.global_step) / max(rates["steps_per_sec"], 1e-9)
+    logger.info(f"epoch {epoch + 1} step {step_in_epoch + 1}/{steps_per_epoch} (global {state.global_step}/"
+                f"{num_steps}) | loss {losses[-1]:.5f} | lr {lr:.3e} | {rates['samples_per_sec']:.1f} samples/s | "
+                f"data wait {100 * rates['wait_share']:.0f}% | ETA {format_duration(eta)}")
+    if writer:
+        writer.add_scalar("Learning Rate", lr, state.global_step)
+        first = state.global_step - len(losses) + 1
+        for offset, value in enumerate(losses):  # this rank's loss at every step
+            writer.add_scalar("Loss/train_step", value, first + offset)
+
+
+def log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time):
+    steady = summary.get("steady_samples_per_sec")
+    logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, "
+                f"avg {summary['samples_per_sec']:.2f} samples/sec" + (
+                    "" if steady is None else f" ({steady:.2f} after the first log interval)"))
+    logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
+                f"MFU {format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
+                f"({summary['memory_kind']}" + ("" if summary["peak_memory_reserved_gb"] is None
+                                               else f", {summary['peak_memory_reserved_gb']:.2f} GB reserved") + ")")
+    logger.info(f"  Avg train loss={train_loss:.6f}")
+    if writer:
+        step = state.global_step
+        writer.add_scalar("Loss/train", train_loss, step)
+        writer.add_scalar("Avg iters per sec", epoch_steps / epoch_time, step)
+        writer.add_scalar("Perf/samples_per_sec", summary["samples_per_sec"], step)
+        writer.add_scalar("Perf/data_wait_share", summary["wait_share"], step)
+        writer.add_scalar("Perf/peak_memory_GB", summary["peak_memory_gb"], step)
+        if summary["peak_memory_reserved_gb"] is not None:
+            writer.add_scalar("Perf/peak_memory_reserved_GB", summary["peak_memory_reserved_gb"], step)
+        if summary["mfu"] is not None:
+            writer.add_scalar("Perf/MFU", summary["mfu"], step)

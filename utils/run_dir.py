@@ -5,17 +5,28 @@ anything else -- a benchmark, a profile, another flag -- is a run of its own in 
 never collides with an earlier one. ``--resume never`` starts over, in a new folder unless ``--run_num``
 names one, where the earlier run's files move to ``previous-<time>/``. A restart of the same job (a Slurm
 requeue, a torchrun restart) continues its attempt whatever ``--resume`` said (``resume_on_restart``).
+
+The run's log (``out.log`` and stdout) and TensorBoard events (``logs/``): a write that fails (disk full, quota,
+read-only, I/O error) stops the run with one line naming the file and the cause (StorageError, exit 2) instead of a
+traceback per log record; the checkpoints written before are intact, so rerunning the same command continues. The
+failure goes to ``report`` (train.py passes RunControl.write_failed, utils/checkpoint.py): under DDP only rank 0
+writes these files, and one rank stopping alone would leave the others in their next collective, so it is held
+until the ranks' next agreement and every rank stops together.
 """
 import fcntl
+import logging
 import os
 import socket
+import sys
+import threading
 import time
 
 import torch.distributed as dist
 import yaml
+from torch.utils.tensorboard import SummaryWriter
 
 from utils.config import SCHEMA, resolve_path
-from utils.errors import ConfigError
+from utils.errors import ConfigError, StorageError, storage_cause
 
 
 RESTART_COUNTERS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")  # > 0 in a requeued job / restarted worker
@@ -197,3 +208,120 @@ def archive_previous_run(run_dir):
     for path in old:
         path.rename(archive / path.name)
     return f"--resume never: the earlier run's {', '.join(p.name for p in old)} moved to {archive}"
+
+
+# --- the run's log and TensorBoard events ----------------------------------------------------------------------
+RERUN = "the checkpoints written before are intact: free space (or fix the file system), then rerun the same command"
+
+
+def raise_error(error):
+    """The default ``report`` of a failed write: stop now."""
+    raise error
+
+
+class RunLogHandler(logging.FileHandler):
+    """out.log. A failed write goes to ``report`` as a StorageError in the main thread (a background thread's
+    failure at the main thread's next log line), once; the handler then stops writing."""
+
+    def __init__(self, path, report=raise_error):
+        super().__init__(path)
+        self.failed = None      # the StorageError of the first failed write
+        self.reported = False   # reported once, in the main thread
+        self.report = report
+
+    def emit(self, record):
+        if self.failed is None:
+            super().emit(record)
+        self._raise_in_main_thread()
+
+    def handleError(self, record):
+        if self.failed is None:
+            self.failed = StorageError(f"cannot write the run log {self.baseFilename} ({storage_cause(sys.exc_info()[1])}); "
+                                       f"{RERUN}")
+        self._raise_in_main_thread()
+
+    def _raise_in_main_thread(self):
+        if self.failed is not None and not self.reported and threading.current_thread() is threading.main_thread():
+            self.reported = True
+            self.report(self.failed)
+
+
+def setup_logging(logger, run_dir, info, report=raise_error):
+    """Rank 0 logs INFO to stdout and ``run_dir/out.log`` (a failed write goes to ``report``); the other ranks only
+    warnings, to stdout."""
+    logger.handlers.clear()
+    logger.propagate = False
+    formatter = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    stream = logging.StreamHandler(sys.stdout)
+    stream.setFormatter(formatter)
+    logger.addHandler(stream)
+    if info.is_main:
+        logger.setLevel(logging.INFO)
+        try:
+            file_handler = RunLogHandler(run_dir / "out.log", report)
+        except OSError as err:
+            raise StorageError(f"cannot open the run log {run_dir / 'out.log'} ({storage_cause(err)}); {RERUN}") from None
+        file_handler.setFormatter(formatter)
+        logger.addHandler(file_handler)
+    else:
+        logger.setLevel(logging.WARNING)  # one rank reports; the others speak only on problems
+
+
+def _quiet_event_thread(args, default=threading.excepthook):
+    """TensorBoard's writer thread prints its failure as a traceback, then the main thread's next call raises
+    it again: keep only the second (which EventWriter turns into one line)."""
+    if type(args.thread).__name__ != "_AsyncWriterThread":
+        default(args)
+
+
+class EventWriter(SummaryWriter):
+    """A SummaryWriter whose first failed write goes to ``report`` as one StorageError line; the writer is then
+    done."""
+
+    def __init__(self, log_dir, report=raise_error, **kwargs):
+        self.report, self.failed = report, False
+        threading.excepthook = _quiet_event_thread
+        try:
+            super().__init__(log_dir=str(log_dir), **kwargs)
+        except OSError as err:
+            raise self._error(err, log_dir) from None
+
+    def _error(self, err, log_dir=None):
+        return StorageError(f"cannot write TensorBoard events in {log_dir or self.log_dir} ({storage_cause(err)}); "
+                            f"{RERUN}")
+
+    def _reporting(self, method, *args, **kwargs):
+        if self.failed:  # reported once: nothing more is written
+            return None
+        try:
+            return method(*args, **kwargs)
+        except OSError as err:  # also what the writer thread stored and the main thread's next call raises
+            error = self._error(err)
+        self.failed = True
+        self.report(error)
+
+    def add_scalar(self, *args, **kwargs):
+        return self._reporting(super().add_scalar, *args, **kwargs)
+
+    def add_figure(self, *args, **kwargs):
+        return self._reporting(super().add_figure, *args, **kwargs)
+
+    def flush(self):
+        return self._reporting(super().flush)
+
+    def close(self, ending_with=None):
+        """``ending_with``: the exception ending the run, which a failure here must not replace (a preemption
+        still exits with 3); the failure is then printed in one line, unless that exception already is one."""
+        if self.failed:  # stop the writer's thread; its error was reported already
+            try:
+                super().close()
+            except OSError:
+                pass
+            return None
+        try:
+            return self._reporting(super().close)
+        except StorageError as err:
+            if ending_with is None:
+                raise
+            if not isinstance(ending_with, StorageError):
+                print(f"error: {err}", file=sys.stderr)
