@@ -34,8 +34,8 @@ from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split,
                           load_config, save_config)
 from utils.data import get_data_loader
 from utils.data.files import prepare_data
-from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, env_world_size, init_distributed,
-                               peer_lost, register_comm_hook)
+from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, describe_ddp, env_world_size,
+                               init_distributed, peer_lost)
 from utils.errors import ConfigError, OneLineParser, run as run_cli
 from utils.metrics import log_epoch, log_interval, log_startup
 from utils.run_dir import EventWriter, make_run_dir, resume_on_restart, setup_logging
@@ -215,7 +215,10 @@ def build_training(params, info, capturable=False, run_dir=None):
             model, device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=params.bucket_cap_mb, gradient_as_bucket_view=params.gradient_as_bucket_view,
             static_graph=params.static_graph, **ddp_buffer_sync(params.broadcast_buffers))
-        ddp_note = register_comm_hook(train_model, params)
+        if params.ddp_comm_hook == "bf16":  # gradient compression: half the bytes on the wire
+            from utils.comm_hooks import register_bf16_hook
+            register_bf16_hook(train_model)
+        ddp_note = describe_ddp(params)
     elif info.enabled:
         ddp_note = "NO gradient synchronisation (--noddp: measures compute without communication; NOT real training)"
 

@@ -6,7 +6,7 @@ from benchmarks import code_reach
 from utils.config import REPO_ROOT
 
 # Imported inside the function that uses them, when their key is on: never by `import train` alone.
-EXTRAS = ("science", "utils.benchy", "utils.profiling", "utils.data.fast", "utils.data.gpu", "utils.data.dali",
+EXTRAS = ("science", "utils.benchy", "utils.profiling", "utils.comm_hooks", "utils.data.fast", "utils.data.gpu", "utils.data.dali",
           "utils.make_dataset", "matplotlib")
 
 

@@ -138,24 +138,6 @@ def cleanup(info, finished=False):
         dist.destroy_process_group()
 
 
-def bf16_gradient_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: all-reduce gradients in bfloat16 (half the bytes), average, write back in fp32.
-
-    The same algorithm as torch's ``default_hooks.bf16_compress_hook``, which only supports NCCL;
-    this one also runs on gloo, so CPU tests cover it.
-    """
-    group = process_group if process_group is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(group.size())
-    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    def decompress(fut):
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return future.then(decompress)
-
-
 def ddp_buffer_sync(broadcast_buffers):
     """DistributedDataParallel's keyword for ``broadcast_buffers: false`` (none when true, DDP's default)."""
     if broadcast_buffers:
@@ -165,15 +147,8 @@ def ddp_buffer_sync(broadcast_buffers):
     return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
 
 
-def register_comm_hook(ddp, params):
-    """Install the configured gradient-communication hook on ``ddp``; returns the line that describes DDP's set-up."""
-    if params.ddp_comm_hook == "bf16":
-        if dist.get_backend() == "nccl":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        else:
-            ddp.register_comm_hook(None, bf16_gradient_hook)
-    knobs = (f"bucket_cap_mb={params.bucket_cap_mb}, broadcast_buffers={params.broadcast_buffers}, "
-             f"gradient_as_bucket_view={params.gradient_as_bucket_view}, static_graph={params.static_graph}, "
-             f"comm_hook={params.ddp_comm_hook}")
-    return f"DDP ({dist.get_backend()}): {knobs}"
+def describe_ddp(params):
+    """The start-up log's line on DDP's settings."""
+    return (f"DDP ({dist.get_backend()}): bucket_cap_mb={params.bucket_cap_mb}, broadcast_buffers="
+            f"{params.broadcast_buffers}, gradient_as_bucket_view={params.gradient_as_bucket_view}, "
+            f"static_graph={params.static_graph}, comm_hook={params.ddp_comm_hook}")
