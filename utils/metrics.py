@@ -11,11 +11,8 @@ import torch
 
 from networks.UNet import conv_input_sizes
 
-# Dense peak TFLOP/s by device-name fragment and math mode (datasheet values, no sparsity). The first fragment
-# found in torch.cuda.get_device_name wins, so the specific variants come before their family. H100 SXM and PCIe:
-# NVIDIA's datasheet table as an NVIDIA partner (HPC Tech) reproduces it, with sparsity (PCIe: TF32 756, BF16/FP16
-# 1,513), halved here; not checked against NVIDIA's own page. H100 NVL: unverified (third-party figures only).
-# --peak_tflops overrides any of them.
+# Dense peak TFLOP/s (datasheets, no sparsity) by device-name fragment, specific variants before their family: the
+# first fragment in torch.cuda.get_device_name wins. H100 NVL's are third-party figures. --peak_tflops overrides.
 PEAK_TFLOPS = {
     "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
     "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
@@ -42,14 +39,9 @@ def peak_flops(device, amp_mode, tf32, peak_tflops=None):
 
 
 def conv_flops(model, crop_size):
-    """{layer name: FLOPs (2 x multiply-adds) of its forward pass on one crop_size^3 sample} for a U-Net's stride-2
-    layers (``model.conv_layers()``).
-
-    A kernel-4, stride-2 convolution does 4^3 multiply-adds per output element and channel pair; a transposed one
-    4^3 per input element, and so do the upsample layers (networks/upsample.py): resize_conv and linear_conv run as
-    one (their weight transform, one small matmul per forward pass, is not counted), transposed_blur's blur is 12
-    additions and multiplications per value (not counted).
-    """
+    """{layer name: forward FLOPs (2 x multiply-adds) on one crop_size^3 sample} of a U-Net's stride-2 layers: 4^3
+    multiply-adds per output element and channel pair for a convolution, per input element for a transposed one
+    and the other upsamplers (networks/upsample.py; their small weight transforms and blurs are not counted)."""
     edges = conv_input_sizes(model.num_levels, crop_size)
     flops = {}
     for name, layer in model.conv_layers():
