@@ -32,8 +32,7 @@ from utils import metrics
 from utils.checkpoint import CheckpointManager, RunControl
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
                           load_config, save_config)
-from utils.data import get_data_loader
-from utils.data.files import prepare_data
+from utils.data import get_data_loader, prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, describe_ddp, env_world_size,
                                init_distributed, peer_lost)
 from utils.errors import ConfigError, OneLineParser, run as run_cli
@@ -330,7 +329,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
     steps_per_epoch, num_steps = train_sampler.steps_per_epoch, total_steps(params)
     if params.data_loader_config != "synthetic":
         from science import check_settings
-        check_settings(params)  # a data file that does not say its cell size fails now, not after an epoch
+        check_settings(params, info, logger.warning)  # a bad data file fails now, not after an epoch
     log_startup(params, state, run_dir, steps_per_epoch, train_loader)
     checkpoints = CheckpointManager(state, run_dir, control)
     resumed_loss_sum = checkpoints.resume(resume_from, resume_fallback)

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from utils import symmetry  # noqa: E402
 from utils.data.gpu import STORAGE_DTYPES, make_crops  # noqa: E402
+from utils.data.symmetry_torch import crop_index, element_table  # noqa: E402
 from utils.errors import first_line  # noqa: E402
 
 CHANNELS = (4, 5)  # N-body input, hydro target
@@ -75,8 +76,8 @@ def per_volume(gather):
     Advanced indexing converts an int32 index to int64 at its broadcast size, (B, C, S^3) per volume: these
     candidates get int64 positions from the start, once per batch."""
     def make(inp, tar, corners, elements, inp_table, tar_table, crop, memory_format):
-        index = symmetry.crop_index(corners, inp_table.perm[elements], inp_table.flips[elements], inp.shape[1], crop,
-                                    torch.int64)
+        index = crop_index(corners, inp_table.perm[elements], inp_table.flips[elements], inp.shape[1], crop,
+                           torch.int64)
         return tuple(gather(volume, index, table.source[elements], table.sign[elements], memory_format)
                      for volume, table in ((inp, inp_table), (tar, tar_table)))
     return make
@@ -129,7 +130,7 @@ def main(argv=None):
     dtype = STORAGE_DTYPES[args.dtype]
     volumes = [torch.empty((c, args.box, args.box, args.box), device=device, dtype=dtype).uniform_(-1, 1)
                for c in CHANNELS]  # filled where they live: 1024^3 in seconds
-    tables = [symmetry.element_table(c).to(device) for c in CHANNELS]
+    tables = [element_table(c).to(device) for c in CHANNELS]
 
     def batch_of(candidate, corners, chosen):
         return candidate(*volumes, corners, chosen, *tables, args.crop, memory_format)

@@ -8,8 +8,12 @@
 
 train.py imports this package only when there is physics to measure (not on synthetic data) and talks to it
 through the hook below: ``ValidationScience`` per validation pass, ``check_settings`` at start-up and
-``mean_predictor_l1`` at the end.
+``mean_predictor_l1`` at the end. The physical units these metrics read the data in are utils/units.py's:
+``check_normalisation`` refuses a data file normalised with other constants (predict.py, the report and the DALI
+loader call it too).
 """
+from pathlib import Path
+
 import h5py
 import numpy as np
 import torch
@@ -17,11 +21,37 @@ import torch
 from science.metrics import ScienceMetrics, format_summary, lyman_alpha_settings
 from utils.config import resolve_path
 from utils.distributed import all_reduce_sum
+from utils.errors import DataError
+from utils.units import NORMALISATION_ATTRS, normalisation_mismatches
 
 
-def check_settings(params):
-    """Stop at start-up, not after an epoch, when the data file does not say what the Lyman-alpha forest needs."""
+def check_settings(params, info, warn):
+    """Stop at start-up, not after an epoch, when a data file was normalised with other constants than
+    utils/units.py's or does not say what the Lyman-alpha forest needs. On rank 0 (``info.is_main``), ``warn``
+    (a callable taking one line) flags a file that stores no normalisation constants: its units are assumed."""
+    for path in dict.fromkeys((params.train_path, params.val_path)):
+        if check_normalisation(resolve_path(path)) is False and info.is_main:
+            warn(f"WARNING: {path} stores no normalisation constants (not a utils/make_dataset.py file): the "
+                 f"physical-unit metrics assume utils/units.py's, rho/mean = exp(14 x), v = 500 x km/s, "
+                 f"T = 10^(4.5 + 2.5 x) K")
     lyman_alpha_settings(params)
+
+
+def check_normalisation(path):
+    """Whether HDF5 file ``path`` stores normalisation constants (utils/make_dataset.py's files do; a file made
+    elsewhere may not); a one-line DataError when they are not utils/units.py's. None without a file (DALI can
+    read the .npy twins alone)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    with h5py.File(path, "r") as f:
+        wrong = normalisation_mismatches(f.attrs)
+        stores_constants = any(name in f.attrs for name in NORMALISATION_ATTRS)
+    if wrong:
+        raise DataError(f"{path} was normalised with other constants than utils/units.py's ("
+                        + ", ".join(f"{name} {stored:g} there, {ours:g} here" for name, stored, ours in wrong)
+                        + "): the physical-unit metrics would misread it; renormalise the file or make the two agree")
+    return stores_constants
 
 
 class ValidationScience:

@@ -30,10 +30,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from utils import inference
-from science import lyman_alpha as lya
+from science import check_normalisation, lyman_alpha as lya
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
-from utils.data import check_normalisation
 from utils.errors import CheckpointError, DataError, run as run_cli
 from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
                            log_density_edges, log_temperature_edges)

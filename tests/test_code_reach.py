@@ -6,8 +6,9 @@ from benchmarks import code_reach
 from utils.config import REPO_ROOT
 
 # Imported inside the function that uses them, when their key is on: never by `import train` alone.
-EXTRAS = ("science", "utils.benchy", "utils.profiling", "utils.comm_hooks", "utils.data.fast", "utils.data.gpu", "utils.data.dali",
-          "utils.make_dataset", "matplotlib")
+EXTRAS = ("science", "utils.benchy", "utils.profiling", "utils.comm_hooks", "utils.data.fast", "utils.data.gpu",
+          "utils.data.dali", "utils.data.batches", "utils.data.symmetry_torch", "utils.units", "utils.make_dataset",
+          "matplotlib")
 
 
 def test_reach_counts_the_files_an_import_chain_reaches(tmp_path):

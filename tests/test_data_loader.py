@@ -155,7 +155,7 @@ def test_generated_data_is_made_on_the_runs_device(tiny_params, tmp_path, monkey
     """A run's missing quickstart files are generated on the run's device: with device cpu on a GPU machine the
     generator (whose default is CUDA where visible) leaves the GPU alone; a CUDA rank 0 generates on its own GPU."""
     from utils import make_dataset
-    from utils.data.files import prepare_data
+    from utils.data import prepare_data
     from utils.distributed import DistInfo
     calls = []
     monkeypatch.setattr(make_dataset, "ensure_dataset", lambda path, box, seed, npy, device: calls.append(

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from conftest import REPO_ROOT
+from test_symmetry import from_matrix, matrix
 from utils import make_dataset as md
 from utils import symmetry, units
 from utils.errors import GenerationError, run
@@ -327,13 +328,13 @@ def test_hydro_is_not_a_pointwise_function_of_nbody(fields48):
 # --- symmetry -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [24, 25])
 def test_equivariance_under_the_cube_group(n):
-    rotation_z = symmetry.from_matrix([[0, -1, 0], [1, 0, 0], [0, 0, 1]])   # 90 degrees about z
-    cyclic = symmetry.from_matrix([[0, 1, 0], [0, 0, 1], [1, 0, 0]])         # 120 degrees about (1,1,1)
-    reflection = symmetry.from_matrix(np.diag([-1, 1, 1]))                   # x -> -x
-    swap = symmetry.from_matrix([[0, 1, 0], [1, 0, 0], [0, 0, 1]])           # x <-> y, a reflection
-    inversion = symmetry.from_matrix(-np.eye(3, dtype=int))
-    other = 45                                                              # x <-> -z, y kept
-    assert [round(np.linalg.det(symmetry.matrix(g))) for g in (rotation_z, cyclic, reflection, swap, inversion)] \
+    rotation_z = from_matrix([[0, -1, 0], [1, 0, 0], [0, 0, 1]])   # 90 degrees about z
+    cyclic = from_matrix([[0, 1, 0], [0, 0, 1], [1, 0, 0]])         # 120 degrees about (1,1,1)
+    reflection = from_matrix(np.diag([-1, 1, 1]))                   # x -> -x
+    swap = from_matrix([[0, 1, 0], [1, 0, 0], [0, 0, 1]])           # x <-> y, a reflection
+    inversion = from_matrix(-np.eye(3, dtype=int))
+    other = 45                                                      # x <-> -z, y kept
+    assert [round(np.linalg.det(matrix(g))) for g in (rotation_z, cyclic, reflection, swap, inversion)] \
         == [1, 1, -1, -1, -1]
     white = _white(n, 7)
     # A non-default physics setup too, so every knob is exercised under the symmetry.

@@ -1,25 +1,56 @@
+"""The cube group (utils/symmetry.py) and its two transforms, numpy and torch (utils/data/symmetry_torch.py).
+
+The group algebra below (signed permutation matrices, composition, inverses) lives here: only tests need it to
+check that the 48 elements form the group and that the transforms act as it."""
 import numpy as np
 import pytest
 import torch
 
 from utils import symmetry
+from utils.data.symmetry_torch import element_table, transform_torch
+
+
+def matrix(g):
+    """The 3x3 signed permutation matrix ``M`` of element ``g`` (acts on positions and vectors)."""
+    perm, flips = symmetry.element(g)
+    m = np.zeros((3, 3), dtype=np.int64)
+    for k in range(3):
+        m[k, perm[k]] = -1 if flips[k] else 1
+    return m
+
+
+def from_matrix(m):
+    """Inverse of :func:`matrix`: the element index of a signed permutation matrix."""
+    m = np.asarray(m)
+    perm = tuple(int(np.flatnonzero(m[k])[0]) for k in range(3))
+    flip_bits = sum(1 << k for k in range(3) if m[k, perm[k]] < 0)
+    return symmetry.PERMUTATIONS.index(perm) * 8 + flip_bits
+
+
+def compose(h, g):
+    """Element equal to applying ``g`` first, then ``h``."""
+    return from_matrix(matrix(h) @ matrix(g))
+
+
+def inverse(g):
+    return from_matrix(matrix(g).T)
 
 
 def test_48_distinct_elements_with_identity_first():
-    matrices = {symmetry.matrix(g).tobytes() for g in range(symmetry.NUM_ELEMENTS)}
+    matrices = {matrix(g).tobytes() for g in range(symmetry.NUM_ELEMENTS)}
     assert len(matrices) == 48
-    assert np.array_equal(symmetry.matrix(symmetry.IDENTITY), np.eye(3))
+    assert np.array_equal(matrix(symmetry.IDENTITY), np.eye(3))
     # 24 proper rotations (det +1) and 24 improper ones (det -1)
-    dets = [round(np.linalg.det(symmetry.matrix(g))) for g in range(48)]
+    dets = [round(np.linalg.det(matrix(g))) for g in range(48)]
     assert dets.count(1) == 24 and dets.count(-1) == 24
 
 
 def test_group_closure_identity_inverses():
     for g in range(48):
-        assert symmetry.compose(g, symmetry.IDENTITY) == g == symmetry.compose(symmetry.IDENTITY, g)
-        assert symmetry.compose(symmetry.inverse(g), g) == symmetry.IDENTITY
+        assert compose(g, symmetry.IDENTITY) == g == compose(symmetry.IDENTITY, g)
+        assert compose(inverse(g), g) == symmetry.IDENTITY
         for h in range(48):
-            assert 0 <= symmetry.compose(h, g) < 48
+            assert 0 <= compose(h, g) < 48
 
 
 def test_transforms_of_a_volume_are_distinct_and_compose():
@@ -30,8 +61,8 @@ def test_transforms_of_a_volume_are_distinct_and_compose():
     for g in range(0, 48, 5):
         once = symmetry.transform(volume, g)
         for h in range(0, 48, 7):
-            np.testing.assert_array_equal(symmetry.transform(once, h), symmetry.transform(volume, symmetry.compose(h, g)))
-        np.testing.assert_array_equal(symmetry.transform(once, symmetry.inverse(g)), volume)
+            np.testing.assert_array_equal(symmetry.transform(once, h), symmetry.transform(volume, compose(h, g)))
+        np.testing.assert_array_equal(symmetry.transform(once, inverse(g)), volume)
 
 
 def test_vector_channels_rotate_with_the_grid():
@@ -41,13 +72,13 @@ def test_vector_channels_rotate_with_the_grid():
     volume[0] = np.arange(n)[:, None, None]  # density gradient along axis 0
     volume[1] = 0.5                          # vx: flow along axis 0
     # the rotation x -> y, y -> -x: new axis 0 is old axis 1 reversed, new axis 1 is old axis 0
-    g = symmetry.from_matrix([[0, -1, 0], [1, 0, 0], [0, 0, 1]])
+    g = from_matrix([[0, -1, 0], [1, 0, 0], [0, 0, 1]])
     out = symmetry.transform(volume, g)
     np.testing.assert_array_equal(out[1], 0)      # no flow left along axis 0
     np.testing.assert_array_equal(out[2], 0.5)    # flow now along axis 1 (new vy = old vx)
     np.testing.assert_array_equal(out[0], np.arange(n)[None, :, None] * np.ones((n, n, n)))  # gradient along 1
     # inversion flips every component and the gradient
-    inversion = symmetry.from_matrix(-np.eye(3, dtype=int))
+    inversion = from_matrix(-np.eye(3, dtype=int))
     inverted = symmetry.transform(volume, inversion)
     np.testing.assert_array_equal(inverted[1], -0.5)
     np.testing.assert_array_equal(inverted[0], volume[0][::-1, ::-1, ::-1])
@@ -59,9 +90,9 @@ def test_channel_map_is_the_matrix_on_the_vector_channels():
         source, sign = symmetry.channel_map(g, 5, vector_channels=(1, 2, 3))
         mix = np.zeros((5, 5), dtype=np.int64)
         mix[np.arange(5), source] = sign
-        np.testing.assert_array_equal(mix[1:4, 1:4], symmetry.matrix(g))
+        np.testing.assert_array_equal(mix[1:4, 1:4], matrix(g))
         assert mix[0, 0] == mix[4, 4] == 1
-    table = symmetry.element_table(4)
+    table = element_table(4)
     assert table.source.shape == table.sign.shape == (48, 4) and table.perm.shape == table.flips.shape == (48, 3)
     assert [tuple(p) for p in table.perm[::8]] == list(symmetry.PERMUTATIONS)
 
@@ -69,7 +100,7 @@ def test_channel_map_is_the_matrix_on_the_vector_channels():
 def test_numpy_and_torch_transforms_agree_on_all_48_elements():
     rng = np.random.default_rng(1)
     volume = rng.standard_normal((5, 6, 6, 6)).astype(np.float32)
-    whole = symmetry.transform_torch(torch.from_numpy(volume), torch.arange(48))  # (48, C, S, S, S)
+    whole = transform_torch(torch.from_numpy(volume), torch.arange(48))  # (48, C, S, S, S)
     assert whole.shape == (48, 5, 6, 6, 6) and whole.dtype == torch.float32
     for g in range(48):
         np.testing.assert_array_equal(whole[g].numpy(), symmetry.transform(volume, g), err_msg=f"element {g}")
@@ -77,8 +108,8 @@ def test_numpy_and_torch_transforms_agree_on_all_48_elements():
     box = rng.standard_normal((4, 12, 12, 12)).astype(np.float32)
     corners = torch.from_numpy(rng.integers(0, 12 - 5 + 1, (48, 3)))
     elements = torch.from_numpy(rng.permutation(48))
-    crops = symmetry.transform_torch(torch.from_numpy(box).half(), elements, corners, crop=5,
-                                     memory_format=torch.channels_last_3d)
+    crops = transform_torch(torch.from_numpy(box).half(), elements, corners, crop=5,
+                            memory_format=torch.channels_last_3d)
     assert crops.is_contiguous(memory_format=torch.channels_last_3d) and crops.dtype == torch.float32
     for b, ((x, y, z), g) in enumerate(zip(corners.tolist(), elements.tolist())):
         expected = symmetry.transform(box[:, x:x + 5, y:y + 5, z:z + 5].astype(np.float16), g)

@@ -37,10 +37,10 @@ import torch
 from tqdm import tqdm
 
 from networks.UNet import build_model
-from science import lyman_alpha as lya
+from science import check_normalisation, lyman_alpha as lya
 from utils.checkpoint import latest_valid_checkpoint, load_checkpoint, load_model_state
 from utils.config import Params
-from utils.data import check_normalisation, read_volume_shapes
+from utils.data import read_volume_shapes
 from utils.errors import CheckpointError, ConfigError, DataError
 from utils.spatial import SpatialGroup, shard_model
 

@@ -1,4 +1,4 @@
-"""Units and normalisation of the stored fields (the bottom layer: imports numpy only).
+"""Units and normalisation of the stored fields (a bottom layer: imports numpy and utils/symmetry.py only).
 
 Every data file (the generator's, utils/make_dataset.py, and predict.py's output) holds two float32
 datasets, channels first, periodic box of N^3 cells:
@@ -7,8 +7,9 @@ datasets, channels first, periodic box of N^3 cells:
     Hydro (5, N, N, N): gas density, vx, vy, vz, temperature     (HYDRO_CHANNELS)
 
 Velocity component k points along spatial array axis k (axis 1 + k of the stored array); channels
-VECTOR_CHANNELS of both are the velocity components. A cell is DEFAULT_CELL_SIZE comoving Mpc/h
-(a 256^3 box is 20 Mpc/h) unless the file's ``cell_size_mpc_h`` attribute says otherwise.
+VECTOR_CHANNELS of both are the velocity components (defined in utils/symmetry.py, which moves them). A cell
+is DEFAULT_CELL_SIZE comoving Mpc/h (a 256^3 box is 20 Mpc/h) unless the file's ``cell_size_mpc_h`` attribute
+says otherwise.
 
 Normalisation uses fixed constants (never per-box statistics), so train and validation files
 share one scale; every stored value lies in (-1, 1), matching the model's tanh output:
@@ -20,9 +21,11 @@ share one scale; every stored value lies in (-1, 1), matching the model's tanh o
 each clipped to [-CLIP, CLIP]. :func:`to_physical` (and the per-field ``denormalize_*``) map back
 to rho/mean, km/s and K, for numpy arrays or torch tensors. :func:`physical_attrs` is what every
 generated file stores of these constants as HDF5 attributes; :func:`normalisation_mismatches` compares a
-file's with them (utils/data/files.py refuses a file normalised otherwise).
+file's with them (science/__init__.py's ``check_normalisation`` refuses a file normalised otherwise).
 """
 import numpy as np
+
+from utils.symmetry import VECTOR_CHANNELS
 
 # --- normalisation constants (stored as HDF5 attributes too) ---------------------------------
 DENSITY_LOG_SCALE = 14.0          # x = ln(rho/mean) / 14
@@ -34,7 +37,6 @@ CLIP = 0.999                      # every stored value is clipped to [-CLIP, CLI
 
 NBODY_CHANNELS = ("dm_density", "dm_vx", "dm_vy", "dm_vz")
 HYDRO_CHANNELS = ("gas_density", "gas_vx", "gas_vy", "gas_vz", "temperature")
-VECTOR_CHANNELS = (1, 2, 3)       # velocity components in both Nbody and Hydro
 
 DEFAULT_CELL_SIZE = 20.0 / 256    # Mpc/h per cell (a 256^3 box is 20 Mpc/h) when box_length is None
 

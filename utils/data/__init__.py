@@ -1,43 +1,23 @@
-"""The data package: random crops of periodic boxes with random cube-symmetry augmentation.
+"""The data package: ``get_data_loader``, the factory that builds the loader a config asks for, and
+``prepare_data``, which makes or checks the data files before a run.
 
-Vocabulary of the tutorial:
-- ``RandomCropDataset`` serves sample ``(epoch, index)``: a ``data_size``^3 crop of the N-body
-  input (4 channels) and the matching hydro target (5 channels).
-  Both are moved by the same one of the 48 symmetries of the cube, velocity vectors included
-  (``utils.symmetry``).
-- ``get_data_loader`` (below) is the factory that builds the loader a config asks for. Every loader but the
-  straightforward one is an extra, imported only when asked for: ``data_loader_config: dali-lowmem`` the
-  NVIDIA DALI pipeline (dali.py), ``gpu`` the GPU-resident loader (gpu.py), ``fast_loader: true`` the fast
-  CPU loader (fast.py). Each serves the same sample stream, so the choice changes speed, never results.
-
-Reproducibility contract: the crop corner and symmetry element of sample ``index`` in ``epoch``
-are a pure function of ``(seed, epoch, index)`` (see ``sample_plan``), independent of world size,
-rank and loader workers. Ranks take disjoint shares of the indices; step ``s`` of an epoch uses
-indices ``[s * global_batch, (s + 1) * global_batch)`` whatever the world size, so a 2-rank run
-sees the same global batches as a 1-rank run and a resumed run continues exactly.
-
-Layers (a module imports only from the layers below it, never from this package's namespace):
-
-- ``spec``: ``SplitSpec`` (a split's settings, read from the config once), ``sample_plan``, the
-  ``ShardedSampler`` and its ``BatchPlan``s, ``PlannedLoader`` (the batch loaders' ``len``);
-  ``files``: ``read_volume_shapes``, ``check_data_file``, ``check_normalisation``, ``lacks_normalisation``
-  (errors are ``utils.errors.DataError``), and ``prepare_data``, which makes or checks the files before a run;
-- ``torch_loader``: ``RandomCropDataset``, the straightforward ``DataLoader``;
-  ``gpu``: the GPU-resident loader; ``dali``: the NVIDIA DALI pipeline (optional extra);
-- ``fast``: the fast CPU loader (threads, reusable pinned batches, ``DevicePrefetcher``);
-- this package's ``get_data_loader``, the only code that knows every loader.
+The default loader, read top to bottom, is torch_loader.py: the data file, ``sample_plan`` (which crop and cube
+symmetry each sample gets, and the reproducibility contract), ``ShardedSampler``, ``RandomCropDataset`` and the
+torch ``DataLoader``. Every other loader is an extra, imported only when asked for: ``fast_loader: true`` the
+fast CPU loader (fast.py), ``data_loader_config: gpu`` the GPU-resident loader (gpu.py), ``dali-lowmem`` the
+NVIDIA DALI pipeline (dali.py). They take whole batches from the same sampler (batches.py), so the choice
+changes speed, never results. No module of the package imports from this namespace.
 """
 import torch
+import torch.distributed as dist
 
-from utils.data.files import check_data_file, check_normalisation, lacks_normalisation, read_volume_shapes
-from utils.data.spec import (SPLITS, VECTOR_CHANNELS, BatchPlan, ShardedSampler, SplitSpec, build_sampler,
-                             sample_plan)
-from utils.data.torch_loader import RandomCropDataset, get_torch_loader
+from utils.config import resolve_path
+from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, SplitSpec, build_sampler, check_data_file,
+                                     get_torch_loader, read_volume_shapes, sample_plan)
 from utils.errors import DataError
 
-__all__ = ["SPLITS", "VECTOR_CHANNELS", "BatchPlan", "DataError", "RandomCropDataset", "ShardedSampler",
-           "SplitSpec", "build_sampler", "check_data_file", "check_normalisation", "get_data_loader",
-           "lacks_normalisation", "read_volume_shapes", "sample_plan"]
+__all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "SplitSpec", "build_sampler", "check_data_file",
+           "get_data_loader", "prepare_data", "read_volume_shapes", "sample_plan"]
 
 
 def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
@@ -60,3 +40,49 @@ def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cp
         from utils.data.fast import get_fast_loader
         return get_fast_loader(params, split, rank, world_size, device, memory_format=memory_format)
     return get_torch_loader(params, split, rank, world_size, device)
+
+
+def missing_data_message(params):
+    """One line for a config whose data files are missing: both files, commands that make them at the config's
+    box sizes (with the memory and disk they need), and the laptop path. None when nothing is missing."""
+    files = [(resolve_path(path), box, seed) for path, box, seed in
+             ((params.train_path, params.box_size[0], 1), (params.val_path, params.box_size[1], 2))]
+    missing = [(path, box, seed) for path, box, seed in files if not path.exists()]
+    if not missing:
+        return None
+    largest = max(box for _, box, _ in missing)
+    make = " && ".join(f"python -m utils.make_dataset --box {box} --seed {seed} --out {path}"
+                       for path, box, seed in missing)
+    return (f"missing data: {' and '.join(f'{path} ({box}^3)' for path, box, _ in missing)}; make "
+            f"{'it' if len(missing) == 1 else 'them'} with `{make}` (the {largest}^3 box needs about "
+            f"{14 * largest ** 3 / 2 ** 30:.1f} GiB of memory and {36 * largest ** 3 / 1e9:.1f} GB of disk), or point "
+            f"--train_path/--val_path at your files and set --box_size to their sizes; on a laptop, "
+            f"`python train.py --config=quickstart` makes small data of its own")
+
+
+def prepare_data(params, info, log):
+    """Generate the quickstart dataset on first use; never generate for configs that name user files (those
+    must exist: else one line says which are missing and how to make them).
+
+    ``info``: the run's DistInfo (rank 0 generates, every rank waits for it); ``log``: a callable
+    that reports one line (train.py's ``logger.info``).
+    """
+    if params.data_loader_config == "synthetic":
+        return
+    if params.generate_data is None:
+        message = missing_data_message(params)
+        if message:
+            raise DataError(message)
+        return
+    if info.is_main:
+        from utils.make_dataset import ensure_dataset
+        for path, box, seed in ((params.train_path, params.box_size[0], params.generate_data["train_seed"]),
+                                (params.val_path, params.box_size[1], params.generate_data["val_seed"])):
+            path = resolve_path(path)
+            if not path.exists():
+                log(f"Generating {box}^3 dataset {path} (seed {seed}), first use only")
+            # writes only what is missing (for DALI also the .npy twins of an existing file), on the run's
+            # device: a run with device cpu leaves the GPU alone
+            ensure_dataset(path, box, seed, npy=params.data_loader_config == "dali-lowmem", device=info.device)
+    if info.enabled:
+        dist.barrier()

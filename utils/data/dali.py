@@ -8,7 +8,7 @@ file of the split: ``data/train.h5`` -> ``data/train_data.npy`` (N, N, N, 4) and
 ``python -m utils.make_dataset ... --npy``.
 
 Same stream as the PyTorch loaders: crop corners and symmetry elements come from the sampler's
-batch plans (``ShardedSampler.batch_plans``, drawn by ``sample_plan``; utils/data/spec.py) through
+batch plans (``batch_plans``, utils/data/batches.py, drawn by ``sample_plan``, torch_loader.py) through
 ``fn.external_source``, so sample ``index`` of ``epoch`` is the same crop with the same element
 whatever the loader, and ranks take the same disjoint shares. DALI is an optional extra:
 ``pip install -r requirements-dali.txt``.
@@ -20,9 +20,11 @@ import h5py
 import numpy as np
 import torch
 
+from science import check_normalisation
 from utils import symmetry
-from utils.data.files import check_normalisation
-from utils.data.spec import PlannedLoader, SplitSpec, build_sampler
+from utils.data.batches import PlannedLoader, batch_plans
+from utils.data.symmetry_torch import element_table
+from utils.data.torch_loader import SplitSpec, build_sampler
 from utils.errors import DataError
 from utils.make_dataset import npy_paths
 
@@ -82,12 +84,12 @@ def check_twins_match(h5_path, data_file, label_file, probes=16):
 # its own executor runs on C++ threads and CUDA streams, on DALI's tensors; a Python function would have to
 # run as fn.python_function, under the GIL and outside that parallel executor. So the pipeline applies an
 # element with DALI's own operators (coord_transform, transpose, flip), whose per-sample arguments are read
-# from symmetry.element_table: the description of each element that those two functions use as well.
+# from element_table (symmetry_torch.py): the description of each element that those two functions use as well.
 def element_arguments(num_channels):
     """Per element g: the permutation's index in ``symmetry.PERMUTATIONS`` (48,), the flip of each new axis
     (48, 3) int32, and the (48, C, C) float32 matrix ``M`` with out = M @ in per voxel, which moves the
     velocity components with the grid (``M[g, c, source[g, c]] = sign[g, c]``; identity on scalar channels)."""
-    table = symmetry.element_table(num_channels)
+    table = element_table(num_channels)
     perm_index = np.array([symmetry.PERMUTATIONS.index(tuple(perm)) for perm in table.perm], dtype=np.int32)
     mix = np.zeros((symmetry.NUM_ELEMENTS, num_channels, num_channels), dtype=np.float32)
     np.put_along_axis(mix, table.source[..., None], table.sign[..., None], axis=2)
@@ -97,7 +99,7 @@ def element_arguments(num_channels):
 class PlanFeed:
     """The ``external_source`` of the pipeline: one epoch's crop corners and elements, batch by batch.
 
-    ``start`` loads an epoch's batch plans (``sampler.batch_plans()``); each call returns the next
+    ``start`` loads an epoch's batch plans (``batch_plans(sampler)``); each call returns the next
     batch's arguments and raises StopIteration after the last, which ends DALI's epoch. DALI's
     readers need full batches, so a short last batch (validation) is padded by repeating its last
     sample; ``sizes`` says how many are real.
@@ -251,7 +253,7 @@ class DaliLoader(PlannedLoader):
         if self._epoch_open:
             self._drain()
         self.pipe.reset()
-        self.feed.start(self.sampler.batch_plans())
+        self.feed.start(batch_plans(self.sampler))
         self._epoch_open = True
         self.pipe.schedule_run()  # starts prefetch_queue_depth batches
         for size in self.feed.sizes:
@@ -265,8 +267,7 @@ def get_dali_loader(params, split, rank=0, world_size=1, device=torch.device("cp
     """The DALI loader factory: ``(loader, sampler)`` with the contract of ``get_data_loader``."""
     _import_dali()
     spec = SplitSpec.from_params(params, split, rank, world_size, mode="dali-lowmem")
-    if spec.path.exists():   # twins alone are fine; an .h5 beside them must be normalised as utils/units.py says
-        check_normalisation(spec.path)
+    check_normalisation(spec.path)  # twins alone are fine; an .h5 beside them must be normalised as units.py says
     data_file, label_file = npy_paths(spec.path)  # no keys of their own: the .npy twins of train/val_path
     check_npy_file(data_file, spec.box, spec.in_channels, spec.path)
     check_npy_file(label_file, spec.box, spec.out_channels, spec.path)

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from utils import symmetry
-from utils.data.spec import PlannedLoader, ShardedSampler, SplitSpec, build_sampler
-from utils.data.torch_loader import RandomCropDataset
+from utils.data.batches import PlannedLoader, batch_plans
+from utils.data.torch_loader import RandomCropDataset, ShardedSampler, SplitSpec, build_sampler
 
 # Batches being filled ahead of the one the consumer is using.
 PREFETCH_BATCHES = 2
@@ -150,7 +150,7 @@ class FastLoader(PlannedLoader):
                             f"{num_workers} thread{'s' * (num_workers != 1)}{', pinned' * pin_memory}")
 
     def __iter__(self):
-        batches = self.sampler.batch_plans()
+        batches = batch_plans(self.sampler)
         if self.num_workers == 0:
             for batch in batches:
                 yield self._fill_here(batch)

@@ -10,13 +10,13 @@ quickstart validation box: mean rounding error of the targets 1.1e-5 in fp16 and
 stored clip value 0.999, and everything above 0.998, to exactly 1, which the tanh output never reaches.
 
 Each batch is then made on the device by a handful of batched kernels, with no host traffic (this
-rank's crop plan of the epoch, ``sampler.epoch_plan()``, is copied to the device once per epoch and
+rank's crop plan of the epoch, ``epoch_plan(sampler)``, is copied to the device once per epoch and
 cut into the sampler's batches there). With ``prefetch`` (``gpu_prefetch: true``, the default) the
 next batch is made on a side CUDA stream while the consumer's step runs: the gathers are
 memory-bound and the convolutions compute-bound, so the two can share the GPU.
 
-Crop and symmetry transform are one call per volume, ``symmetry.transform_torch``: a gather of the
-crops' positions, moved by each sample's element, from the flattened volume, then the velocity
+Crop and symmetry transform are one call per volume, ``transform_torch`` (symmetry_torch.py): a gather of
+the crops' positions, moved by each sample's element, from the flattened volume, then the velocity
 components' channel gather and sign. With fp32 storage the batches equal those of the CPU loaders bit
 for bit; with 16-bit storage they equal them rounded to that dtype. Under spatial parallelism only this rank's
 slab of each crop is gathered (``planes``).
@@ -39,10 +39,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from utils import symmetry
+from utils.data.batches import PlannedLoader, batch_slices, epoch_plan
 from utils.data.fast import hand_over
-from utils.data.files import check_data_file
-from utils.data.spec import PlannedLoader, ShardedSampler, SplitSpec, build_sampler
+from utils.data.symmetry_torch import element_table, transform_torch
+from utils.data.torch_loader import ShardedSampler, SplitSpec, build_sampler, check_data_file
 from utils.errors import DataError
 
 STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -110,7 +110,7 @@ class GPUResidentLoader(PlannedLoader):
         self.inp = load_volume(spec.path, "Nbody", dtype, self.device, progress)  # (C_in, N, N, N)
         self.tar = load_volume(spec.path, "Hydro", dtype, self.device, progress)  # (C_out, N, N, N)
         # Each volume's symmetry tables, copied to the device once: every batch looks its elements up there.
-        self.tables = tuple(symmetry.element_table(volume.shape[0]).to(self.device)
+        self.tables = tuple(element_table(volume.shape[0]).to(self.device)
                             for volume in (self.inp, self.tar))
         self.make_crops = torch.compile(make_crops, dynamic=False) if gather == "compiled" else make_crops
         self.description = f"gpu-resident {storage_dtype} volumes on {self.device}" + (
@@ -118,9 +118,9 @@ class GPUResidentLoader(PlannedLoader):
             ", next batch made on a side stream" if self.prefetch else "")
 
     def __iter__(self):
-        plan = self.sampler.epoch_plan()
+        plan = epoch_plan(self.sampler)
         corners, elements = (torch.tensor(a, device=self.device) for a in (plan.corners, plan.elements))
-        slices = self.sampler.batch_slices(len(plan))
+        slices = batch_slices(self.sampler, len(plan))
         if not self.prefetch:
             for batch in slices:
                 yield self.make_batch(corners[batch], elements[batch])
@@ -154,9 +154,9 @@ class GPUResidentLoader(PlannedLoader):
 
 def make_crops(inp, tar, corners, elements, inp_table, tar_table, crop, memory_format, planes=None):
     """(inp, tar): (B, C, S, S, S) float32 crops of the (C, N, N, N) volumes ``inp`` and ``tar`` at ``corners``
-    (B, 3), moved by the symmetry ``elements`` (B,); each volume's ``symmetry.element_table`` on its device.
+    (B, 3), moved by the symmetry ``elements`` (B,); each volume's ``element_table`` on its device.
     ``planes`` (spatial parallelism): only this rank's slab of each crop's depth is gathered."""
-    return tuple(symmetry.transform_torch(volume, elements, corners, crop, table, memory_format, planes)
+    return tuple(transform_torch(volume, elements, corners, crop, table, memory_format, planes)
                  for volume, table in ((inp, inp_table), (tar, tar_table)))
 
 

@@ -1,31 +1,219 @@
-"""The PyTorch data path: random crops of periodic boxes with random cube-symmetry augmentation.
+"""The default data path, top to bottom: data file -> split settings -> sample plan -> sampler -> dataset -> loader.
 
-Vocabulary of the tutorial:
-- ``RandomCropDataset`` serves sample ``(epoch, index)``: a ``data_size``^3 crop of the N-body
-  input (4 channels) and the matching hydro target (5 channels).
-  Both are moved by the same one of the 48 symmetries of the cube, velocity vectors included
-  (``symmetry.transform``, utils/symmetry.py).
-- ``get_torch_loader`` builds the straightforward ``DataLoader`` of a split: worker processes
-  read and transform one sample each, the default collate stacks them into a batch.
-  (``utils.data.get_data_loader``, the factory, picks it or one of the faster loaders.)
+A split's HDF5 file holds two float32 datasets over the same periodic N^3 box: ``Nbody`` (4, N, N, N), the
+N-body (dark matter) input, and ``Hydro`` (5, N, N, N), the hydro (gas) target; channels 1-3 of both are
+velocity components (``symmetry.VECTOR_CHANNELS``). ``RandomCropDataset`` serves sample ``(epoch, index)``: a
+``data_size``^3 crop of each, both moved by the same one of the 48 symmetries of the cube, velocity vectors
+included (``symmetry.transform``, utils/symmetry.py). ``get_torch_loader`` wraps it in a torch ``DataLoader``:
+worker processes read and transform one sample each, the default collate stacks them into a batch.
 
-Which crop and symmetry sample ``index`` of ``epoch`` gets is ``sample_plan``'s (utils/data/spec.py);
-``ShardedSampler`` gives each rank its share of the indices.
+Reproducibility contract: the crop corner and symmetry element of sample ``index`` in ``epoch`` are a pure
+function of ``(seed, epoch, index)`` (``sample_plan``), independent of world size, rank and loader workers.
+Ranks take disjoint shares of the indices (``ShardedSampler``); step ``s`` of an epoch uses indices
+``[s * global_batch, (s + 1) * global_batch)`` whatever the world size, so a 2-rank run sees the same global
+batches as a 1-rank run and a resumed run continues exactly. Under spatial parallelism (``spatial_parallel:
+P``) the P ranks sharing a crop are one data rank: they get the same indices, and each is served its slab of
+every crop (``SplitSpec.planes``). The faster loaders (fast.py, gpu.py, dali.py) build on this module's
+``SplitSpec``, ``sample_plan`` and sampler, so they serve the same stream. Errors a user can hit are one-line
+``DataError``s (utils/errors.py). This module imports nothing of the data package.
 """
 import os
 import signal
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils import symmetry
-from utils.data.files import check_data_file
-from utils.data.spec import SplitSpec, build_sampler
-from utils.errors import DataError
+from utils.config import check_batch_split, resolve_path
+from utils.errors import DataError, first_line
+
+SPLITS = {"train": 0, "val": 1}
 
 
+# --- the data file ------------------------------------------------------------------------------------------------
+def read_volume_shapes(path, channels, hint=""):
+    """Shapes of the (C, N, N, N) datasets ``channels`` names ({key: C}) in HDF5 file ``path``.
+
+    DataError, one line, for an unreadable file, a missing dataset, a wrong channel count or a
+    non-cubic box; ``hint`` ends the channel-count message.
+    """
+    try:
+        with h5py.File(path, "r") as f:
+            shapes = {}
+            for key, num_channels in channels.items():
+                if key not in f:
+                    raise DataError(f"{path} has no dataset '{key}' (found: {', '.join(f.keys()) or 'none'}); "
+                                    f"expected " + " and ".join(f"'{k}' ({c}, N, N, N)" for k, c in channels.items()))
+                shape = f[key].shape
+                if len(shape) != 4 or shape[0] != num_channels:
+                    raise DataError(f"{path}: dataset '{key}' has shape {shape}, expected ({num_channels}, N, N, N)"
+                                    f"{hint}")
+                if not shape[1] == shape[2] == shape[3]:
+                    raise DataError(f"{path}: dataset '{key}' is not a cubic box: shape {shape}")
+                shapes[key] = shape
+    except OSError as err:
+        raise DataError(f"cannot read {path} as HDF5: {first_line(err)}") from None
+    return shapes
+
+
+def check_data_file(path, box, in_channels, out_channels):
+    """Fail early, with a one-line message, on anything that would break training later."""
+    path = resolve_path(path)
+    if path.is_dir():
+        raise DataError(f"data path {path} is a directory; give the HDF5 file in it (train_path/val_path, e.g. "
+                        f"{path / 'train.h5'})")
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist; generate one with "
+                        f"`python -m utils.make_dataset --box {box} --out {path}` or point "
+                        f"train_path/val_path at the real files (see README, 'Data')")
+    shapes = read_volume_shapes(path, {"Nbody": in_channels, "Hydro": out_channels})
+    if shapes["Nbody"][1:] != shapes["Hydro"][1:]:
+        raise DataError(f"{path}: Nbody box {shapes['Nbody'][1:]} differs from Hydro box {shapes['Hydro'][1:]}; the "
+                        f"two volumes must cover the same cells: rewrite or regenerate the file")
+    if shapes["Nbody"][1] != box:
+        raise DataError(f"{path} holds a {shapes['Nbody'][1]}^3 box but the config's box_size says {box}; "
+                        f"set box_size to match the files")
+    return path
+
+
+# --- what a split serves ------------------------------------------------------------------------------------------
+@lru_cache(maxsize=8)
+def sample_plan(seed, split, epoch, num_samples, box, crop, augment=True):
+    """Crop corners (num_samples, 3) and symmetry elements (num_samples,) of one epoch.
+
+    A pure function of its arguments: every worker and rank computes the same plan and indexes it.
+    Validation always uses epoch 0 and no augmentation, so its crops are the same every epoch.
+    """
+    def stream(kind):  # one generator per quantity, so sample i does not depend on num_samples
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, SPLITS[split], epoch, kind])))
+    corners = stream(0).integers(0, box - crop + 1, size=(num_samples, 3))
+    elements = stream(1).integers(0, symmetry.NUM_ELEMENTS, size=num_samples)
+    if not augment:
+        elements[:] = symmetry.IDENTITY
+    for array in (corners, elements):
+        array.setflags(write=False)
+    return corners, elements
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """Everything about one split that a loader needs, read from the config once (``from_params``).
+
+    ``box`` is the edge of the box the crops are drawn from: the config's ``box_size`` of the
+    split, except in ``synthetic`` mode, whose random in-memory box is ``min(box_size, 2 * crop)``
+    (big enough for distinct crops). ``path`` is the split's HDF5 file, resolved (unused by
+    ``synthetic``); ``mode`` is ``data_loader_config`` unless a loader asks for another.
+    """
+    split: str                 # 'train' or 'val'
+    mode: str                  # synthetic | inmem | lowmem | gpu | dali-lowmem
+    path: Path
+    box: int
+    crop: int
+    seed: int
+    num_samples: int
+    augment: bool              # random cube symmetries: training only, if enabled
+    in_channels: int
+    out_channels: int
+    global_batch_size: int
+    rank: int = 0              # the data rank: ranks sharing a crop (spatial parallelism) share it
+    world_size: int = 1        # the number of data ranks
+    num_workers: int = 0       # num_data_workers: worker processes or threads, by loader
+    spatial_parallel: int = 1  # ranks sharing each crop, each served a slab of its depth
+    spatial_index: int = 0     # which slab this rank gets
+
+    @classmethod
+    def from_params(cls, params, split, rank=0, world_size=1, mode=None):
+        """``rank`` and ``world_size`` are global: the P = spatial_parallel ranks of one crop are consecutive
+        (utils/spatial.py's mesh), so global rank r is data rank r // P and holds slab r % P."""
+        mode = mode or params.data_loader_config
+        size = params.spatial_parallel
+        train = split == "train"
+        box, crop = params.box_size[SPLITS[split]], params.data_size
+        if mode == "synthetic":
+            box = min(box, 2 * crop)
+        return cls(split=split, mode=mode, path=resolve_path(params.train_path if train else params.val_path),
+                   box=box, crop=crop, seed=params.seed,
+                   num_samples=params.Nsamples if train else params.Nsamples_val,
+                   augment=params.enable_augmentation and train,
+                   in_channels=params.N_in_channels, out_channels=params.N_out_channels,
+                   global_batch_size=params.global_batch_size, rank=rank // size, world_size=world_size // size,
+                   num_workers=params.num_data_workers, spatial_parallel=size, spatial_index=rank % size)
+
+    @property
+    def local_batch_size(self):
+        """This rank's share of a global batch (``ShardedSampler`` checks that it divides evenly)."""
+        return self.global_batch_size // self.world_size
+
+    @property
+    def planes(self):
+        """(start, stop): this rank's planes along each crop's depth, or None when it gets whole crops."""
+        if self.spatial_parallel == 1:
+            return None
+        depth = self.crop // self.spatial_parallel
+        return self.spatial_index * depth, (self.spatial_index + 1) * depth
+
+    def plan(self, epoch):
+        """``sample_plan`` of this split: crop corners and symmetry elements of every sample of ``epoch``."""
+        return sample_plan(self.seed, self.split, epoch, self.num_samples, self.box, self.crop, self.augment)
+
+    def check_crop_fits(self):
+        if self.crop > self.box:
+            raise DataError(f"crop size {self.crop} is larger than the {self.split} box ({self.box})")
+
+
+class ShardedSampler(Sampler):
+    """Yields this rank's ``(epoch, index)`` keys; call ``set_epoch`` before each epoch.
+
+    training: step s of global batch B gives rank r the indices s*B + r*(B/W) ... + B/W - 1, so
+    global batches do not depend on the world size W; the last Nsamples % B samples are dropped.
+    ``set_epoch(epoch, start_step)`` starts mid-epoch, as a resumed run does.
+    validation: every sample once, rank r taking indices r, r + W, ... (shares may differ by one).
+    ``plan`` (``SplitSpec.plan``) is what the batch loaders (batches.py) read each sample's crop from.
+    """
+
+    def __init__(self, num_samples, global_batch_size, rank=0, world_size=1, split="train", plan=None):
+        check_batch_split(global_batch_size, world_size)
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.rank, self.world_size, self.split = rank, world_size, split
+        self.local_batch_size = global_batch_size // world_size
+        self.steps_per_epoch = num_samples // global_batch_size
+        self.epoch = self.start_step = 0
+        self.plan = plan
+
+    def set_epoch(self, epoch, start_step=0):
+        self.epoch, self.start_step = epoch, start_step
+
+    def indices(self):
+        if self.split == "val":
+            return range(self.rank, self.num_samples, self.world_size)
+        offsets = self.rank * self.local_batch_size + np.arange(self.local_batch_size)
+        steps = np.arange(self.start_step, self.steps_per_epoch)
+        return (steps[:, None] * self.global_batch_size + offsets).ravel().tolist()
+
+    def __iter__(self):
+        return ((self.epoch, index) for index in self.indices())
+
+    def __len__(self):
+        """This rank's number of samples in the current epoch (from ``start_step`` on)."""
+        return len(self.indices())
+
+
+def build_sampler(spec):
+    """This rank's ShardedSampler for ``spec``'s split, shared by every loader."""
+    sampler = ShardedSampler(spec.num_samples, spec.global_batch_size, spec.rank, spec.world_size, spec.split,
+                             plan=spec.plan)
+    if spec.split == "train" and sampler.steps_per_epoch == 0:
+        raise DataError(f"Nsamples={spec.num_samples} is smaller than global_batch_size={spec.global_batch_size}: "
+                        f"an epoch would have no step")
+    return sampler
+
+
+# --- the dataset and its loader -----------------------------------------------------------------------------------
 class RandomCropDataset(Dataset):
     """Sample ``(epoch, index)`` -> (input (C_in, S, S, S), target (C_out, S, S, S)) float32 tensors; under
     spatial parallelism this rank's slab of them, (C, S / spatial_parallel, S, S) (``spec.planes``).
