@@ -24,13 +24,13 @@ RUN = True  # Key(..., RUN): the key defines the run
 @dataclass(frozen=True)
 class Key:
     """One config key: its type (bool, int, float, str, list of positive integers, or a section's dict of Keys),
-    its doc (the flag's help), whether it defines the run, and the values it allows.
+    doc (the flag's help), whether it defines the run, and the values it allows.
 
     A checkpoint continues only under the same run-defining (``RUN``) values: the model, the loss, the optimisation
-    trajectory (batch size, LR schedule, and num_epochs and Nsamples that set its length; noddp) and the data
+    trajectory (batch size, LR schedule and the num_epochs and Nsamples that set its length, noddp) and the data
     (which crops, in which order). The others may change on resume: speed and precision knobs, DDP tuning and
     gradient compression (only rounding changes, as with another world size), logging, profiling, data generation,
-    the initialisation (the checkpoint has the weights), and the world size (every one gets the same batches).
+    the initialisation (the checkpoint has the weights) and the world size (each gets the same global batches).
     """
     type: object
     doc: str
@@ -161,7 +161,7 @@ def _allowed(value, key):
     """Whether ``value`` has ``key``'s type (true and false are not numbers) and is one of the values it allows."""
     if key.type is list:
         return (isinstance(value, list) and len(value) == (key.length or len(value)) > 0
-                and all(type(item) is int and item > 0 for item in value))
+                and all(isinstance(item, int) and not isinstance(item, bool) and item > 0 for item in value))
     if (not isinstance(value, (int, float) if key.type is float else key.type) or value == ""
             or isinstance(value, bool) != (key.type is bool) or (key.type is float and not math.isfinite(value))):
         return False
@@ -248,7 +248,9 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
                           f"{type(configs[name]).__name__}")
     values = dict(configs[name] or {})
     _check_keys(values, SCHEMA, f" in config '{name}'", lambda missing: _missing_hint(missing, yaml_path))
-    for key, value in ((key, value) for key, value in (overrides or {}).items() if value is not None):
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
         section, _, sub = key.partition(".")
         if section not in SCHEMA:
             raise ConfigError(f"unknown override '{key}'; valid keys: {', '.join(sorted(SCHEMA))}")
@@ -348,8 +350,7 @@ def resolve_path(path):
 
 def save_config(params, path):
     """Write the resolved config atomically (a run folder's config.yaml names the command that made it)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
     try:
         with open(tmp, "w") as f:
             yaml.safe_dump(dict(params), f, sort_keys=False)
