@@ -150,6 +150,28 @@ def test_crop_larger_than_box_and_divisibility():
         load_config("base", overrides={"data_size": 48})
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"spatial_parallel": 3}, "spatial_parallel 3 does not divide the crop depth data_size=64; use a data_size"),
+    ({"spatial_parallel": 2, "upsample": "resize_conv"}, "shards only plain convolutions; use upsample: transposed"),
+    ({"spatial_parallel": 2, "data_loader_config": "dali-lowmem"}, "synthetic instead of dali-lowmem"),
+])
+def test_spatial_parallel_config_checks(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("base", overrides=overrides)
+    assert load_config("base", overrides={"spatial_parallel": 2}).spatial_parallel == 2
+
+
+def test_config_checks_import_the_spatial_extra_only_when_it_is_on():
+    import subprocess
+    import sys
+    from utils.config import REPO_ROOT
+    code = ("import sys; from utils.config import load_config; load_config('base'); "
+            "before = 'utils.spatial' in sys.modules; load_config('base', overrides={'spatial_parallel': 2}); "
+            "print(before, 'utils.spatial' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["False", "True"], result.stderr
+
+
 def test_resolved_config_round_trips(tmp_path):
     params = load_config("short_opt", overrides={"num_epochs": 7})
     save_config(params, tmp_path / "config.yaml")

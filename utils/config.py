@@ -1,15 +1,13 @@
 """Configuration: one YAML file of named configs, validated against a schema, plus command-line overrides.
 
-Precedence is one path, applied in this order and nowhere else:
-
+Precedence, applied in this order and nowhere else:
     base values  <  named config (``--config=NAME``)  <  $EXPDIR (expdir only)  <  command-line flags that were given
-
-A flag that was not given is ``None`` and changes nothing, so a config that turns an optimisation on is
-never silently turned off by an absent flag. Each key is defined once, as a ``Key`` in ``SCHEMA``: both its
-validation and its flag (``--key``, ``--section.key`` inside sections) are made from that definition.
+A flag that was not given is ``None`` and changes nothing, so an absent flag never turns off what a config turns
+on. Each key is one ``Key`` in ``SCHEMA``, which makes both its check and its flag (``--key``, ``--section.key``).
 """
 import argparse
 import math
+import operator
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,33 +23,29 @@ RUN = True  # Key(..., RUN): the key defines the run
 
 @dataclass(frozen=True)
 class Key:
-    """One config key: its type, one-line doc (the flag's help), whether it defines the run, and allowed values.
+    """One config key: its type (bool, int, float, str, list of positive integers, or a section's dict of Keys),
+    doc (the flag's help), whether it defines the run, and the values it allows.
 
-    ``type``: bool, int, float, str, list (of positive integers) or, for a section, the dict of its Keys.
-    Run-defining keys (``RUN``) are those whose change would make a resumed run a different run: the model,
-    the loss, the optimisation trajectory (batch size, LR schedule and its length: num_epochs and Nsamples set
-    the cosine's total_steps; noddp stops gradient averaging) and the data (which crops, in which order); a
-    checkpoint continues only under the same values. The others may change on resume: speed and precision
-    knobs, DDP tuning and gradient compression (only rounding and speed change, as with another world size),
-    logging, profiling, where data is generated from, the initialisation (weights come from the checkpoint), and
-    the world size (the loader gives every world size the same global batches).
+    A checkpoint continues only under the same run-defining (``RUN``) values: the model, the loss, the optimisation
+    trajectory (batch size, LR schedule and the num_epochs and Nsamples that set its length, noddp) and the data
+    (which crops, in which order). The others may change on resume: speed and precision knobs, DDP tuning and
+    gradient compression (only rounding changes, as with another world size), logging, profiling, data generation,
+    the initialisation (the checkpoint has the weights) and the world size (each gets the same global batches).
     """
     type: object
     doc: str
     defines_run: bool = False
     choices: tuple = ()
-    at_least: float | None = None  # numbers: the smallest value allowed
-    above: float | None = None     # numbers: values must be larger
-    below: float | None = None     # numbers: values must be smaller
-    length: int | None = None      # lists: the number of items (None: one or more)
-    nullable: bool = False         # null (YAML) or `null` (flag) is allowed
+    limits: str = ""           # numbers: bounds joined by " and ", each ">= N", "> N" or "< N"
+    length: int | None = None  # lists: the number of items (None: one or more)
+    nullable: bool = False     # null (YAML) or `null` (flag) is allowed
 
 
 LR_SCHEDULE = {
     "scaling": Key(str, "scale start_lr with global/base batch size", choices=("none", "linear", "sqrt")),
     "start_lr": Key(float, "learning rate at base_batch_size, before scaling"),
     "end_lr": Key(float, "learning rate at the end of the cosine decay"),
-    "warmup_steps": Key(int, "linear warm-up steps (only when the rate is scaled up)", at_least=0),
+    "warmup_steps": Key(int, "linear warm-up steps (only when the rate is scaled up)", limits=">= 0"),
 }
 WEIGHT_INIT = {
     "conv_init": Key(str, "initialisation of conv weights", choices=("normal",)),
@@ -59,44 +53,44 @@ WEIGHT_INIT = {
     "conv_bias": Key(float, "initial value of conv biases"),
 }
 BENCHY = {
-    "warmup_trials": Key(int, "trials run before the measured ones", at_least=0),
-    "trials": Key(int, "measured trials per mode", at_least=1),
-    "batches_per_trial": Key(int, "batches (steps) per trial", at_least=1),
+    "warmup_trials": Key(int, "trials run before the measured ones", limits=">= 0"),
+    "trials": Key(int, "measured trials per mode", limits=">= 1"),
+    "batches_per_trial": Key(int, "batches (steps) per trial", limits=">= 1"),
     "continue_training": Key(bool, "train normally after the trials instead of exiting"),
 }
 GENERATE_DATA = {
-    "train_seed": Key(int, "seed of the generated training box", at_least=0),
-    "val_seed": Key(int, "seed of the generated validation box", at_least=0),
+    "train_seed": Key(int, "seed of the generated training box", limits=">= 0"),
+    "val_seed": Key(int, "seed of the generated validation box", limits=">= 0"),
 }
 LYMAN_ALPHA = {
     "enabled": Key(bool, "compute the Lyman-alpha flux statistics (flux PDF, P1D) at validation"),
-    "redshift": Key(float, "redshift z of the fields (a = 1/(1+z))", at_least=0),
-    "omega_m": Key(float, "matter density of the flat LCDM that gives H(z)", at_least=0),
+    "redshift": Key(float, "redshift z of the fields (a = 1/(1+z))", limits=">= 0"),
+    "omega_m": Key(float, "matter density of the flat LCDM that gives H(z)", limits=">= 0"),
     "hubble_km_s_mpc_h": Key(float, "H(z) in km/s per Mpc/h; null: 100 sqrt(omega_m (1+z)^3 + 1 - omega_m)",
-                             above=0, nullable=True),
+                             limits="> 0", nullable=True),
     "cell_size_mpc_h": Key(float, "comoving cell size in Mpc/h; null: the validation file's cell_size_mpc_h "
-                                  "attribute (synthetic data: 20/256)", above=0, nullable=True),
-    "mean_flux": Key(float, "mean transmitted flux the true field is normalised to", above=0, below=1),
-    "skewer_stride": Key(int, "validation skewers: every n-th cell along both transverse axes of a crop", at_least=1),
+                                  "attribute (synthetic data: 20/256)", limits="> 0", nullable=True),
+    "mean_flux": Key(float, "mean transmitted flux the true field is normalised to", limits="> 0 and < 1"),
+    "skewer_stride": Key(int, "validation skewers: every n-th cell along both transverse axes", limits=">= 1"),
     "skewer_axes": Key(int, "skewers along the first spatial axis (1) or along all three (3)", choices=(1, 3)),
 }
 SCHEMA = {  # every key of every named config
     "weight_init": Key(WEIGHT_INIT, "weight initialisation"),
     "model_channels": Key(list, "U-Net widths, one per level, finest first", RUN),
-    "leaky_relu_slope": Key(float, "negative slope of the down path's LeakyReLU", RUN, at_least=0),
+    "leaky_relu_slope": Key(float, "negative slope of the down path's LeakyReLU", RUN, limits=">= 0"),
     "upsample": Key(str, "up-path operator: transposed convolution or a checkerboard-free one (networks/UNet.py)",
                     RUN, choices=("transposed", "resize_conv", "linear_conv", "transposed_blur")),
     "full_scale": Key(bool, "use every level of model_channels (False drops the coarsest)", RUN),
-    "N_in_channels": Key(int, "input channels (N-body: density, vx, vy, vz)", RUN, at_least=1),
-    "N_out_channels": Key(int, "output channels (hydro: density, vx, vy, vz, temperature)", RUN, at_least=1),
+    "N_in_channels": Key(int, "input channels (N-body: density, vx, vy, vz)", RUN, limits=">= 1"),
+    "N_out_channels": Key(int, "output channels (hydro: density, vx, vy, vz, temperature)", RUN, limits=">= 1"),
     "lambda_rho": Key(float, "weight of the L1 term on exp(14 x) of the gas density", RUN),
-    "global_batch_size": Key(int, "samples per optimiser step over all ranks", RUN, at_least=1),
-    "base_batch_size": Key(int, "batch size that lr_schedule.start_lr is tuned for", RUN, at_least=1),
+    "global_batch_size": Key(int, "samples per optimiser step over all ranks", RUN, limits=">= 1"),
+    "base_batch_size": Key(int, "batch size that lr_schedule.start_lr is tuned for", RUN, limits=">= 1"),
     "lr_schedule": Key(LR_SCHEDULE, "learning-rate schedule", RUN),
-    "num_epochs": Key(int, "training epochs", RUN, at_least=1),
-    "Nsamples": Key(int, "random crops per training epoch", RUN, at_least=1),
-    "Nsamples_val": Key(int, "crops per validation pass", RUN, at_least=1),
-    "seed": Key(int, "seed of weight init and of the crop/augmentation stream", RUN, at_least=0),
+    "num_epochs": Key(int, "training epochs", RUN, limits=">= 1"),
+    "Nsamples": Key(int, "random crops per training epoch", RUN, limits=">= 1"),
+    "Nsamples_val": Key(int, "crops per validation pass", RUN, limits=">= 1"),
+    "seed": Key(int, "seed of weight init and of the crop/augmentation stream", RUN, limits=">= 0"),
     "amp_mode": Key(str, "mixed precision", choices=("none", "fp16", "bf16")),
     "enable_fused": Key(bool, "fused Adam"),
     "enable_apex": Key(bool, "apex FusedAdam when importable"),
@@ -106,7 +100,7 @@ SCHEMA = {  # every key of every named config
                            "(networks/conv_forms.py): same maths, other speed and rounding"),
     "enable_tf32": Key(bool, "TF32 matmuls and convolutions on GPU"),
     "cudnn_benchmark_limit": Key(int, "cuDNN engines timed per new convolution shape (PyTorch's default 10; 0: all "
-                                      "that fit, slower start)", at_least=0),
+                                      "that fit, slower start)", limits=">= 0"),
     "stream_priority": Key(str, "CUDA stream of the step: normal (the default stream) or high (gpu loader gathers "
                                 "get only the idle SMs)", choices=("normal", "high")),
     "device": Key(str, "auto: the rank's GPU when CUDA is visible, else the CPU", choices=("auto", "cuda", "cpu")),
@@ -124,29 +118,30 @@ SCHEMA = {  # every key of every named config
     "train_path": Key(str, "training HDF5 file", RUN),
     "val_path": Key(str, "validation HDF5 file", RUN),
     "box_size": Key(list, "edge of the training and validation boxes, cells", RUN, length=2),
-    "data_size": Key(int, "crop edge, cells", RUN, at_least=1),
+    "data_size": Key(int, "crop edge, cells", RUN, limits=">= 1"),
     "num_data_workers": Key(int, "loader workers per rank (processes, fast_loader threads or DALI threads; not gpu)",
-                            at_least=0),
+                            limits=">= 0"),
     "enable_augmentation": Key(bool, "random cube-symmetry augmentation", RUN),
     "generate_data": Key(GENERATE_DATA, "generate missing data files", nullable=True),
-    "bucket_cap_mb": Key(int, "DDP gradient bucket size, MB", at_least=1),
+    "bucket_cap_mb": Key(int, "DDP gradient bucket size, MB", limits=">= 1"),
     "broadcast_buffers": Key(bool, "DDP broadcasts module buffers every forward"),
     "gradient_as_bucket_view": Key(bool, "gradients are views into DDP buckets (saves a copy and memory)"),
     "static_graph": Key(bool, "DDP static_graph optimisations (same graph every step)"),
     "ddp_comm_hook": Key(str, "gradient compression for the all-reduce", choices=("none", "bf16")),
     "noddp": Key(bool, "no gradient synchronisation: measures compute alone (not real training)", RUN),
     "spatial_parallel": Key(int, "ranks sharing each crop, each holding a slab of its depth (utils/spatial.py); "
-                                 "world size = data ranks x this", at_least=1),
-    "checkpoint_every_n_steps": Key(int, "steps between checkpoints; 0: off", at_least=0),
+                                 "world size = data ranks x this", limits=">= 1"),
+    "checkpoint_every_n_steps": Key(int, "steps between checkpoints; 0: off", limits=">= 0"),
     "checkpoint_every_minutes": Key(float, "wall-clock minutes between checkpoints; 0: off (epoch ends and "
-                                           "preemption always checkpoint)", at_least=0),
-    "keep_checkpoints": Key(int, "newest checkpoints kept in the run directory", at_least=1),
+                                           "preemption always checkpoint)", limits=">= 0"),
+    "keep_checkpoints": Key(int, "newest checkpoints kept in the run directory", limits=">= 1"),
     "deterministic": Key(bool, "deterministic algorithms, so resumed runs are bit-identical"),
     "expdir": Key(str, "root folder of runs"),
-    "log_every_n_steps": Key(int, "steps between progress lines", at_least=1),
+    "log_every_n_steps": Key(int, "steps between progress lines", limits=">= 1"),
     "peak_tflops": Key(float, "device peak TFLOP/s for MFU; null looks it up for known GPUs", nullable=True),
     "lyman_alpha": Key(LYMAN_ALPHA, "Lyman-alpha forest statistics at validation (units, sampling)"),
 }
+COMPARE = {">=": operator.ge, ">": operator.gt, "<": operator.lt}  # Key.limits' signs
 NULL = type("Null", (), {"__repr__": lambda self: "null"})()  # a flag's explicit null (None means "not given")
 
 
@@ -156,15 +151,10 @@ def _expected(key):
         return f"a mapping with keys {', '.join(key.type)}"
     if key.choices:
         return f"one of {', '.join(map(str, key.choices))}"
-    if key.type is list:
-        return f"a list of {key.length or 'one or more'} positive integers"
     if key.type is int:
-        return "a positive integer" if key.at_least == 1 else f"an integer >= {key.at_least}"
-    if key.type is float:
-        bounds = " and ".join(f"{sign} {limit:g}" for sign, limit in ((">=", key.at_least), (">", key.above),
-                                                                        ("<", key.below)) if limit is not None)
-        return f"a finite number {bounds}".rstrip()
-    return {bool: "true or false", str: "a non-empty string"}[key.type]
+        return "a positive integer" if key.limits == ">= 1" else f"an integer {key.limits}"
+    return {list: f"a list of {key.length or 'one or more'} positive integers", bool: "true or false",
+            str: "a non-empty string", float: f"a finite number {key.limits}".rstrip()}[key.type]
 
 
 def _allowed(value, key):
@@ -172,13 +162,11 @@ def _allowed(value, key):
     if key.type is list:
         return (isinstance(value, list) and len(value) == (key.length or len(value)) > 0
                 and all(isinstance(item, int) and not isinstance(item, bool) and item > 0 for item in value))
-    kind = (int, float) if key.type is float else key.type
-    if not isinstance(value, kind) or isinstance(value, bool) != (key.type is bool):
+    if (not isinstance(value, (int, float) if key.type is float else key.type) or value == ""
+            or isinstance(value, bool) != (key.type is bool) or (key.type is float and not math.isfinite(value))):
         return False
-    if (key.type is str and not value) or (key.type is float and not math.isfinite(value)):
-        return False
-    return ((not key.choices or value in key.choices) and (key.at_least is None or value >= key.at_least)
-            and (key.above is None or value > key.above) and (key.below is None or value < key.below))
+    bounds = (limit.split() for limit in key.limits.split(" and ") if limit)
+    return (not key.choices or value in key.choices) and all(COMPARE[sign](value, float(at)) for sign, at in bounds)
 
 
 def _validate(name, value, key):
@@ -199,32 +187,32 @@ def _validate(name, value, key):
     return float(checked) if key.type is float else checked
 
 
-def _check_keys(values, schema, where, missing_hint=None):
-    unknown = sorted(set(values) - set(schema))
+def _check_keys(values, schema, where, missing_hint=lambda missing: ""):
+    """A one-line ConfigError naming the keys of ``values`` that ``schema`` lacks, else those it has and they lack."""
+    unknown, missing = sorted(set(values) - set(schema)), sorted(set(schema) - set(values))
     if unknown:
-        raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
-                          f"{where}; valid keys: {', '.join(sorted(schema))}")
-    missing = sorted(set(schema) - set(values))
+        raise ConfigError(f"unknown config key{'s' * (len(unknown) > 1)} {', '.join(unknown)}{where}; "
+                          f"valid keys: {', '.join(sorted(schema))}")
     if missing:
-        raise ConfigError(f"missing config key{'s' if len(missing) > 1 else ''} {', '.join(missing)}{where}"
-                          + (missing_hint(missing) if missing_hint else ""))
+        raise ConfigError(f"missing config key{'s' * (len(missing) > 1)} {', '.join(missing)}{where}"
+                          + missing_hint(missing))
 
 
 def _missing_hint(missing, yaml_path):
-    """What to do about top-level keys a named config lacks: a YAML written for older code lacks a few keys added
-    since (say what to add); one that lacks many forgot to inherit them."""
+    """A YAML written for older code lacks a few keys added since: say what to add. One that lacks many, or keys
+    the shipped base lacks too, forgot to inherit them."""
     shipped = read_yaml(DEFAULT_YAML).get("base") or {}
     if len(missing) > 3 or not all(key in shipped for key in missing):
         return "; a config gets the keys it does not set from another with a YAML anchor, as config/UNet.yaml's do " \
                "(`<<: *base`)"
-    addition = "; ".join(f"{key}: " + yaml.safe_dump(shipped[key], default_flow_style=True, width=1e9)
-                         .removesuffix("...\n").strip() for key in missing)
-    return (f" of {yaml_path}; add {addition} (the default{'s' if len(missing) > 1 else ''} in "
-            f"{DEFAULT_YAML.relative_to(REPO_ROOT)}'s base)")
+    add = "; ".join(f"{key}: {yaml.safe_dump(shipped[key], default_flow_style=True, width=1e9)}"
+                    .removesuffix("...\n").strip() for key in missing)
+    return f" of {yaml_path}; add {add} (the default{'s' * (len(missing) > 1)} in config/UNet.yaml's base)"
 
 
 class Params(dict):
     """A validated config: a dict whose keys are also attributes (``params.global_batch_size``)."""
+    __setattr__ = dict.__setitem__
 
     def __getattr__(self, key):
         try:
@@ -232,17 +220,14 @@ class Params(dict):
         except KeyError:
             raise AttributeError(key) from None
 
-    __setattr__ = dict.__setitem__
-
 
 def read_yaml(yaml_path):
+    """The file's {config name: config}, or a one-line ConfigError (a YAML error with its line and column)."""
     path = Path(yaml_path)
     try:
-        text = path.read_text()
+        configs = yaml.safe_load(path.read_text())
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
-    try:
-        configs = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -253,11 +238,8 @@ def read_yaml(yaml_path):
 
 
 def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
-    """Return the validated ``Params`` of config ``name`` with the given command-line ``overrides`` applied.
-
-    ``overrides`` maps config keys to values; ``None`` values mean "flag not given" and are skipped.
-    Nested keys are written ``section.key`` (e.g. ``lr_schedule.start_lr``).
-    """
+    """The validated ``Params`` of config ``name`` with ``overrides`` applied: {key or ``section.key``: value},
+    where None means "flag not given" (skipped) and NULL an explicit null."""
     configs = read_yaml(yaml_path)
     if name not in configs:
         raise ConfigError(f"unknown config '{name}' in {yaml_path}; available: {', '.join(configs)}")
@@ -265,31 +247,25 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
         raise ConfigError(f"config '{name}' in {yaml_path} must be a mapping of keys to values, got a "
                           f"{type(configs[name]).__name__}")
     values = dict(configs[name] or {})
-    _check_keys(values, SCHEMA, f" in config '{name}'", missing_hint=lambda missing: _missing_hint(missing, yaml_path))
+    _check_keys(values, SCHEMA, f" in config '{name}'", lambda missing: _missing_hint(missing, yaml_path))
     for key, value in (overrides or {}).items():
         if value is None:
             continue
-        value = None if value is NULL else value
         section, _, sub = key.partition(".")
         if section not in SCHEMA:
             raise ConfigError(f"unknown override '{key}'; valid keys: {', '.join(sorted(SCHEMA))}")
-        if sub:
-            values[section] = {**(values[section] or {}), sub: value}
-        else:
-            values[key] = value
-    params = Params({key: _validate(key, values[key], entry) for key, entry in SCHEMA.items()})
-    params["config_name"] = name
+        value = None if value is NULL else value
+        values[section] = {**(values[section] or {}), sub: value} if sub else value
+    params = Params({key: _validate(key, values[key], entry) for key, entry in SCHEMA.items()}, config_name=name)
     _check_consistency(params)
     return params
 
 
 def config_flags():
     """{flag name: Key} of every config key; flags name a section's keys ``section.key``."""
-    flags = {}
-    for key, entry in SCHEMA.items():
-        section = isinstance(entry.type, dict)
-        flags.update({f"{key}.{sub}": sub_entry for sub, sub_entry in entry.type.items()} if section else {key: entry})
-    return flags
+    return {name: entry for key, top in SCHEMA.items() for name, entry in
+            ([(f"{key}.{sub}", entry) for sub, entry in top.type.items()] if isinstance(top.type, dict) else
+             [(key, top)])}
 
 
 def _or_null(parse):
@@ -301,46 +277,34 @@ def _or_null(parse):
 
 
 def add_config_arguments(parser, aliases=None):
-    """One flag per config key, made from its Key; every flag defaults to None ("not given").
-
-    On/off keys also get a ``--no-`` form. ``aliases`` maps extra on/off flag names (the SC21 tutorial's
-    ``--disable_tf32`` and friends) to ``(key, value_when_on, value_when_off)``.
-    """
+    """One flag per config key, made from its Key, defaulting to None ("not given"); on/off keys also get a
+    ``--no-`` form. ``aliases`` maps extra on/off flags (SC21's ``--disable_tf32``) to (key, value on, value off)."""
     group = parser.add_argument_group("config keys (override the named config; see config/UNet.yaml)")
     for name, key in config_flags().items():
-        if key.type is bool:
-            form = dict(action=argparse.BooleanOptionalAction)
-        else:
-            item = int if key.type is list else key.type
-            form = dict(type=_or_null(item) if key.nullable else item, choices=key.choices or None,
-                        metavar=None if key.choices else {int: "N", float: "X"}.get(item, "TEXT"))
-            if key.type is list:
-                form["nargs"] = key.length or "+"
+        item = int if key.type is list else key.type
+        form = dict(action=argparse.BooleanOptionalAction) if key.type is bool else dict(
+            type=_or_null(item) if key.nullable else item, choices=key.choices or None,
+            metavar=None if key.choices else {int: "N", float: "X"}.get(item, "TEXT"),
+            nargs=(key.length or "+") if key.type is list else None)
         group.add_argument(f"--{name}", dest=name, default=None, help=key.doc, **form)
     for alias, (key, on, off) in (aliases or {}).items():
         group.add_argument(f"--{alias}", dest=f"alias:{alias}", default=None, action=argparse.BooleanOptionalAction,
-                           help=f"same as {_alias_help(key, on)}; --no-{alias}: {_alias_help(key, off)}")
+                           help=f"same as {_as_flag(key, on)}; --no-{alias}: {_as_flag(key, off)}")
 
 
-def _alias_help(key, value):
-    if isinstance(value, bool):
-        return f"--{key}" if value else f"--no-{key}"
-    return f"--{key}={value}"
+def _as_flag(key, value):
+    return (f"--{key}" if value else f"--no-{key}") if isinstance(value, bool) else f"--{key}={value}"
 
 
 def config_overrides_from_args(args, aliases=None):
-    """{key: value} of the config flags that were given (see add_config_arguments); an alias that
-    contradicts its key's own flag is a ConfigError."""
+    """{key: value} of the config flags that were given; an alias contradicting its key's flag is a ConfigError."""
     overrides = {name: getattr(args, name) for name in config_flags() if getattr(args, name, None) is not None}
     for alias, (key, on, off) in (aliases or {}).items():
         given = getattr(args, f"alias:{alias}", None)
-        if given is None:
-            continue
         value = on if given else off
-        if overrides.get(key, value) != value:
-            raise ConfigError(f"--{'' if given else 'no-'}{alias} means {_alias_help(key, value)} and contradicts "
-                              f"{_alias_help(key, overrides[key])}")
-        overrides[key] = value
+        if given is not None and overrides.setdefault(key, value) != value:
+            raise ConfigError(f"--{'' if given else 'no-'}{alias} means {_as_flag(key, value)} and contradicts "
+                              f"{_as_flag(key, overrides[key])}")
     return overrides
 
 
@@ -355,6 +319,7 @@ def check_batch_split(global_batch_size, world_size, spatial_parallel=1):
 
 
 def _check_consistency(params):
+    """What the keys need of each other."""
     if not params.full_scale and len(params.model_channels) < 2:
         raise ConfigError("full_scale: false needs at least two model_channels levels")
     levels = len(params.model_channels) - (0 if params.full_scale else 1)
@@ -369,25 +334,12 @@ def _check_consistency(params):
         except ValueError as err:
             raise ConfigError(str(err)) from None
     if params.spatial_parallel > 1:
-        _check_spatial(params)
+        from utils.spatial import check_spatial_config  # an opt-in extra (and torch)
+        check_spatial_config(params)
     for box, split in zip(params.box_size, ("training", "validation")):
         if params.data_size > box:
             raise ConfigError(f"crop size data_size={params.data_size} is larger than the {split} box "
                               f"({box}); lower data_size or use a larger box")
-
-
-def _check_spatial(params):
-    """What spatial parallelism needs of the config alone (the world size is checked at launch, in train.py)."""
-    size = params.spatial_parallel
-    if params.data_size % size:
-        raise ConfigError(f"spatial_parallel {size} does not divide the crop depth data_size={params.data_size}; "
-                          f"use a data_size that is a multiple of {size} or a spatial_parallel dividing it")
-    if params.upsample != "transposed" or params.conv_forms != "native":
-        raise ConfigError(f"spatial_parallel {size} shards only plain convolutions; use upsample: transposed and "
-                          f"conv_forms: native (got {params.upsample}, {params.conv_forms})")
-    if params.data_loader_config == "dali-lowmem":
-        raise ConfigError(f"spatial_parallel {size} needs a loader that serves each rank its slab: use "
-                          f"data_loader_config inmem, lowmem, gpu or synthetic instead of dali-lowmem")
 
 
 def resolve_path(path):
@@ -398,8 +350,7 @@ def resolve_path(path):
 
 def save_config(params, path):
     """Write the resolved config atomically (a run folder's config.yaml names the command that made it)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
     try:
         with open(tmp, "w") as f:
             yaml.safe_dump(dict(params), f, sort_keys=False)

@@ -437,3 +437,17 @@ def sum_gradients(model, spatial):
     for parameter in model.parameters():
         if parameter.grad is not None:
             dist.all_reduce(parameter.grad, group=spatial.group)
+
+
+def check_spatial_config(params):
+    """One-line ConfigError unless the config alone allows spatial parallelism (launch checks the world size)."""
+    size = params.spatial_parallel
+    if params.data_size % size:
+        raise ConfigError(f"spatial_parallel {size} does not divide the crop depth data_size={params.data_size}; "
+                          f"use a data_size that is a multiple of {size} or a spatial_parallel dividing it")
+    if params.upsample != "transposed" or params.conv_forms != "native":
+        raise ConfigError(f"spatial_parallel {size} shards only plain convolutions; use upsample: transposed and "
+                          f"conv_forms: native (got {params.upsample}, {params.conv_forms})")
+    if params.data_loader_config == "dali-lowmem":
+        raise ConfigError(f"spatial_parallel {size} needs a loader that serves each rank its slab: use "
+                          f"data_loader_config inmem, lowmem, gpu or synthetic instead of dali-lowmem")
