@@ -1,21 +1,16 @@
 """The default data path, top to bottom: data file -> split settings -> sample plan -> sampler -> dataset -> loader.
 
-A split's HDF5 file holds two float32 datasets over the same periodic N^3 box: ``Nbody`` (4, N, N, N), the
-N-body (dark matter) input, and ``Hydro`` (5, N, N, N), the hydro (gas) target; channels 1-3 of both are
-velocity components (``symmetry.VECTOR_CHANNELS``). ``RandomCropDataset`` serves sample ``(epoch, index)``: a
-``data_size``^3 crop of each, both moved by the same one of the 48 symmetries of the cube, velocity vectors
-included (``symmetry.transform``, utils/symmetry.py). ``get_torch_loader`` wraps it in a torch ``DataLoader``:
-worker processes read and transform one sample each, the default collate stacks them into a batch.
+A split's HDF5 file holds two float32 datasets over one periodic N^3 box: ``Nbody`` (4, N, N, N), the N-body (dark
+matter) input, and ``Hydro`` (5, N, N, N), the hydro (gas) target. ``RandomCropDataset`` serves sample ``(epoch,
+index)``: a ``data_size``^3 crop of each, both moved by the same one of the 48 symmetries of the cube, velocity vectors
+included (utils/symmetry.py); a torch ``DataLoader``'s worker processes make one sample each and collate them.
 
-Reproducibility contract: the crop corner and symmetry element of sample ``index`` in ``epoch`` are a pure
-function of ``(seed, epoch, index)`` (``sample_plan``), independent of world size, rank and loader workers.
-Ranks take disjoint shares of the indices (``ShardedSampler``); step ``s`` of an epoch uses indices
-``[s * global_batch, (s + 1) * global_batch)`` whatever the world size, so a 2-rank run sees the same global
-batches as a 1-rank run and a resumed run continues exactly. Under spatial parallelism (``spatial_parallel:
-P``) the P ranks sharing a crop are one data rank: they get the same indices, and each is served its slab of
-every crop (``SplitSpec.planes``). The faster loaders (fast.py, gpu.py, dali.py) build on this module's
-``SplitSpec``, ``sample_plan`` and sampler, so they serve the same stream. Errors a user can hit are one-line
-``DataError``s (utils/errors.py). This module imports nothing of the data package.
+Reproducibility contract: sample ``index`` of ``epoch`` is a pure function of ``(seed, epoch, index)``
+(``sample_plan``), whatever the world size, rank or workers; step ``s`` uses indices ``[s * B, (s + 1) * B)`` of
+global batch B on any number of ranks, so a 2-rank run sees a 1-rank run's batches and a resumed run continues
+exactly. Under spatial parallelism the P ranks sharing a crop are one data rank, each served its slab
+(``SplitSpec.planes``). The faster loaders (fast.py, gpu.py, dali.py) build on this module's ``SplitSpec``,
+``sample_plan`` and sampler, so they serve the same stream.
 """
 import os
 import signal
@@ -37,11 +32,8 @@ SPLITS = {"train": 0, "val": 1}
 
 # --- the data file ------------------------------------------------------------------------------------------------
 def read_volume_shapes(path, channels, hint=""):
-    """Shapes of the (C, N, N, N) datasets ``channels`` names ({key: C}) in HDF5 file ``path``.
-
-    DataError, one line, for an unreadable file, a missing dataset, a wrong channel count or a
-    non-cubic box; ``hint`` ends the channel-count message.
-    """
+    """Shapes of the (C, N, N, N) datasets ``channels`` names ({key: C}) in HDF5 file ``path``, or a one-line
+    DataError (``hint`` ends the channel-count one)."""
     try:
         with h5py.File(path, "r") as f:
             shapes = {}
@@ -102,13 +94,8 @@ def sample_plan(seed, split, epoch, num_samples, box, crop, augment=True):
 
 @dataclass(frozen=True)
 class SplitSpec:
-    """Everything about one split that a loader needs, read from the config once (``from_params``).
-
-    ``box`` is the edge of the box the crops are drawn from: the config's ``box_size`` of the
-    split, except in ``synthetic`` mode, whose random in-memory box is ``min(box_size, 2 * crop)``
-    (big enough for distinct crops). ``path`` is the split's HDF5 file, resolved (unused by
-    ``synthetic``); ``mode`` is ``data_loader_config`` unless a loader asks for another.
-    """
+    """Everything about one split that a loader needs, read from the config once (``from_params``). ``box``: the
+    edge of the box the crops come from (``synthetic``: a random box of ``min(box_size, 2 * crop)``)."""
     split: str                 # 'train' or 'val'
     mode: str                  # synthetic | inmem | lowmem | gpu | dali-lowmem
     path: Path
@@ -216,15 +203,11 @@ def build_sampler(spec):
 # --- the dataset and its loader -----------------------------------------------------------------------------------
 class RandomCropDataset(Dataset):
     """Sample ``(epoch, index)`` -> (input (C_in, S, S, S), target (C_out, S, S, S)) float32 tensors; under
-    spatial parallelism this rank's slab of them, (C, S / spatial_parallel, S, S) (``spec.planes``).
+    spatial parallelism this rank's slab of them, (C, S / spatial_parallel, S, S).
 
-    mode ``lowmem`` reads each crop straight from the HDF5 file; ``inmem`` loads both volumes into
-    memory once (shared with forked workers); ``synthetic`` crops random in-memory volumes, so the
-    copy and augmentation pattern is the same with no file at all.
-
-    Built from a ``SplitSpec``, or from ``params`` and ``split`` (and optionally another ``mode``),
-    which make one.
-    """
+    ``lowmem`` reads each crop from the HDF5 file; ``inmem`` loads both volumes once (shared with forked workers);
+    ``synthetic`` crops random in-memory volumes: the same copy and augmentation work with no file. Built from a
+    ``SplitSpec``, or from ``params`` and ``split`` (and maybe another ``mode``)."""
 
     def __init__(self, spec, split=None, mode=None):
         if not isinstance(spec, SplitSpec):
@@ -286,20 +269,15 @@ class RandomCropDataset(Dataset):
 
 
 def ignore_stop_signals(worker_id=None):
-    """Loader workers leave SIGTERM/SIGUSR1 to the main process, which checkpoints and stops cleanly.
-
-    Slurm signals every process of a job step; a worker killed by the signal would crash the run.
-    """
+    """Loader workers leave SIGTERM/SIGUSR1 to the main process, which checkpoints and stops cleanly (Slurm signals
+    every process of a job step; a worker killed by the signal would crash the run)."""
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
 
 
 def get_torch_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
-    """``(loader, sampler)``: the straightforward ``DataLoader`` of ``split`` ('train' or 'val').
-
-    It yields batches ``(input (B, 4, S, S, S), target (B, 5, S, S, S))`` in the sampler's order,
-    after ``sampler.set_epoch(epoch)``.
-    """
+    """``(loader, sampler)``: the straightforward ``DataLoader`` of ``split`` ('train' or 'val'), batches
+    ``(input (B, 4, S, S, S), target (B, 5, S, S, S))`` in the sampler's order after ``sampler.set_epoch(epoch)``."""
     spec = SplitSpec.from_params(params, split, rank, world_size)
     dataset = RandomCropDataset(spec)
     sampler = build_sampler(spec)
