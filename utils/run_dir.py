@@ -6,8 +6,8 @@ never collides with an earlier one. ``--resume never`` starts over, in a new fol
 names one, where the earlier run's files move to ``previous-<time>/``. A restart of the same job (a Slurm
 requeue, a torchrun restart) continues its attempt whatever ``--resume`` said (``resume_on_restart``).
 
-A failed write of the log (``out.log`` and stdout) or of the events (``logs/``) -- disk full, quota, read-only,
-I/O error -- becomes one StorageError line naming the file and the cause (exit 2), not a traceback per record;
+A failed write of the run log (``out.log``) or of the TensorBoard events (``logs/``) -- disk full, quota,
+read-only, I/O error -- becomes one StorageError line naming the file and the cause (exit 2), not a traceback;
 the checkpoints written before are intact, so rerunning the same command continues. The error goes to
 ``report`` (train.py passes RunControl.write_failed): under DDP only rank 0 writes these files, and one rank
 stopping alone would leave the others in their next collective, so it is held until the ranks' next agreement
