@@ -412,7 +412,7 @@ import errno, os, sys
 sys.path.insert(0, {repo!r})
 if os.environ["RANK"] == "0":  # rank 0's disk fills up at the first log line or TensorBoard tag containing TRIGGER
     from torch.utils.tensorboard import SummaryWriter
-    from utils import run_log
+    from utils import run_dir
     trigger = os.environ["TRIGGER"]
 
     def failing(real, text_of):
@@ -421,7 +421,7 @@ if os.environ["RANK"] == "0":  # rank 0's disk fills up at the first log line or
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(self, first, *args, **kwargs)
         return wrapper
-    run_log.RunLogHandler.format = failing(run_log.RunLogHandler.format, lambda record: record.getMessage())
+    run_dir.RunLogHandler.format = failing(run_dir.RunLogHandler.format, lambda record: record.getMessage())
     SummaryWriter.add_scalar = failing(SummaryWriter.add_scalar, str)
 import train
 train.cli(lambda: train.main(sys.argv[1:]))

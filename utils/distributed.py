@@ -6,8 +6,8 @@ MASTER_PORT; with WORLD_SIZE unset or 1 the script runs as a single process with
 import inspect
 import os
 import traceback
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,8 @@ class DistInfo:
 
 def _env_int(name, default):
     value = os.environ.get(name)
-    if value is None or value == "":
-        return default
     try:
-        return int(value)
+        return int(value) if value else default
     except ValueError:
         raise ConfigError(f"environment variable {name}={value!r} is not an integer; the launcher (torchrun, "
                           f"srun with export_DDP_vars.sh) sets it") from None
@@ -53,10 +51,9 @@ def init_distributed(device_kind="auto"):
     ``device_kind``: 'auto' takes GPU LOCAL_RANK when CUDA is visible and the CPU otherwise; 'cuda'
     insists on a GPU; 'cpu' never touches CUDA (CPU runs and tests on a GPU machine, gloo DDP).
     """
-    world_size = env_world_size()
-    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
-    use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
-    if use_cuda:
+    world_size, rank, local_rank = env_world_size(), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    device = torch.device("cpu")
+    if device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("device: cuda, but no CUDA device is visible here; use --device cpu (or auto)")
         count = torch.cuda.device_count()
@@ -71,18 +68,15 @@ def init_distributed(device_kind="auto"):
                               f"the CPU with gloo")
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    info = DistInfo(rank, local_rank, world_size, device)
     if world_size > 1:
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
         if missing:
             raise ConfigError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set; launch with torchrun "
                               f"or source export_DDP_vars.sh inside each Slurm task")
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", world_size=world_size,
-                                rank=rank, device_id=device if device.type == "cuda" else None,
-                                **_rendezvous())
-    return info
+        cuda = device.type == "cuda"
+        dist.init_process_group(backend="nccl" if cuda else "gloo", world_size=world_size, rank=rank,
+                                device_id=device if cuda else None, **_rendezvous())
+    return DistInfo(rank, local_rank, world_size, device)
 
 
 def _rendezvous():
@@ -102,15 +96,14 @@ def _rendezvous():
 
 
 def sum_over_ranks(tensor, info):
-    """Sum ``tensor`` over ranks in place (one collective) and return it; unchanged in a single process (or with no
-    ``info``). Every rank must call it."""
+    """Sum ``tensor`` over ranks in place (one collective, which every rank must call) and return it."""
     if info is not None and info.enabled:
         dist.all_reduce(tensor)
     return tensor
 
 
 def all_reduce_sum(values, info):
-    """Sum a list of floats over ranks (one collective, in float64); identity when single-process."""
+    """Sum a list of floats over ranks (one collective, in float64)."""
     return sum_over_ranks(torch.tensor(values, dtype=torch.float64, device=info.device), info).tolist()
 
 
@@ -119,14 +112,13 @@ def peer_lost(err, info):
     peer"; NCCL: a DistBackendError), else None: any other error keeps its traceback."""
     if not info.enabled:
         return None
-    frames = traceback.extract_tb(err.__traceback__)
-    from_collective = isinstance(err, dist.DistError) or any(
-        "torch/distributed/" in frame.filename.replace("\\", "/") for frame in frames[-3:])
-    if not from_collective:
+    frames = traceback.extract_tb(err.__traceback__)[-3:]
+    if not (isinstance(err, dist.DistError) or any("torch/distributed/" in f.filename.replace("\\", "/")
+                                                   for f in frames)):
         return None
     return PeerLost(f"rank {info.rank}: a collective failed because another rank stopped or crashed "
-                    f"({first_line(err)[:160]}); "
-                    f"its log says why; rerun the same command to continue from the last checkpoint")
+                    f"({first_line(err)[:160]}); its log says why; rerun the same command to continue from the "
+                    f"last checkpoint")
 
 
 def cleanup(info, finished=False):

@@ -1,4 +1,4 @@
-"""The run folder ``expdir/<config>/<N>GPU/<run_num>/``.
+"""The run folder ``expdir/<config>/<N>GPU/<run_num>/``, its lock, and the run's log and TensorBoard events.
 
 One rule for every command: rerunning a command continues its run (the folder whose config.yaml matches);
 anything else -- a benchmark, a profile, another flag -- is a run of its own in the next free number and
@@ -6,12 +6,12 @@ never collides with an earlier one. ``--resume never`` starts over, in a new fol
 names one, where the earlier run's files move to ``previous-<time>/``. A restart of the same job (a Slurm
 requeue, a torchrun restart) continues its attempt whatever ``--resume`` said (``resume_on_restart``).
 
-The run's log (``out.log`` and stdout) and TensorBoard events (``logs/``): a write that fails (disk full, quota,
-read-only, I/O error) stops the run with one line naming the file and the cause (StorageError, exit 2) instead of a
-traceback per log record; the checkpoints written before are intact, so rerunning the same command continues. The
-failure goes to ``report`` (train.py passes RunControl.write_failed, utils/checkpoint.py): under DDP only rank 0
-writes these files, and one rank stopping alone would leave the others in their next collective, so it is held
-until the ranks' next agreement and every rank stops together.
+A failed write of the run log (``out.log``) or of the TensorBoard events (``logs/``) -- disk full, quota,
+read-only, I/O error -- becomes one StorageError line naming the file and the cause (exit 2), not a traceback;
+the checkpoints written before are intact, so rerunning the same command continues. The error goes to
+``report`` (train.py passes RunControl.write_failed): under DDP only rank 0 writes these files, and one rank
+stopping alone would leave the others in their next collective, so it is held until the ranks' next agreement
+and every rank stops together.
 """
 import fcntl
 import logging
@@ -29,21 +29,17 @@ from utils.config import SCHEMA, resolve_path
 from utils.errors import ConfigError, StorageError, storage_cause
 
 
-RESTART_COUNTERS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")  # > 0 in a requeued job / restarted worker
-
-
 def resume_on_restart(resume, environ=os.environ):
     """(resume, fallback, note): in a restarted job ``auto``, with ``fallback`` the PATH of ``--resume PATH``
     (loaded when the run folder has no checkpoint yet), else ``resume`` as given and no fallback.
 
-    A requeued Slurm job and a restarted torchrun worker repeat the first attempt's command. With
-    ``--resume never`` every attempt would start over (in a new folder, or archiving the last attempt's work),
-    with ``--resume PATH`` go back to PATH and prune the checkpoints made since: work lost on every
-    preemption, and the job requeued for ever. A restart continues the attempt before it instead: from the
-    run folder's newest checkpoint, else as the first attempt began (from PATH, or from scratch).
+    A requeued Slurm job or a restarted torchrun worker repeats the first attempt's command. With
+    ``--resume never`` every attempt would start over, with ``--resume PATH`` go back to PATH and prune the
+    checkpoints made since: work lost on every preemption, and the job requeued for ever. A restart continues
+    the attempt before it instead: from the run folder's newest checkpoint, else as the first attempt began.
     """
-    counts = {name: environ.get(name, "") for name in RESTART_COUNTERS}
-    restarted = {name: count for name, count in counts.items() if count.isdigit() and int(count) > 0}
+    restarted = {name: environ[name] for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+                 if environ.get(name, "").isdigit() and int(environ[name]) > 0}
     if resume == "auto" or not restarted:
         return resume, None, None
     which = ", ".join(f"{name}={count}" for name, count in restarted.items())
@@ -66,12 +62,12 @@ def same_command(run_dir, params):
     current = yaml.safe_load(yaml.safe_dump(dict(params)))  # the same round trip the saved file took
     ignored = {"expdir"} | {key for key in current if key not in saved and key in SCHEMA
                             and not SCHEMA[key].defines_run}
-    return {k: v for k, v in saved.items() if k not in ignored} == {k: v for k, v in current.items() if k not in ignored}
+    return ({k: v for k, v in saved.items() if k not in ignored}
+            == {k: v for k, v in current.items() if k not in ignored})
 
 
 def choose_run_num(parent, params, fresh):
-    """The run folder name: the newest numbered run this same config started (unless ``fresh``), else the
-    next free number."""
+    """The newest numbered run this same config started (unless ``fresh``), else the next free number."""
     numbers = sorted(int(p.name) for p in parent.iterdir() if p.name.isdigit() and p.is_dir()) \
         if parent.is_dir() else []
     if not fresh:
@@ -81,20 +77,9 @@ def choose_run_num(parent, params, fresh):
     return str(numbers[-1] + 1 if numbers else 0)
 
 
-def same_command_on_other_gpu_counts(parent, params):
-    """Run folders of this command under ``<config>/<M>GPU/`` for other M (``parent`` is this world size's):
-    the run folder is per GPU count, so a rerun on another count starts a new run instead of continuing."""
-    found = []
-    for sibling in sorted(parent.parent.glob("*GPU")):
-        if sibling != parent and sibling.is_dir():
-            found += [run for run in sorted(sibling.iterdir()) if run.is_dir() and same_command(run, params)]
-    return found
-
-
 def make_run_dir(run_num, resume, params, info):
-    """expdir/<config>/<N>GPU/<run_num>/, writable and locked; rank 0 chooses run_num (unless given), prepares
-    the folder and tells the others the folder or its one-line error (every rank raises it: none is left
-    waiting in a collective).
+    """expdir/<config>/<N>GPU/<run_num>/, writable and locked. Rank 0 prepares it and broadcasts its name or its
+    one-line error: every rank then raises that error, and none is left waiting in a collective.
 
     Returns (run directory, a note for the log or None, rank 0's RunLock or None: release it at the end)."""
     parent = resolve_path(params.expdir) / params.config_name / f"{info.world_size}GPU"
@@ -107,7 +92,9 @@ def make_run_dir(run_num, resume, params, info):
                 if resume == "never":
                     note = archive_previous_run(run_dir)
                 elif resume == "auto" and not (run_dir / "config.yaml").exists():
-                    elsewhere = same_command_on_other_gpu_counts(parent, params)
+                    elsewhere = [run for sibling in sorted(parent.parent.glob("*GPU")) if sibling != parent
+                                 and sibling.is_dir() for run in sorted(sibling.iterdir())
+                                 if run.is_dir() and same_command(run, params)]
                     if elsewhere:
                         note = (f"a new run on {info.world_size} rank(s), although this command also ran in "
                                 f"{', '.join(map(str, elsewhere))} (run folders are per GPU count); to continue "
@@ -130,9 +117,9 @@ def make_run_dir(run_num, resume, params, info):
 
 
 def _claim_run_dir(parent, run_num, resume, params, attempts=8):
-    """(run_num, RunLock) of a created, writable, locked run folder. A number this function chose for a new run
-    that another process created and locked a moment earlier (two new runs started together) is skipped for
-    the next free one; a folder in use that the command named or continues is refused (RunDirInUse)."""
+    """(run_num, RunLock) of a created, writable, locked run folder. A number chosen here for a new run that
+    another process took a moment earlier (two new runs started together) is skipped for the next free one; a
+    folder in use that the command named or continues is refused (RunDirInUse)."""
     for attempt in range(attempts):
         chosen = run_num
         if chosen is None:
@@ -198,8 +185,7 @@ class RunLock:
 
 
 def archive_previous_run(run_dir):
-    """--resume never in a run folder that holds a run: move its checkpoints, TensorBoard events and log
-    into previous-<time>/, so the new run starts a clean history and nothing is lost."""
+    """Move an earlier run's files into previous-<time>/: the new run starts a clean history, nothing is lost."""
     old = [run_dir / name for name in ("checkpoints", "logs", "out.log") if (run_dir / name).exists()]
     if not old:
         return None
@@ -211,60 +197,47 @@ def archive_previous_run(run_dir):
 
 
 # --- the run's log and TensorBoard events ----------------------------------------------------------------------
-RERUN = "the checkpoints written before are intact: free space (or fix the file system), then rerun the same command"
-
-
-def raise_error(error):
-    """The default ``report`` of a failed write: stop now."""
-    raise error
+def write_error(what, err):
+    """The one-line StorageError of a failed write: ``what`` could not be done, and why rerunning is safe."""
+    return StorageError(f"cannot {what} ({storage_cause(err)}); the checkpoints written before are intact: "
+                        f"free space (or fix the file system), then rerun the same command")
 
 
 class RunLogHandler(logging.FileHandler):
-    """out.log. A failed write goes to ``report`` as a StorageError in the main thread (a background thread's
-    failure at the main thread's next log line), once; the handler then stops writing."""
+    """out.log. Its first failed write goes to ``report`` once, in the main thread (a background thread's failure
+    at the main thread's next log line); the handler then stops writing."""
 
-    def __init__(self, path, report=raise_error):
+    def __init__(self, path, report):
         super().__init__(path)
-        self.failed = None      # the StorageError of the first failed write
-        self.reported = False   # reported once, in the main thread
-        self.report = report
+        self.report, self.failed, self.reported = report, None, False  # failed: the first failed write's error
 
     def emit(self, record):
         if self.failed is None:
-            super().emit(record)
-        self._raise_in_main_thread()
-
-    def handleError(self, record):
-        if self.failed is None:
-            self.failed = StorageError(f"cannot write the run log {self.baseFilename} ({storage_cause(sys.exc_info()[1])}); "
-                                       f"{RERUN}")
-        self._raise_in_main_thread()
-
-    def _raise_in_main_thread(self):
+            super().emit(record)  # a failed write calls handleError
         if self.failed is not None and not self.reported and threading.current_thread() is threading.main_thread():
             self.reported = True
             self.report(self.failed)
 
+    def handleError(self, record):
+        self.failed = write_error(f"write the run log {self.baseFilename}", sys.exc_info()[1])
 
-def setup_logging(logger, run_dir, info, report=raise_error):
-    """Rank 0 logs INFO to stdout and ``run_dir/out.log`` (a failed write goes to ``report``); the other ranks only
-    warnings, to stdout."""
+
+def setup_logging(logger, run_dir, info, report):
+    """Rank 0 logs INFO to stdout and ``run_dir/out.log``; the other ranks speak only on problems (warnings)."""
     logger.handlers.clear()
     logger.propagate = False
     formatter = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
     stream = logging.StreamHandler(sys.stdout)
     stream.setFormatter(formatter)
     logger.addHandler(stream)
+    logger.setLevel(logging.INFO if info.is_main else logging.WARNING)
     if info.is_main:
-        logger.setLevel(logging.INFO)
         try:
             file_handler = RunLogHandler(run_dir / "out.log", report)
         except OSError as err:
-            raise StorageError(f"cannot open the run log {run_dir / 'out.log'} ({storage_cause(err)}); {RERUN}") from None
+            raise write_error(f"open the run log {run_dir / 'out.log'}", err) from None
         file_handler.setFormatter(formatter)
         logger.addHandler(file_handler)
-    else:
-        logger.setLevel(logging.WARNING)  # one rank reports; the others speak only on problems
 
 
 def _quiet_event_thread(args, default=threading.excepthook):
@@ -275,28 +248,24 @@ def _quiet_event_thread(args, default=threading.excepthook):
 
 
 class EventWriter(SummaryWriter):
-    """A SummaryWriter whose first failed write goes to ``report`` as one StorageError line; the writer is then
-    done."""
+    """A SummaryWriter whose first failed write goes to ``report`` as one StorageError line; it then writes
+    nothing more."""
 
-    def __init__(self, log_dir, report=raise_error, **kwargs):
+    def __init__(self, log_dir, report, **kwargs):
         self.report, self.failed = report, False
         threading.excepthook = _quiet_event_thread
         try:
             super().__init__(log_dir=str(log_dir), **kwargs)
         except OSError as err:
-            raise self._error(err, log_dir) from None
-
-    def _error(self, err, log_dir=None):
-        return StorageError(f"cannot write TensorBoard events in {log_dir or self.log_dir} ({storage_cause(err)}); "
-                            f"{RERUN}")
+            raise write_error(f"write TensorBoard events in {log_dir}", err) from None
 
     def _reporting(self, method, *args, **kwargs):
-        if self.failed:  # reported once: nothing more is written
+        if self.failed:
             return None
         try:
             return method(*args, **kwargs)
         except OSError as err:  # also what the writer thread stored and the main thread's next call raises
-            error = self._error(err)
+            error = write_error(f"write TensorBoard events in {self.log_dir}", err)
         self.failed = True
         self.report(error)
 

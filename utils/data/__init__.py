@@ -1,27 +1,26 @@
-"""The data package: ``get_data_loader``, the factory that builds the loader a config asks for, and
-``prepare_data``, which makes or checks the data files before a run.
+"""The data package: ``get_data_loader`` builds the loader a config asks for, ``prepare_data`` makes or checks
+the data files before a run.
 
-The default loader, read top to bottom, is torch_loader.py: the data file, ``sample_plan`` (which crop and cube
-symmetry each sample gets, and the reproducibility contract), ``ShardedSampler``, ``RandomCropDataset`` and the
-torch ``DataLoader``. Every other loader is an extra, imported only when asked for: ``fast_loader: true`` the
-fast CPU loader (fast.py), ``data_loader_config: gpu`` the GPU-resident loader (gpu.py), ``dali-lowmem`` the
-NVIDIA DALI pipeline (dali.py). They take whole batches from the same sampler (batches.py), so the choice
-changes speed, never results. No module of the package imports from this namespace.
+The default loader, read top to bottom, is torch_loader.py. Every other loader is an extra, imported only when
+asked for: ``fast_loader: true`` the fast CPU loader (fast.py), ``data_loader_config: gpu`` the GPU-resident
+loader (gpu.py), ``dali-lowmem`` the NVIDIA DALI pipeline (dali.py). They take whole batches from the same
+sampler (batches.py), so the choice changes speed, never results. No module of the package imports from this
+namespace.
 """
 import torch
 import torch.distributed as dist
 
 from utils.config import resolve_path
-from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, SplitSpec, build_sampler, check_data_file,
-                                     get_torch_loader, read_volume_shapes, sample_plan)
+from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, get_torch_loader, read_volume_shapes,
+                                     sample_plan)
 from utils.errors import DataError
 
-__all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "SplitSpec", "build_sampler", "check_data_file",
-           "get_data_loader", "prepare_data", "read_volume_shapes", "sample_plan"]
+__all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "get_data_loader", "prepare_data",
+           "read_volume_shapes", "sample_plan"]
 
 
 def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
-    """The loader factory: returns ``(loader, sampler)`` for ``split`` ('train' or 'val').
+    """``(loader, sampler)`` for ``split`` ('train' or 'val').
 
     Every loader yields batches ``(input (B, 4, S, S, S), target (B, 5, S, S, S))`` of the same
     sample stream, in the sampler's order, after ``sampler.set_epoch(epoch)``; with ``spatial_parallel`` P, each
@@ -42,43 +41,34 @@ def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cp
     return get_torch_loader(params, split, rank, world_size, device)
 
 
-def missing_data_message(params):
-    """One line for a config whose data files are missing: both files, commands that make them at the config's
-    box sizes (with the memory and disk they need), and the laptop path. None when nothing is missing."""
-    files = [(resolve_path(path), box, seed) for path, box, seed in
-             ((params.train_path, params.box_size[0], 1), (params.val_path, params.box_size[1], 2))]
-    missing = [(path, box, seed) for path, box, seed in files if not path.exists()]
-    if not missing:
-        return None
-    largest = max(box for _, box, _ in missing)
-    make = " && ".join(f"python -m utils.make_dataset --box {box} --seed {seed} --out {path}"
-                       for path, box, seed in missing)
-    return (f"missing data: {' and '.join(f'{path} ({box}^3)' for path, box, _ in missing)}; make "
-            f"{'it' if len(missing) == 1 else 'them'} with `{make}` (the {largest}^3 box needs about "
-            f"{14 * largest ** 3 / 2 ** 30:.1f} GiB of memory and {36 * largest ** 3 / 1e9:.1f} GB of disk), or point "
-            f"--train_path/--val_path at your files and set --box_size to their sizes; on a laptop, "
-            f"`python train.py --config=quickstart` makes small data of its own")
-
-
 def prepare_data(params, info, log):
-    """Generate the quickstart dataset on first use; never generate for configs that name user files (those
-    must exist: else one line says which are missing and how to make them).
+    """Generate the quickstart dataset on first use (``generate_data``). A config that names user files never
+    generates: a missing one stops the run with one line saying which and how to make them.
 
     ``info``: the run's DistInfo (rank 0 generates, every rank waits for it); ``log``: a callable
     that reports one line (train.py's ``logger.info``).
     """
     if params.data_loader_config == "synthetic":
         return
+    seeds = params.generate_data or {"train_seed": 1, "val_seed": 2}  # else the seeds the message suggests
+    files = [(resolve_path(params.train_path), params.box_size[0], seeds["train_seed"]),
+             (resolve_path(params.val_path), params.box_size[1], seeds["val_seed"])]
     if params.generate_data is None:
-        message = missing_data_message(params)
-        if message:
-            raise DataError(message)
+        missing = [(path, box, seed) for path, box, seed in files if not path.exists()]
+        if missing:
+            largest = max(box for _, box, _ in missing)
+            make = " && ".join(f"python -m utils.make_dataset --box {box} --seed {seed} --out {path}"
+                               for path, box, seed in missing)
+            raise DataError(f"missing data: {' and '.join(f'{path} ({box}^3)' for path, box, _ in missing)}; make "
+                            f"{'it' if len(missing) == 1 else 'them'} with `{make}` (the {largest}^3 box needs "
+                            f"about {14 * largest ** 3 / 2 ** 30:.1f} GiB of memory and {36 * largest ** 3 / 1e9:.1f} "
+                            f"GB of disk), or point --train_path/--val_path at your files and set --box_size to "
+                            f"their sizes; on a laptop, `python train.py --config=quickstart` makes small data of "
+                            f"its own")
         return
     if info.is_main:
         from utils.make_dataset import ensure_dataset
-        for path, box, seed in ((params.train_path, params.box_size[0], params.generate_data["train_seed"]),
-                                (params.val_path, params.box_size[1], params.generate_data["val_seed"])):
-            path = resolve_path(path)
+        for path, box, seed in files:
             if not path.exists():
                 log(f"Generating {box}^3 dataset {path} (seed {seed}), first use only")
             # writes only what is missing (for DALI also the .npy twins of an existing file), on the run's
