@@ -336,12 +336,12 @@ def test_cuda_snapshot_uses_reused_pinned_buffers_and_ignores_later_steps(tmp_pa
     writer = AsyncCheckpointer(tmp_path)
     writer.reserve(payload(0, model, optimizer))  # pins the buffers on the writer thread
     writer._reserving.result()
-    reserved = sorted(id(buffer) for buffer in writer._pinned.values())
+    reserved = sorted(id(buffer) for buffer in writer._pinned.buffers.values())
     buffers = []
     for number in (1, 2):
         expected = {key: value.cpu() for key, value in plain_state_dict(model).items()}
         writer.save(payload(number, model, optimizer), number, keep_last=2)
-        buffers.append(sorted(id(buffer) for buffer in writer._pinned.values()))
+        buffers.append(sorted(id(buffer) for buffer in writer._pinned.buffers.values()))
         for _ in range(3):  # queued right after save() returned, while the file is written
             step()
         writer.wait()
@@ -350,8 +350,9 @@ def test_cuda_snapshot_uses_reused_pinned_buffers_and_ignores_later_steps(tmp_pa
             assert torch.equal(loaded["model"][key], value), key
             assert loaded["model"][key].stride() == value.stride(), key  # channels-last kept
     writer.close()
-    assert reserved == buffers[0] == buffers[1] and all(buffer.is_pinned() for buffer in writer._pinned.values())
-    assert len(writer._pinned) > len(expected)  # the optimizer's moments too
+    pinned = writer._pinned.buffers
+    assert reserved == buffers[0] == buffers[1] and all(buffer.is_pinned() for buffer in pinned.values())
+    assert len(pinned) > len(expected)  # the optimizer's moments too
 
 
 def start_two_ranks(script, argv, **env):
