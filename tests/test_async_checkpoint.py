@@ -45,10 +45,13 @@ def names(directory):
     return sorted(path.name for path in directory.iterdir())
 
 
-def test_background_write_gives_the_same_file_as_a_synchronous_save(tmp_path):
+@pytest.mark.parametrize("reserved", [False, True])  # True: a CUDA run's copier (utils/pinned_copy.py) walks it
+def test_background_write_gives_the_same_file_as_a_synchronous_save(tmp_path, reserved):
     model, optimizer = trained_model_and_optimizer()
     state = payload(7, model, optimizer)
     writer = AsyncCheckpointer(tmp_path / "async")
+    if reserved:
+        writer.reserve(state)  # no CUDA tensors here: nothing to pin, every tensor cloned
     stall = writer.save(state, 7, keep_last=2, reason="periodic")
     written = writer.close()
     synchronous = save_checkpoint(tmp_path / "sync", state, 7, keep_last=2)

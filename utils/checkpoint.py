@@ -12,6 +12,7 @@ and the manager train.py's loop calls.
   must reach the requeue): so no rank stops alone, which would leave the others in their next collective (NCCL:
   10 minutes, then SIGABRT).
 """
+import copy
 import errno
 import hashlib
 import logging
@@ -351,29 +352,25 @@ WrittenCheckpoint = namedtuple("WrittenCheckpoint", "path step reason seconds si
 
 
 class AsyncCheckpointer:
-    """Rank 0's writer: ``save`` copies the payload to host memory and returns; one thread writes it with
-    ``save_checkpoint``. One write is in flight: ``save`` first waits for the previous one (its buffers are reused).
-
-    Once ``save`` returns, nothing done to the live tensors reaches the file: CPU tensors are cloned, CUDA ones
-    copied into reused pinned buffers (utils/pinned_copy.py; ``reserve`` pins them ahead, on the thread). A failed
-    write raises its one-line CheckpointError at the next ``save``, ``poll``, ``wait`` or ``close``, once. ``due()``:
-    ``every_minutes`` (> 0) have passed on ``clock`` since the last save started. For benchmarks, per save:
-    ``stall_seconds`` (the caller blocked, from ``started``) and ``wait_seconds`` (of it, waiting for the previous
-    write); per write: ``write_seconds``.
-    """
+    """Rank 0's writer: ``save`` copies the payload to host memory (a deep copy; a CUDA run's into pinned buffers,
+    see ``reserve``) and returns; then nothing done to the live tensors reaches the file. One thread
+    writes it with ``save_checkpoint``, one write in flight: ``save`` first waits for the previous one. A failed
+    write raises its one-line CheckpointError at the next ``save``, ``poll``, ``wait`` or ``close``, once.
+    Per save, for benchmarks: ``stall_seconds`` (the caller blocked, from ``started``), ``wait_seconds`` (of it,
+    waiting for the previous write); per write: ``write_seconds``."""
 
     def __init__(self, directory, every_minutes=0.0, log=None, clock=None):
         self.directory, self.every_minutes = Path(directory), every_minutes
         self.log, self.clock = log or (lambda message: None), clock or monotonic
         self.last_save, self.saves = self.clock(), 0
         self.stall_seconds, self.wait_seconds, self.write_seconds = [], [], []
-        self._pinned = None  # utils.pinned_copy.PinnedBuffers, once a CUDA tensor comes
+        self._pinned = None  # a CUDA run's utils.pinned_copy.PinnedBuffers, from reserve() on
         self._executor = None  # the writer thread, from the first save until close
         self._pending = None  # (future, step, reason) of the write in flight
         self._reserving = None  # future of reserve()
 
     def due(self):
-        """Whether the wall-clock interval has passed (a clock read, no sync)."""
+        """Whether ``every_minutes`` (> 0) have passed on ``clock`` since the last save started (no sync)."""
         return self.every_minutes > 0 and self.clock() - self.last_save >= 60 * self.every_minutes
 
     @property
@@ -385,19 +382,12 @@ class AsyncCheckpointer:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         return self._executor
 
-    def _buffers(self):
-        if self._pinned is None:
-            from utils.pinned_copy import PinnedBuffers
-            self._pinned = PinnedBuffers()
-        return self._pinned
-
     def reserve(self, payload):
-        """Pin the host buffers for the CUDA tensors of payloads like ``payload`` on the thread, so that the first
-        save does not stall for it; nothing is copied."""
-        cuda = {}
-        _map_tensors(payload, lambda tensor, keys: cuda.update({keys: tensor}) if tensor.is_cuda else None)
-        if cuda:
-            self._reserving = self._buffers().reserve(cuda, self._thread())
+        """A CUDA run's first call: from now on the payload's CUDA tensors are copied into pinned host buffers kept
+        from one save to the next (utils/pinned_copy.py), pinned now on the thread so that no save stalls for it."""
+        from utils.pinned_copy import PinnedBuffers
+        self._pinned = PinnedBuffers()
+        self._reserving = self._pinned.reserve(payload, self._thread())
 
     def save(self, payload, step, keep_last, reason="checkpoint", started=None):
         """Copy ``payload`` to host memory and start writing it; the seconds the caller was blocked since
@@ -411,10 +401,7 @@ class AsyncCheckpointer:
             self._reserving = None
         _check_payload(payload, step, keep_last)
         self.last_save = self.clock()
-        snapshot = _map_tensors(payload, lambda tensor, keys: self._buffers().copy(tensor.detach(), keys)
-                                if tensor.is_cuda else tensor.detach().clone())  # clone keeps channels-last strides
-        if self._pinned is not None:
-            self._pinned.wait()
+        snapshot = copy.deepcopy(payload) if self._pinned is None else self._pinned.snapshot(payload)
         future = self._thread().submit(_write_in_background, self.directory, snapshot, step, keep_last)
         self._pending = (future, step, reason)
         self.saves += 1
@@ -444,24 +431,6 @@ class AsyncCheckpointer:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-
-
-def _map_tensors(obj, function, keys=()):
-    """A copy of the containers of ``obj`` (dicts, lists, tuples) with ``function(tensor, keys)`` applied to every
-    tensor; ``keys``: where it sits (dict keys and list positions from the top)."""
-    if isinstance(obj, torch.Tensor):
-        return function(obj, keys)
-    if isinstance(obj, dict):
-        copied = type(obj)((key, _map_tensors(value, function, keys + (key,))) for key, value in obj.items())
-        if hasattr(obj, "__dict__"):  # a state dict's OrderedDict carries its module versions in _metadata
-            copied.__dict__.update(obj.__dict__)
-        return copied
-    if isinstance(obj, (list, tuple)):
-        values = [_map_tensors(value, function, keys + (index,)) for index, value in enumerate(obj)]
-        if isinstance(obj, list):
-            return values
-        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
-    return obj
 
 
 def _write_in_background(directory, snapshot, step, keep_last):
@@ -637,14 +606,12 @@ class CheckpointManager:
                         failed = err
                         if ending is not None:  # that exception goes on; this one must not get lost
                             logger.error(f"error: {err}")
-                    if writer.stall_seconds:  # TensorBoard's Perf/checkpoint_stall_s: the longest
+                    if writer.stall_seconds:
                         logger.info(f"Checkpoints: {writer.saves}, training stalled {max(writer.stall_seconds):.2f} s "
                                     f"at most ({sum(writer.stall_seconds):.1f} s in all)")
-                        if self.tensorboard:
-                            step = self.state.global_step
-                            self.tensorboard.add_scalar("Perf/checkpoint_stall_s", max(writer.stall_seconds), step)
-                            if writer.write_seconds:
-                                self.tensorboard.add_scalar("Perf/checkpoint_write_s", max(writer.write_seconds), step)
+                    for name, seconds in (("stall", writer.stall_seconds), ("write", writer.write_seconds)):
+                        if self.tensorboard and seconds:  # the longest
+                            self.tensorboard.add_scalar(f"Perf/checkpoint_{name}_s", max(seconds), self.state.global_step)
             finally:
                 self.control.in_loop = False
         if failed is not None:
