@@ -337,8 +337,7 @@ def test_cuda_snapshot_uses_reused_pinned_buffers_and_ignores_later_steps(tmp_pa
 
     step()
     writer = AsyncCheckpointer(tmp_path)
-    writer.reserve(payload(0, model, optimizer))  # pins the buffers on the writer thread
-    writer._reserving.result()
+    writer.reserve(payload(0, model, optimizer)).result()  # pins the buffers on the writer thread
     reserved = sorted(id(buffer) for buffer in writer._pinned.buffers.values())
     buffers = []
     for number in (1, 2):

@@ -367,7 +367,6 @@ class AsyncCheckpointer:
         self._pinned = None  # a CUDA run's utils.pinned_copy.PinnedBuffers, from reserve() on
         self._executor = None  # the writer thread, from the first save until close
         self._pending = None  # (future, step, reason) of the write in flight
-        self._reserving = None  # future of reserve()
 
     def due(self):
         """Whether ``every_minutes`` (> 0) have passed on ``clock`` since the last save started (no sync)."""
@@ -387,7 +386,7 @@ class AsyncCheckpointer:
         from one save to the next (utils/pinned_copy.py), pinned now on the thread so that no save stalls for it."""
         from utils.pinned_copy import PinnedBuffers
         self._pinned = PinnedBuffers()
-        self._reserving = self._pinned.reserve(payload, self._thread())
+        return self._pinned.reserve(payload, self._thread())  # its future
 
     def save(self, payload, step, keep_last, reason="checkpoint", started=None):
         """Copy ``payload`` to host memory and start writing it; the seconds the caller was blocked since
@@ -396,9 +395,6 @@ class AsyncCheckpointer:
         waiting = perf_counter()
         self.wait()  # raises the previous write's error
         waited = perf_counter() - waiting
-        if self._reserving is not None:
-            self._reserving.exception()  # finished (a failure only means the buffers are pinned below instead)
-            self._reserving = None
         _check_payload(payload, step, keep_last)
         self.last_save = self.clock()
         snapshot = copy.deepcopy(payload) if self._pinned is None else self._pinned.snapshot(payload)

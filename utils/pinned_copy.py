@@ -18,7 +18,7 @@ class PinnedBuffers:
     """``buffers``: where a CUDA tensor sits in the payload (its keys) -> its reusable pinned host buffer."""
 
     def __init__(self):
-        self.buffers = {}
+        self.buffers, self._pinning = {}, None  # the future of reserve()
 
     def reserve(self, payload, executor):
         """Pin a buffer for each CUDA tensor of ``payload`` on ``executor`` (the writer thread); its future. The
@@ -26,7 +26,8 @@ class PinnedBuffers:
         layouts = {}
         map_tensors(payload, lambda tensor, keys: tensor.is_cuda and layouts.update(
             {keys: (host_layout(tensor), tensor.device)}))
-        return executor.submit(self._pin, layouts)
+        self._pinning = executor.submit(self._pin, layouts)
+        return self._pinning
 
     def _pin(self, layouts):
         for keys, ((shape, strides, dtype), device) in layouts.items():
@@ -36,6 +37,9 @@ class PinnedBuffers:
     def snapshot(self, payload):
         """``payload`` with every tensor copied to host memory that training never touches: CPU tensors cloned,
         CUDA tensors into their buffers (made or remade where a layout changed), complete when this returns."""
+        if self._pinning is not None:
+            self._pinning.exception()  # finished (a failure only means the buffers are pinned below instead)
+            self._pinning = None
         devices = set()
 
         def copy(tensor, keys):
