@@ -199,8 +199,8 @@ def load_checkpoint(path, map_location="cpu", log=print_warning):
         except Exception as err:
             reason = first_line(err, "no details")
             if reason.startswith("Weights only load failed"):
-                raise CheckpointError(f"{path} holds Python objects other than tensors and plain data, which a "
-                                      f"safe load refuses; save plain dicts (e.g. dict(params)) in checkpoints") from None
+                raise CheckpointError(f"{path} holds Python objects other than tensors and plain data, which a safe "
+                                      f"load refuses; save plain dicts (e.g. dict(params)) in checkpoints") from None
             raise CheckpointError(f"{path} is truncated or not a checkpoint ({type(err).__name__}: "
                                   f"{reason})") from None
     missing = [key for key in REQUIRED_KEYS if not isinstance(payload, dict) or key not in payload]
@@ -256,9 +256,10 @@ def load_model_state(module, state_dict, source="the checkpoint"):
         state_dict = stripped
     problems = {"missing": [key for key in expected if key not in state_dict],
                 "unexpected": [key for key in state_dict if key not in expected],
-                "shape": [f"{key} {tuple(value.shape)} vs {tuple(expected[key].shape)} here"
-                          for key, value in state_dict.items() if key in expected and value.shape != expected[key].shape]}
-    listed = [f"{label} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" for label, keys in problems.items() if keys]
+                "shape": [f"{key} {tuple(value.shape)} vs {tuple(expected[key].shape)} here" for key, value
+                          in state_dict.items() if key in expected and value.shape != expected[key].shape]}
+    listed = [f"{label} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+              for label, keys in problems.items() if keys]
     if listed:
         raise CheckpointError(f"{source} holds weights of a different model ({'; '.join(listed)}); it comes from "
                               f"a different model config (model_channels, full_scale, N_in/N_out_channels)")
@@ -284,7 +285,7 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
             raise CheckpointError(f"{source} holds the state of a different optimizer (settings {', '.join(unknown)} "
                                   f"are unknown here: apex FusedAdam vs torch Adam, or a newer PyTorch); "
                                   f"resume with the optimizer flags and PyTorch it was written with")
-    kept = ("foreach", "fused", "capturable", "differentiable", "lr")  # the implementation, not the maths; lr object
+    kept = ("foreach", "fused", "capturable", "differentiable", "lr")  # the implementation (not the maths), lr object
     merged = [{**current, **saved, **{key: current[key] for key in kept if key in current}}
               for saved, current in zip(saved_groups, groups)]
     lrs = [group["lr"] for group in groups]
@@ -589,29 +590,35 @@ class CheckpointManager:
         """``with checkpoints.running(writer):`` around the training loop. However it ends, a write in flight lands
         (or fails) before signals raise again (a signal meanwhile only sets a flag, and cannot turn a failed write
         into a stop); a failed write is raised then, or logged if another exception is under way."""
-        self.tensorboard, self.control.in_loop = tensorboard, True
+        self.tensorboard, self.control.in_loop, failed = tensorboard, True, None
         try:
             yield self
         finally:
-            ending, failed, writer = sys.exc_info()[1], None, self.writer
             try:
-                if writer is not None:
-                    try:
-                        writer.close()
-                    except CheckpointError as err:
-                        failed = err
-                        if ending is not None:  # that exception goes on; this one must not get lost
-                            logger.error(f"error: {err}")
-                    if writer.stall_seconds:
-                        logger.info(f"Checkpoints: {writer.saves}, training stalled {max(writer.stall_seconds):.2f} s "
-                                    f"at most ({sum(writer.stall_seconds):.1f} s in all)")
-                    for name, seconds in (("stall", writer.stall_seconds), ("write", writer.write_seconds)):
-                        if self.tensorboard and seconds:  # the longest
-                            self.tensorboard.add_scalar(f"Perf/checkpoint_{name}_s", max(seconds), self.state.global_step)
+                if self.writer is not None:
+                    failed = self._close_writer(ending=sys.exc_info()[1] is not None)
             finally:
                 self.control.in_loop = False
         if failed is not None:
             raise failed
+
+    def _close_writer(self, ending):
+        """Close rank 0's writer and log its stall statistics (to TensorBoard: the longest); returns a failed write's
+        error, logged too if another exception is ``ending`` the loop (that one goes on; this must not get lost)."""
+        writer, failed = self.writer, None
+        try:
+            writer.close()
+        except CheckpointError as err:
+            failed = err
+            if ending:
+                logger.error(f"error: {err}")
+        if writer.stall_seconds:
+            logger.info(f"Checkpoints: {writer.saves}, training stalled {max(writer.stall_seconds):.2f} s at most "
+                        f"({sum(writer.stall_seconds):.1f} s in all)")
+        for name, seconds in (("stall", writer.stall_seconds), ("write", writer.write_seconds)):
+            if self.tensorboard and seconds:
+                self.tensorboard.add_scalar(f"Perf/checkpoint_{name}_s", max(seconds), self.state.global_step)
+        return failed
 
     def after_step(self, loss, loss_sum, last_in_epoch):
         """After each step (global_step counts it): track the loss; between epoch ends, agree, then checkpoint when
