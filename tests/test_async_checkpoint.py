@@ -45,10 +45,13 @@ def names(directory):
     return sorted(path.name for path in directory.iterdir())
 
 
-def test_background_write_gives_the_same_file_as_a_synchronous_save(tmp_path):
+@pytest.mark.parametrize("reserved", [False, True])  # True: a CUDA run's copier (utils/pinned_copy.py) walks it
+def test_background_write_gives_the_same_file_as_a_synchronous_save(tmp_path, reserved):
     model, optimizer = trained_model_and_optimizer()
     state = payload(7, model, optimizer)
     writer = AsyncCheckpointer(tmp_path / "async")
+    if reserved:
+        writer.reserve(state)  # no CUDA tensors here: nothing to pin, every tensor cloned
     stall = writer.save(state, 7, keep_last=2, reason="periodic")
     written = writer.close()
     synchronous = save_checkpoint(tmp_path / "sync", state, 7, keep_last=2)
@@ -334,14 +337,13 @@ def test_cuda_snapshot_uses_reused_pinned_buffers_and_ignores_later_steps(tmp_pa
 
     step()
     writer = AsyncCheckpointer(tmp_path)
-    writer.reserve(payload(0, model, optimizer))  # pins the buffers on the writer thread
-    writer._reserving.result()
-    reserved = sorted(id(buffer) for buffer in writer._pinned.values())
+    writer.reserve(payload(0, model, optimizer)).result()  # pins the buffers on the writer thread
+    reserved = sorted(id(buffer) for buffer in writer._pinned.buffers.values())
     buffers = []
     for number in (1, 2):
         expected = {key: value.cpu() for key, value in plain_state_dict(model).items()}
         writer.save(payload(number, model, optimizer), number, keep_last=2)
-        buffers.append(sorted(id(buffer) for buffer in writer._pinned.values()))
+        buffers.append(sorted(id(buffer) for buffer in writer._pinned.buffers.values()))
         for _ in range(3):  # queued right after save() returned, while the file is written
             step()
         writer.wait()
@@ -350,8 +352,9 @@ def test_cuda_snapshot_uses_reused_pinned_buffers_and_ignores_later_steps(tmp_pa
             assert torch.equal(loaded["model"][key], value), key
             assert loaded["model"][key].stride() == value.stride(), key  # channels-last kept
     writer.close()
-    assert reserved == buffers[0] == buffers[1] and all(buffer.is_pinned() for buffer in writer._pinned.values())
-    assert len(writer._pinned) > len(expected)  # the optimizer's moments too
+    pinned = writer._pinned.buffers
+    assert reserved == buffers[0] == buffers[1] and all(buffer.is_pinned() for buffer in pinned.values())
+    assert len(pinned) > len(expected)  # the optimizer's moments too
 
 
 def start_two_ranks(script, argv, **env):

@@ -12,6 +12,7 @@ and the manager train.py's loop calls.
   must reach the requeue): so no rank stops alone, which would leave the others in their next collective (NCCL:
   10 minutes, then SIGABRT).
 """
+import copy
 import errno
 import hashlib
 import logging
@@ -23,6 +24,7 @@ import sys
 import zipfile
 from collections import OrderedDict, namedtuple
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from time import monotonic, perf_counter
 
@@ -40,9 +42,6 @@ from utils.errors import (CheckpointError, NonFiniteLoss, Preempted, StorageErro
 logger = logging.getLogger("train")
 CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")
 REQUIRED_KEYS = ("step", "config", "model", "optimizer")  # what a run needs to continue from a payload
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's, before the wrapped module's keys
-# Optimizer param-group entries that choose the implementation, not the maths: the current run's win.
-OPTIMIZER_IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 RUN_DEFINING_KEYS = tuple(key for key, entry in SCHEMA.items() if entry.defines_run)  # utils/config.py says
 RESUME_MAY_CHANGE_KEYS = tuple(key for key, entry in SCHEMA.items() if not entry.defines_run)
 ABSENT = "<absent>"  # how a key missing from one config shows in differences
@@ -113,26 +112,21 @@ def checkpoint_step(path):
 def list_checkpoints(directory):
     """Checkpoint files in ``directory``, newest (highest step) first; [] if it does not exist."""
     directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted((p for p in directory.iterdir() if CHECKPOINT_NAME.fullmatch(p.name)), key=checkpoint_step,
-                  reverse=True)
+    found = [p for p in directory.iterdir() if CHECKPOINT_NAME.fullmatch(p.name)] if directory.is_dir() else []
+    return sorted(found, key=checkpoint_step, reverse=True)
 
 
 def _write_error(err, path, previous):
     """One line for a failed write of checkpoint ``path``: an OSError (maybe wrapped by torch) or anything else."""
     os_error = os_error_in(err)
-    reason = os_error and {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}.get(os_error.errno)
-    if reason:
-        what, advice = f"{reason} while writing", "free space there or point --expdir at a file system with room"
-    elif os_error:
-        what, advice = "cannot write", "check that the directory is writable or point --expdir elsewhere"
-    else:
-        what = "cannot write"
-        advice = "check free space and that the directory is writable, or point --expdir elsewhere"
+    full = os_error and {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}.get(os_error.errno)
+    advice = ("free space there or point --expdir at a file system with room" if full else
+              "check that the directory is writable or point --expdir elsewhere" if os_error else
+              "check free space and that the directory is writable, or point --expdir elsewhere")
     cause = storage_cause(os_error) if os_error else f"{type(err).__name__}: {first_line(err, 'no details')}"
     intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    return CheckpointError(f"{what} checkpoint {path} ({cause}); {intact}; {advice}")
+    return CheckpointError(f"{f'{full} while writing' if full else 'cannot write'} checkpoint {path} ({cause}); "
+                           f"{intact}; {advice}")
 
 
 def _check_payload(payload, step, keep_last):
@@ -144,14 +138,15 @@ def _check_payload(payload, step, keep_last):
                               f"missing {', '.join(missing) or 'nothing'}, step {payload.get('step')}")
 
 
-def save_checkpoint(directory, payload, step, keep_last):
+def save_checkpoint(directory, payload, step, keep_last, any_error=False):
     """Write ``payload`` as ``directory/ckpt_step{step:08d}.pt`` atomically; keep the newest ``keep_last``, and drop
-    any with a higher step: an abandoned timeline (the run went back), which a resume must never jump into."""
+    any with a higher step: an abandoned timeline (the run went back), which a resume must never jump into. A write
+    failing with an OSError (with ``any_error``, the writer thread's: with anything) raises one CheckpointError."""
     _check_payload(payload, step, keep_last)
     directory, path = Path(directory), checkpoint_path(directory, step)
-    existing = list_checkpoints(directory)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp, existing = path.with_name(f"{path.name}.{os.getpid()}.tmp"), []
     try:
+        existing = list_checkpoints(directory)
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("ckpt_step*.pt.*.tmp"):  # one writer per folder: a crashed save's leftover,
             stale.unlink()                                     # and removing it may make room for this one
@@ -170,17 +165,12 @@ def save_checkpoint(directory, payload, step, keep_last):
             os.close(dir_fd)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        if isinstance(err, Exception) and os_error_in(err) is not None:
+        if isinstance(err, Exception) and (any_error or os_error_in(err) is not None):
             raise _write_error(err, path, existing[0] if existing else None) from err
         raise
     older = [old for old in existing if checkpoint_step(old) < step]
     _remove([new for new in existing if checkpoint_step(new) > step] + older[keep_last - 1:], f"wrote {path} but")
     return path
-
-
-def prune_newer(directory, step):
-    """Remove the checkpoints after ``step``: the run went back to it, and they belong to the abandoned timeline."""
-    _remove([p for p in list_checkpoints(directory) if checkpoint_step(p) > step], f"going back to step {step}")
 
 
 def _remove(paths, context):
@@ -209,8 +199,8 @@ def load_checkpoint(path, map_location="cpu", log=print_warning):
         except Exception as err:
             reason = first_line(err, "no details")
             if reason.startswith("Weights only load failed"):
-                raise CheckpointError(f"{path} holds Python objects other than tensors and plain data, which a "
-                                      f"safe load refuses; save plain dicts (e.g. dict(params)) in checkpoints") from None
+                raise CheckpointError(f"{path} holds Python objects other than tensors and plain data, which a safe "
+                                      f"load refuses; save plain dicts (e.g. dict(params)) in checkpoints") from None
             raise CheckpointError(f"{path} is truncated or not a checkpoint ({type(err).__name__}: "
                                   f"{reason})") from None
     missing = [key for key in REQUIRED_KEYS if not isinstance(payload, dict) or key not in payload]
@@ -233,6 +223,7 @@ def latest_valid_checkpoint(directory, log=print_warning, map_location="cpu"):
     return None
 
 
+# --- 2. what a checkpoint holds: weights, optimizer, random generators, config ----------------------------------
 def unwrap_model(module):
     """The plain module inside any nesting of DDP / DataParallel and torch.compile wrappers."""
     while True:
@@ -253,8 +244,9 @@ def load_model_state(module, state_dict, source="the checkpoint"):
     """Load plain (or wrapped: prefixes stripped) weights into ``module``, whether plain, DDP-wrapped or compiled."""
     target = unwrap_model(module)
     expected = target.state_dict()
-    while set(state_dict) != set(expected):
-        prefix = next((p for p in WRAPPER_PREFIXES if state_dict and all(k.startswith(p) for k in state_dict)), None)
+    while set(state_dict) != set(expected):  # DDP's and torch.compile's prefixes, nested in either order
+        prefix = next((p for p in ("module.", "_orig_mod.") if state_dict and all(k.startswith(p) for k in state_dict)),
+                      None)
         if prefix is None:
             break
         stripped = OrderedDict(state_dict)
@@ -262,14 +254,14 @@ def load_model_state(module, state_dict, source="the checkpoint"):
             stripped._metadata = OrderedDict(state_dict._metadata)
         consume_prefix_in_state_dict_if_present(stripped, prefix)
         state_dict = stripped
-    missing = [key for key in expected if key not in state_dict]
-    unexpected = [key for key in state_dict if key not in expected]
-    shapes = [f"{key} {tuple(value.shape)} vs {tuple(expected[key].shape)} here" for key, value in state_dict.items()
-              if key in expected and value.shape != expected[key].shape]
-    if missing or unexpected or shapes:
-        problems = [f"{label} {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}"
-                    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", shapes)) if items]
-        raise CheckpointError(f"{source} holds weights of a different model ({'; '.join(problems)}); it comes from "
+    problems = {"missing": [key for key in expected if key not in state_dict],
+                "unexpected": [key for key in state_dict if key not in expected],
+                "shape": [f"{key} {tuple(value.shape)} vs {tuple(expected[key].shape)} here" for key, value
+                          in state_dict.items() if key in expected and value.shape != expected[key].shape]}
+    listed = [f"{label} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+              for label, keys in problems.items() if keys]
+    if listed:
+        raise CheckpointError(f"{source} holds weights of a different model ({'; '.join(listed)}); it comes from "
                               f"a different model config (model_channels, full_scale, N_in/N_out_channels)")
     target.load_state_dict(state_dict)
 
@@ -293,7 +285,7 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
             raise CheckpointError(f"{source} holds the state of a different optimizer (settings {', '.join(unknown)} "
                                   f"are unknown here: apex FusedAdam vs torch Adam, or a newer PyTorch); "
                                   f"resume with the optimizer flags and PyTorch it was written with")
-    kept = OPTIMIZER_IMPLEMENTATION_KEYS + ("lr",)
+    kept = ("foreach", "fused", "capturable", "differentiable", "lr")  # the implementation (not the maths), lr object
     merged = [{**current, **saved, **{key: current[key] for key in kept if key in current}}
               for saved, current in zip(saved_groups, groups)]
     lrs = [group["lr"] for group in groups]
@@ -337,14 +329,13 @@ def config_differences(saved, current, keys=RUN_DEFINING_KEYS):
             value = config.get(key, ABSENT)
             entries.update({f"{key}.{sub}": v for sub, v in value.items()} if isinstance(value, dict) else {key: value})
         return entries
-    saved_flat, current_flat = flat(saved), flat(current)
-    differences = []
-    for key in sorted(set(saved_flat) | set(current_flat)):
-        old, new = saved_flat.get(key, ABSENT), current_flat.get(key, ABSENT)
+
+    def same(key, old, new):
         compare = _COMPARED_AS.get(key, lambda value: value)
-        if old != new and (ABSENT in (old, new) or compare(old) != compare(new)):
-            differences.append((key, old, new))
-    return differences
+        return old == new or (ABSENT not in (old, new) and compare(old) == compare(new))
+    old, new = flat(saved), flat(current)
+    return [(key, old.get(key, ABSENT), new.get(key, ABSENT)) for key in sorted(old.keys() | new.keys())
+            if not same(key, old.get(key, ABSENT), new.get(key, ABSENT))]
 
 
 def check_compatible(saved, current, source="the checkpoint"):
@@ -356,35 +347,30 @@ def check_compatible(saved, current, source="the checkpoint"):
                               f"use --resume never or a new --run_num")
 
 
-# --- 2. the background writer ----------------------------------------------------------------------------------------
+# --- 3. the background writer ----------------------------------------------------------------------------------------
 # A finished write; seconds: from the hand-over to the thread until the file was in place (fsync and rename too).
 WrittenCheckpoint = namedtuple("WrittenCheckpoint", "path step reason seconds size_bytes")
 
 
 class AsyncCheckpointer:
-    """Rank 0's writer: ``save`` copies the payload to host memory and returns; one thread writes it with
-    ``save_checkpoint``. One write is in flight: ``save`` first waits for the previous one (its buffers are reused).
-
-    CUDA tensors go to pinned buffers kept from one save to the next (``reserve`` pins them ahead, on the thread),
-    copied on the current stream and waited for by an event, not the whole device; once ``save`` returns, nothing
-    done to the live tensors reaches the file. A failed write raises its one-line CheckpointError at the next
-    ``save``, ``poll``, ``wait`` or ``close``, once. ``due()``: ``every_minutes`` (> 0) have passed on ``clock``
-    since the last save started. For benchmarks, per save: ``stall_seconds`` (the caller blocked, from ``started``),
-    ``wait_seconds`` (of it, waiting for the previous write); per write: ``write_seconds``, ``write_bytes``.
-    """
+    """Rank 0's writer: ``save`` copies the payload to host memory (a deep copy; a CUDA run's into pinned buffers,
+    see ``reserve``) and returns; then nothing done to the live tensors reaches the file. One thread
+    writes it with ``save_checkpoint``, one write in flight: ``save`` first waits for the previous one. A failed
+    write raises its one-line CheckpointError at the next ``save``, ``poll``, ``wait`` or ``close``, once.
+    Per save, for benchmarks: ``stall_seconds`` (the caller blocked, from ``started``), ``wait_seconds`` (of it,
+    waiting for the previous write); per write: ``write_seconds``."""
 
     def __init__(self, directory, every_minutes=0.0, log=None, clock=None):
         self.directory, self.every_minutes = Path(directory), every_minutes
         self.log, self.clock = log or (lambda message: None), clock or monotonic
         self.last_save, self.saves = self.clock(), 0
-        self.stall_seconds, self.wait_seconds, self.write_seconds, self.write_bytes = [], [], [], []
-        self._pinned = {}  # where a CUDA tensor sits in the payload (its keys) -> its reusable pinned host buffer
+        self.stall_seconds, self.wait_seconds, self.write_seconds = [], [], []
+        self._pinned = None  # a CUDA run's utils.pinned_copy.PinnedBuffers, from reserve() on
         self._executor = None  # the writer thread, from the first save until close
         self._pending = None  # (future, step, reason) of the write in flight
-        self._reserving = None  # future of reserve()
 
     def due(self):
-        """Whether the wall-clock interval has passed (a clock read, no sync)."""
+        """Whether ``every_minutes`` (> 0) have passed on ``clock`` since the last save started (no sync)."""
         return self.every_minutes > 0 and self.clock() - self.last_save >= 60 * self.every_minutes
 
     @property
@@ -397,22 +383,11 @@ class AsyncCheckpointer:
         return self._executor
 
     def reserve(self, payload):
-        """Pin host buffers for payloads laid out like ``payload`` on the thread, so that the first save does not
-        stall for it (about a second for the reference U-Net and its Adam state). Nothing is copied."""
-        layouts = {}
-
-        def note(tensor, keys):
-            if tensor.device.type == "cuda":
-                layouts[keys] = _host_layout(tensor)
-
-        _map_tensors(payload, note)
-        if layouts:
-            self._reserving = self._thread().submit(self._pin_buffers, layouts)
-
-    def _pin_buffers(self, layouts):
-        for keys, (shape, strides, dtype, device) in layouts.items():
-            torch.cuda.set_device(device)  # this thread's device: no context on GPU 0 for other ranks' buffers
-            self._pinned[keys] = torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
+        """A CUDA run's first call: from now on the payload's CUDA tensors are copied into pinned host buffers kept
+        from one save to the next (utils/pinned_copy.py), pinned now on the thread so that no save stalls for it."""
+        from utils.pinned_copy import PinnedBuffers
+        self._pinned = PinnedBuffers()
+        return self._pinned.reserve(payload, self._thread())  # its future
 
     def save(self, payload, step, keep_last, reason="checkpoint", started=None):
         """Copy ``payload`` to host memory and start writing it; the seconds the caller was blocked since
@@ -421,12 +396,10 @@ class AsyncCheckpointer:
         waiting = perf_counter()
         self.wait()  # raises the previous write's error
         waited = perf_counter() - waiting
-        if self._reserving is not None:
-            self._reserving.exception()  # finished (a failure only means the buffers are pinned below instead)
-            self._reserving = None
         _check_payload(payload, step, keep_last)
         self.last_save = self.clock()
-        future = self._thread().submit(_write_in_background, self.directory, self._snapshot(payload), step, keep_last)
+        snapshot = copy.deepcopy(payload) if self._pinned is None else self._pinned.snapshot(payload)
+        future = self._thread().submit(_write_in_background, self.directory, snapshot, step, keep_last)
         self._pending = (future, step, reason)
         self.saves += 1
         self.stall_seconds.append(perf_counter() - started)
@@ -444,7 +417,6 @@ class AsyncCheckpointer:
         (future, step, reason), self._pending = self._pending, None
         path, seconds, size = future.result()  # a failed write raises here, once
         self.write_seconds.append(seconds)
-        self.write_bytes.append(size)
         self.log(f"Checkpoint ({reason}) written: {path} ({seconds:.1f} s, {size / 1e9:.2f} GB)")
         return WrittenCheckpoint(path, step, reason, seconds, size)
 
@@ -457,75 +429,18 @@ class AsyncCheckpointer:
                 self._executor.shutdown(wait=True)
                 self._executor = None
 
-    def _snapshot(self, payload):
-        """``payload`` with every tensor copied to host memory that training never touches."""
-        devices = set()
-
-        def copy(tensor, keys):
-            tensor = tensor.detach()
-            if tensor.device.type != "cuda":
-                return tensor.clone()  # keeps the strides (channels-last included) of dense tensors
-            shape, strides, dtype, _ = _host_layout(tensor)
-            buffer = self._pinned.get(keys)
-            if buffer is None or buffer.shape != shape or buffer.dtype != dtype or buffer.stride() != strides:
-                buffer = self._pinned[keys] = torch.empty_strided(shape, strides, dtype=dtype, pin_memory=True)
-            buffer.copy_(tensor, non_blocking=True)  # queued on the current stream, after the step
-            devices.add(tensor.device)
-            return buffer
-
-        snapshot = _map_tensors(payload, copy)
-        for device in devices:  # wait for these copies only, not for other streams' work
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(device))
-            done.synchronize()
-        return snapshot
-
-
-def _host_layout(tensor):
-    """(shape, strides, dtype, device) of a host copy: the tensor's own strides where dense (channels-last too)."""
-    return tensor.shape, torch.empty_like(tensor, device="meta").stride(), tensor.dtype, tensor.device
-
-
-def _map_tensors(obj, function, keys=()):
-    """A copy of the containers of ``obj`` (dicts, lists, tuples) with ``function(tensor, keys)`` applied to every
-    tensor; ``keys``: where it sits (dict keys and list positions from the top)."""
-    if isinstance(obj, torch.Tensor):
-        return function(obj, keys)
-    if isinstance(obj, dict):
-        copied = type(obj)((key, _map_tensors(value, function, keys + (key,))) for key, value in obj.items())
-        if hasattr(obj, "__dict__"):  # a state dict's OrderedDict carries its module versions in _metadata
-            copied.__dict__.update(obj.__dict__)
-        return copied
-    if isinstance(obj, (list, tuple)):
-        values = [_map_tensors(value, function, keys + (index,)) for index, value in enumerate(obj)]
-        if isinstance(obj, list):
-            return values
-        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
-    return obj
-
 
 def _write_in_background(directory, snapshot, step, keep_last):
-    """save_checkpoint on the writer thread: (path, seconds, bytes); every failure becomes one CheckpointError."""
+    """save_checkpoint on the writer thread: (path, seconds, bytes); every failure is one CheckpointError."""
     start = perf_counter()
-    try:
-        path = save_checkpoint(directory, snapshot, step, keep_last)
-        return path, perf_counter() - start, path.stat().st_size
-    except CheckpointError:
-        raise
-    except Exception as err:  # not an OSError (those are CheckpointErrors by now): still one line, not lost
-        path = checkpoint_path(directory, step)
-        try:
-            previous = next((old for old in list_checkpoints(directory) if old != path), None)
-        except OSError:
-            previous = None
-        raise _write_error(err, path, previous) from err
+    path = save_checkpoint(directory, snapshot, step, keep_last, any_error=True)
+    return path, perf_counter() - start, path.stat().st_size
 
 
-# --- 3. stop signals and the ranks' agreement --------------------------------------------------------------------
+# --- 4. stop signals and the ranks' agreement --------------------------------------------------------------------
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Slurm's --signal=USR1@90, torchrun's and most schedulers' warning
-CHECKPOINT_FAILED, LOG_FAILED = 1, 2  # what rank 0 failed to write, in the agreement
-PEER_FAILED = {CHECKPOINT_FAILED: (CheckpointError, "rank 0 could not write a checkpoint"),
-               LOG_FAILED: (StorageError, "rank 0 could not write its run log or TensorBoard events")}
+PEER_FAILED = {1: (CheckpointError, "rank 0 could not write a checkpoint"),  # what rank 0 failed to write
+               2: (StorageError, "rank 0 could not write its run log or TensorBoard events")}
 
 
 class RunControl:
@@ -583,8 +498,7 @@ class RunControl:
         earliest). Rank 0's held failed write is raised here on every rank: rank 0's own error, the others one
         naming it (a non-finite loss at the same time is logged, not lost). A host sync."""
         none = -(2 ** 62)
-        failed = self.failed_write and (CHECKPOINT_FAILED if isinstance(self.failed_write, CheckpointError)
-                                        else LOG_FAILED)
+        failed = self.failed_write and (1 if isinstance(self.failed_write, CheckpointError) else 2)
         flags = torch.tensor([self.signal_name is not None, checkpoint_due, failed or 0, none], dtype=torch.long,
                              device=self.info.device)
         flags[3] = torch.where(self.first_bad_step >= 0, -self.first_bad_step, none)
@@ -600,7 +514,7 @@ class RunControl:
         return bool(stop), bad_step, bool(due)
 
 
-# --- 4. the manager train.py's loop calls --------------------------------------------------------------------------
+# --- 5. the manager train.py's loop calls --------------------------------------------------------------------------
 def stall_message(reason, step, stall, waited):
     """The log line of a checkpoint's stall (benchmarks/suite/part_de_training.py parses it)."""
     return (f"Checkpoint ({reason}) at step {step}: state copied to host in {stall:.3f} s"
@@ -650,12 +564,12 @@ class CheckpointManager:
                 return 0.0
             resume_from = chosen[0] or fallback
         path = Path(resume_from).expanduser().resolve()
-        # Rank 0 has loaded (and hashed) the one it found: not twice.
-        payload = found[1] if found else load_checkpoint(path, log=logger.warning)
-        check_compatible(payload["config"], params, source=f"checkpoint {path}")
+        payload = found[1] if found else load_checkpoint(path, log=logger.warning)  # rank 0's is loaded (and hashed)
+        source = f"checkpoint {path}"
+        check_compatible(payload["config"], params, source)
         changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
-        load_model_state(state.train_model, payload["model"], source=f"checkpoint {path}")
-        load_optimizer_state(state.optimizer, payload["optimizer"], source=f"checkpoint {path}")
+        load_model_state(state.train_model, payload["model"], source)
+        load_optimizer_state(state.optimizer, payload["optimizer"], source)
         if params.amp_mode == "fp16" and payload["config"].get("amp_mode") == "fp16":
             state.scaler.load_state_dict(payload["scaler"])
         set_rng_state(payload["rng"])
@@ -663,32 +577,48 @@ class CheckpointManager:
         self.validation_pending = bool(payload.get("validation_pending", False))  # older checkpoints lack it
         if info.is_main and path.parent == self.directory.resolve():
             # Going back in this run: a restart before the first save must not jump forward into the newer ones.
-            prune_newer(self.directory, state.global_step)
+            _remove([p for p in list_checkpoints(self.directory) if checkpoint_step(p) > state.global_step],
+                    f"going back to step {state.global_step}")
         logger.info(f"Resumed from {path} at global step {state.global_step}"
                     + (f"; changed settings: {', '.join(f'{k} {a} -> {b}' for k, a, b in changed)}" if changed else "")
                     + ("; its epoch's validation, skipped by the stopped run, comes first"
                        if self.validation_pending else ""))
         return payload["epoch_loss_sum"] if info.is_main else 0.0
 
+    @contextmanager
     def running(self, tensorboard=None):
-        """``with checkpoints.running(writer):`` around the training loop."""
-        self.tensorboard = tensorboard
-        return self
-
-    def __enter__(self):
-        self.control.in_loop = True
-        return self
-
-    def __exit__(self, *exc):
-        """However the loop ends: a write in flight lands (or fails), then signals raise again (in that order: a
-        signal meanwhile only sets a flag, and cannot turn a failed write into a stop)."""
+        """``with checkpoints.running(writer):`` around the training loop. However it ends, a write in flight lands
+        (or fails) before signals raise again (a signal meanwhile only sets a flag, and cannot turn a failed write
+        into a stop); a failed write is raised then, or logged if another exception is under way."""
+        self.tensorboard, self.control.in_loop, failed = tensorboard, True, None
         try:
-            failed = self.close()
+            yield self
         finally:
-            self.control.in_loop = False
-        if failed is not None and exc[1] is None:
+            try:
+                if self.writer is not None:
+                    failed = self._close_writer(ending=sys.exc_info()[1] is not None)
+            finally:
+                self.control.in_loop = False
+        if failed is not None:
             raise failed
-        return False
+
+    def _close_writer(self, ending):
+        """Close rank 0's writer and log its stall statistics (to TensorBoard: the longest); returns a failed write's
+        error, logged too if another exception is ``ending`` the loop (that one goes on; this must not get lost)."""
+        writer, failed = self.writer, None
+        try:
+            writer.close()
+        except CheckpointError as err:
+            failed = err
+            if ending:
+                logger.error(f"error: {err}")
+        if writer.stall_seconds:
+            logger.info(f"Checkpoints: {writer.saves}, training stalled {max(writer.stall_seconds):.2f} s at most "
+                        f"({sum(writer.stall_seconds):.1f} s in all)")
+        for name, seconds in (("stall", writer.stall_seconds), ("write", writer.write_seconds)):
+            if self.tensorboard and seconds:
+                self.tensorboard.add_scalar(f"Perf/checkpoint_{name}_s", max(seconds), self.state.global_step)
+        return failed
 
     def after_step(self, loss, loss_sum, last_in_epoch):
         """After each step (global_step counts it): track the loss; between epoch ends, agree, then checkpoint when
@@ -697,10 +627,7 @@ class CheckpointManager:
         control.track(loss, state.global_step - 1)
         writer = self._writer()  # rank 0's; None elsewhere
         if writer is not None and control.failed_write is None:
-            try:
-                writer.poll()  # logs a finished background write, raises a failed one
-            except CheckpointError as err:
-                control.write_failed(err)
+            self._reported(writer.poll)  # logs a finished background write, reports a failed one
         if last_in_epoch:
             return
         by_steps = params.checkpoint_every_n_steps > 0 and state.global_step % params.checkpoint_every_n_steps == 0
@@ -744,7 +671,32 @@ class CheckpointManager:
                             f"{epoch + 1}, before its validation (which the rerun does first); rerun the same "
                             f"command to continue")
 
-    def payload(self, epoch_loss_sum, validation_pending=False):
+    def save(self, epoch_loss_sum, reason, wait=False, validation_pending=False):
+        """Checkpoint at this step boundary, after an agreement that every loss so far was finite: rank 0 copies
+        the state to host memory and writes it in the background (``wait``: also until the file is complete)."""
+        state, started = self.state, perf_counter()  # the stall: everything the training loop waits for here
+        # The epoch's loss so far, summed over ranks: the resumed rank 0 carries it for everyone.
+        loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
+        writer = self._writer()
+        if writer is not None:  # waits for the previous write first, and reports its error
+            stall = self._reported(writer.save, self._payload(loss_sum, validation_pending), state.global_step,
+                                   state.params.keep_checkpoints, reason, started)
+            if stall is not None:
+                logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
+                if self.tensorboard is not None:  # events up to the checkpoint on disk: a resume purges later ones
+                    self.tensorboard.flush()
+        if wait:
+            self.wait()
+
+    def wait(self):
+        """Rank 0's write in flight lands and is logged; under DDP no rank goes on (exits, reads) before that, and
+        a failed write stops every rank (the agreement is the barrier)."""
+        if self.writer is not None:
+            self._reported(self.writer.wait)
+        if self.state.info.enabled:
+            self.control.agree()
+
+    def _payload(self, epoch_loss_sum, validation_pending=False):
         state = self.state
         return {"step": state.global_step, "config": dict(state.params), "model": plain_state_dict(state.model),
                 "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(),
@@ -756,65 +708,16 @@ class CheckpointManager:
         if self.state.info.is_main and self.writer is None:
             self.writer = AsyncCheckpointer(self.directory, self.state.params.checkpoint_every_minutes, log=logger.info)
             if self.state.info.device.type == "cuda":  # pin the host buffers now, on the writer thread
-                self.writer.reserve(self.payload(0.0))
+                self.writer.reserve(self._payload(0.0))
         return self.writer
 
-    def save(self, epoch_loss_sum, reason, wait=False, validation_pending=False):
-        """Checkpoint at this step boundary, after an agreement that every loss so far was finite: rank 0 copies
-        the state to host memory and writes it in the background. A failure goes to ``control.write_failed``.
-        ``wait``: also until the file is complete (exit points)."""
-        state = self.state
-        started = perf_counter()  # the stall: everything the training loop waits for here
-        # The epoch's loss so far, summed over ranks: the resumed rank 0 carries it for everyone.
-        loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
-        writer = self._writer()
-        if writer is not None:
-            try:  # waits for the previous write first, and raises its error
-                stall = writer.save(self.payload(loss_sum, validation_pending), state.global_step,
-                                    state.params.keep_checkpoints, reason, started)
-            except CheckpointError as err:
-                self.control.write_failed(err)
-            else:
-                logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
-                if self.tensorboard is not None:  # events up to the checkpoint on disk: a resume purges later ones
-                    self.tensorboard.flush()
-        if wait:
-            self.wait()
-
-    def wait(self):
-        """Rank 0's write in flight lands and is logged; under DDP no rank goes on (exits, reads) before that, and
-        a failed write stops every rank (the agreement is the barrier)."""
-        if self.writer is not None:
-            try:
-                self.writer.wait()
-            except CheckpointError as err:
-                self.control.write_failed(err)
-        if self.state.info.enabled:
-            self.control.agree()
-
-    def close(self):
-        """Wait for a write in flight, log the stall statistics (TensorBoard Perf/checkpoint_stall_s: the longest),
-        stop the thread. Returns the write's CheckpointError for the caller, logging it if another exception is
-        under way."""
-        writer = self.writer
-        if writer is None:
-            return None
-        ending_with, failed = sys.exc_info()[1], None
+    def _reported(self, call, *args):
+        """``call(*args)``, or None after its CheckpointError went to ``control.write_failed`` (which raises it in a
+        single process and holds it for the agreement under DDP)."""
         try:
-            writer.close()
+            return call(*args)
         except CheckpointError as err:
-            failed = err
-            if ending_with is not None:  # that exception goes on; this one must not get lost
-                logger.error(f"error: {err}")
-        if writer.stall_seconds:
-            logger.info(f"Checkpoints: {writer.saves}, training stalled {max(writer.stall_seconds):.2f} s at "
-                        f"most ({sum(writer.stall_seconds):.1f} s in all)")
-            if self.tensorboard:
-                step = self.state.global_step
-                self.tensorboard.add_scalar("Perf/checkpoint_stall_s", max(writer.stall_seconds), step)
-                if writer.write_seconds:
-                    self.tensorboard.add_scalar("Perf/checkpoint_write_s", max(writer.write_seconds), step)
-        return failed
+            self.control.write_failed(err)
 
     def _raise_nonfinite(self, bad_step):
         try:  # the last good checkpoint may still be on its way to disk: let it land first
