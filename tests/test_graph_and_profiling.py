@@ -199,7 +199,7 @@ def test_a_close_that_fails_does_not_replace_the_exception_ending_the_run(tmp_pa
         with pytest.raises(StorageError, match="no trace file arrived"):
             profiler.close()
     else:
-        logger = logging.getLogger("train")  # a training run in this process stops it propagating (utils/run_log.py)
+        logger = logging.getLogger("train")  # a training run in this process stops it propagating (utils/run_dir.py)
         logger.addHandler(caplog.handler)
         try:
             profiler.close(ending_with)

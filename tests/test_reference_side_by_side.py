@@ -15,7 +15,7 @@ import reference_side_by_side as side  # noqa: E402
 
 SCRIPT = REPO_ROOT / "benchmarks" / "reference_side_by_side.py"
 
-# The reference's epoch line (its example_logs/base/1GPU/00/out.log) and ours (utils/run_log.py's log_epoch).
+# The reference's epoch line (its example_logs/base/1GPU/00/out.log) and ours (utils/metrics.py's log_epoch).
 REF = "2021-11-12 00:46:23,492 - root - INFO - "
 REFERENCE_LOG = f"""\
 {REF}Starting Training Loop...

@@ -486,7 +486,7 @@ class RunControl:
         self.first_bad_step = torch.where(bad, step, self.first_bad_step)
 
     def write_failed(self, error):
-        """Rank 0's failed write (checkpoint, out.log, events: utils/run_log.py reports here). A single process
+        """Rank 0's failed write (checkpoint, out.log, events: utils/run_dir.py reports here). A single process
         raises it now; under DDP it is held until the next agreement, where every rank stops with it."""
         if self.info is None or not self.info.enabled:
             raise error
