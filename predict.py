@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from utils.distributed import DistInfo, cleanup, env_world_size, init_distributed
-from utils.errors import ConfigError, StorageError, run as run_cli, storage_cause
+from utils import ConfigError, StorageError, run as run_cli, storage_cause
 from utils.inference import (WholeBoxScience, check_input, check_tiling, check_whole_box, gather_slabs,
                              load_trained_model, lyman_alpha_section, lyman_alpha_settings, periodic_model,
                              predict_slabs, predict_whole_box)
@@ -221,7 +221,7 @@ def write_prediction(output, source, slabs, shape, settings, lya_stride, device,
 
 
 def cli(argv=None):
-    """Run ``main``; a user error ends with one line on stderr and exit code 2 (utils/errors.py)."""
+    """Run ``main``; a user error ends with one line on stderr and exit code 2 (utils/__init__.py)."""
     run_cli(main, argv)
 
 

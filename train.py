@@ -35,7 +35,7 @@ from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split,
 from utils.data import get_data_loader, prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, describe_ddp, env_world_size,
                                init_distributed, peer_lost)
-from utils.errors import ConfigError, OneLineParser, run as run_cli
+from utils import ConfigError, OneLineParser, run as run_cli
 from utils.metrics import log_epoch, log_interval, log_startup
 from utils.run_dir import EventWriter, make_run_dir, resume_on_restart, setup_logging
 

@@ -30,7 +30,7 @@ import torch
 
 import train
 from utils.snapshot import restore_training_state, snapshot_training_state
-from utils.errors import ConfigError
+from utils import ConfigError
 
 NUM_WARMUP_STEPS = 3  # eager steps before capture: cuDNN autotuning, lazy optimizer state, compilation
 

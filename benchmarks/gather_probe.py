@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from utils import symmetry  # noqa: E402
 from utils.data.gpu import STORAGE_DTYPES, make_crops  # noqa: E402
 from utils.data.symmetry_torch import crop_index, element_table  # noqa: E402
-from utils.errors import first_line  # noqa: E402
+from utils import first_line  # noqa: E402
 
 CHANNELS = (4, 5)  # N-body input, hydro target
 

@@ -58,7 +58,7 @@ SCALINGS = ("none", "sqrt", "linear")
 STUDY_FLAGS = ("--config", "--expdir", "--run_num", "--global_batch_size", "--local_batch_size",
                "--lr_schedule.scaling", "--num_epochs", "--seed")
 ARM = re.compile(r"^(\d+):(none|sqrt|linear):(\d+)(?::(\d+))?$")
-ONE_LINE_ERROR = re.compile(r"\b(error|stopped): ")  # how train.py reports a user error or a stop (utils/errors.py)
+ONE_LINE_ERROR = re.compile(r"\b(error|stopped): ")  # how train.py reports a user error or a stop (utils/__init__.py)
 SCIENCE = {"gamma_pred": "T_rho/gamma_pred", "gamma_true": "T_rho/gamma_true",
            "flux_pdf_ks": "lyman_alpha/flux_pdf_ks"}
 

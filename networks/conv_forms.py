@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils.errors import ConfigError
+from utils import ConfigError
 
 FORMS = ("native", "rewritten", "padded", "matmul", "unfold", "overlap_add")
 CONV_ONLY, TRANSPOSED_ONLY = ("unfold",), ("overlap_add",)  # forms that compute one kind of layer

@@ -33,7 +33,7 @@ from utils import inference
 from science import check_normalisation, lyman_alpha as lya
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
-from utils.errors import CheckpointError, DataError, run as run_cli
+from utils import CheckpointError, DataError, run as run_cli
 from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
                            log_density_edges, log_temperature_edges)
 from science.plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
@@ -274,7 +274,7 @@ def main(argv=None):
 
 
 def cli(argv=None):
-    """Run ``main``; a user error ends with one line on stderr and exit code 2 (utils/errors.py)."""
+    """Run ``main``; a user error ends with one line on stderr and exit code 2 (utils/__init__.py)."""
     run_cli(main, argv)
 
 

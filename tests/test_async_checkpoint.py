@@ -20,7 +20,7 @@ from utils import checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, RunControl, load_checkpoint, plain_state_dict,
                               rng_state, save_checkpoint)
 from utils.config import load_config
-from utils.errors import Preempted
+from utils import Preempted
 from conftest import REPO_ROOT, free_port, rank_env
 
 

@@ -37,7 +37,7 @@ from utils.distributed import init_distributed
 from utils.data.dali import HeldUntilConsumed
 from utils.data.fast import FastLoader
 from utils.data.gpu import get_gpu_loader
-from utils.errors import Preempted
+from utils import Preempted
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -624,7 +624,7 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
     from science import lyman_alpha
     from utils.distributed import DistInfo, all_reduce_sum
     from utils.checkpoint import RunControl
-    from utils.errors import CheckpointError
+    from utils import CheckpointError
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
                             device_id=CUDA)
     try:

@@ -15,7 +15,7 @@ import train_graph
 from benchmarks import ladder
 from networks.UNet import UNet, loss_func
 from utils.config import REPO_ROOT, ConfigError, load_config
-from utils.errors import Preempted, StorageError
+from utils import Preempted, StorageError
 from utils.profiling import Profiler
 
 

@@ -14,7 +14,7 @@ from conftest import REPO_ROOT
 from test_symmetry import from_matrix, matrix
 from utils import make_dataset as md
 from utils import symmetry, units
-from utils.errors import GenerationError, run
+from utils import GenerationError, run
 
 N = 32
 
@@ -112,7 +112,7 @@ def test_cli_writes_h5_and_npy_layout(tmp_path):
 
 
 def _one_line_error(argv, capsys, exit_code=2):
-    """The command line (main under utils/errors.py's run, as ``python -m utils.make_dataset`` runs it) on
+    """The command line (main under utils/__init__.py's run, as ``python -m utils.make_dataset`` runs it) on
     ``argv``: it must end with ``exit_code`` and one stderr line ``error: ...``; returns that line."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:

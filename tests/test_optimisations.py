@@ -12,7 +12,7 @@ import torch._dynamo
 import train
 from utils.data import get_data_loader
 from utils.distributed import init_distributed
-from utils.errors import ConfigError, Preempted
+from utils import ConfigError, Preempted
 
 
 def short_run(params, num_steps=6):

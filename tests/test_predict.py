@@ -19,7 +19,7 @@ from conftest import REPO_ROOT
 from networks.UNet import UNet, build_model
 from utils.checkpoint import plain_state_dict, save_checkpoint
 from utils.config import load_config
-from utils.errors import DataError
+from utils import DataError
 from utils.make_dataset import make_dataset
 from utils.units import physical_attrs
 

@@ -20,7 +20,7 @@ from test_predict import TINY, forward, nbody, tiny_model, write_nbody
 from utils import inference
 from utils.checkpoint import plain_state_dict, save_checkpoint
 from utils.config import load_config
-from utils.errors import ConfigError
+from utils import ConfigError
 
 
 @pytest.fixture(scope="module")

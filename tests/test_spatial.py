@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from utils.errors import ConfigError  # noqa: E402
+from utils import ConfigError  # noqa: E402
 from utils.spatial import (SpatialGroup, check_spatial_parallel, gather_depth, halo_exchange, pad_depth,  # noqa: E402
                            shard_model, spatial_loss, split_depth, sum_gradients)
 

@@ -15,7 +15,7 @@ import torch
 import train
 from conftest import run_train_cli, write_random_box
 from utils import checkpoint
-from utils.errors import storage_cause
+from utils import storage_cause
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root)")]
@@ -131,7 +131,7 @@ def test_full_disk_for_a_prediction(tiny_argv, tiny_files, tmp_path, capsys):
 
 def test_full_disk_for_the_generator(tmp_path, capsys):
     from utils import make_dataset
-    from utils.errors import run
+    from utils import run
     with tmpfs(tmp_path / "data", size="64k") as data:
         with pytest.raises(SystemExit) as exit_info:
             run(make_dataset.main, ["--box", "32", "--out", str(data / "train.h5")])

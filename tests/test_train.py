@@ -12,7 +12,7 @@ from utils import metrics
 from utils.config import load_config
 from utils.data import get_data_loader
 from utils.distributed import cleanup, init_distributed
-from utils.errors import ConfigError
+from utils import ConfigError
 from conftest import free_port
 
 

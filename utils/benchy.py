@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from utils.snapshot import restore_training_state, snapshot_training_state
-from utils.errors import StorageError, storage_cause
+from utils import StorageError, storage_cause
 
 MODES = ("IO", "SYNTHETIC", "FULL")
 

@@ -7,7 +7,7 @@ and the manager train.py's loop calls.
   prefixes; payloads are tensors and plain data (``dict(params)``), read with ``weights_only=True``.
 - ``RunControl`` is the run's one SIGTERM/SIGUSR1 handler and its one agreement: a single small all-reduce of
   {stop signal, checkpoint due by rank 0's clock, rank 0's failed write, first non-finite step}.
-- Exit codes (utils/errors.py): 2 a failed write, 3 a stop signal (submit_pm.sh requeues), 4 a non-finite loss.
+- Exit codes (utils/__init__.py): 2 a failed write, 3 a stop signal (submit_pm.sh requeues), 4 a non-finite loss.
   torchrun ends the other ranks when one fails, but submit_pm.sh runs srun with --kill-on-bad-exit=0 (exit code 3
   must reach the requeue): so no rank stops alone, which would leave the others in their next collective (NCCL:
   10 minutes, then SIGABRT).
@@ -36,7 +36,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from utils.config import SCHEMA, resolve_path
 from utils.distributed import all_reduce_sum
-from utils.errors import (CheckpointError, NonFiniteLoss, Preempted, StorageError, first_line, os_error_in,
+from utils import (CheckpointError, NonFiniteLoss, Preempted, StorageError, first_line, os_error_in,
                           storage_cause)
 
 logger = logging.getLogger("train")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from utils.errors import ConfigError, storage_cause
+from utils import ConfigError, storage_cause
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO_ROOT / "config" / "UNet.yaml"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from utils.errors import ConfigError, PeerLost, first_line
+from utils import ConfigError, PeerLost, first_line
 
 
 @dataclass

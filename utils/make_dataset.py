@@ -72,7 +72,7 @@ Measured on 2 CPU cores (libraries included): 512^3 in 43 s with 1.86 GiB peak R
 per cell), 1024^3 in 12 min with 13.2 GiB (13.2 bytes per cell); benchmarks/bench_make_dataset.py,
 benchmarks/results/make_dataset_cpu.md. The CLI checks free memory (/proc/meminfo MemAvailable, or
 the GPU's) and disk space first; a failure raises GenerationError, which the command line
-(utils/errors.py) ends with one line, ``error: ...``, and exit status 2 (130 after Ctrl-C).
+(utils/__init__.py) ends with one line, ``error: ...``, and exit status 2 (130 after Ctrl-C).
 """
 import argparse
 import contextlib
@@ -91,7 +91,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from utils.errors import GenerationError, run
+from utils import GenerationError, run
 from utils.units import (CLIP, DEFAULT_CELL_SIZE, DENSITY_FLOOR, DENSITY_LOG_SCALE, TEMPERATURE_LOG10_OFFSET,
                          TEMPERATURE_LOG10_SCALE, VELOCITY_SCALE, physical_attrs)
 
@@ -974,7 +974,7 @@ def main(argv=None):
     targets = [Path(args.out)] + (list(npy_paths(args.out)) if args.npy else [])
     refuse_existing(targets, args.force, "overwrite")
     start = time.perf_counter()
-    # A failure is one line (utils/errors.py's run: ``error: ...``, exit status 2), no traceback; write_dataset has
+    # A failure is one line (utils/__init__.py's run: ``error: ...``, exit status 2), no traceback; write_dataset has
     # left nothing partial behind.
     try:
         write_dataset(args.out, args.box, args.seed, args.npy, args.box_length, args.smoothing, None,

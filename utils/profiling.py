@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from utils.errors import ConfigError, StorageError
+from utils import ConfigError, StorageError
 
 logger = logging.getLogger("train.profiling")
 

@@ -26,7 +26,7 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from utils.config import SCHEMA, resolve_path
-from utils.errors import ConfigError, StorageError, storage_cause
+from utils import ConfigError, StorageError, storage_cause
 
 
 def resume_on_restart(resume, environ=os.environ):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from utils.errors import ConfigError
+from utils import ConfigError
 
 logger = logging.getLogger("train")
 

@@ -22,7 +22,7 @@ from benchmarks.suite.settings import CALL_START_S, COMPILE_S, FIRST_TRAINING_PA
     TRAINING_RUNS
 from benchmarks.suite.summary import markdown
 from utils.config import DEFAULT_YAML
-from utils.errors import ReportedError
+from utils import ReportedError
 
 
 class SuiteCore:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from utils.config import resolve_path
 from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, get_torch_loader, read_volume_shapes,
                                      sample_plan)
-from utils.errors import DataError
+from utils import DataError
 
 __all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "get_data_loader", "prepare_data",
            "read_volume_shapes", "sample_plan"]

@@ -25,7 +25,7 @@ from utils import symmetry
 from utils.data.batches import PlannedLoader, batch_plans
 from utils.data.symmetry_torch import element_table
 from utils.data.torch_loader import SplitSpec, build_sampler
-from utils.errors import DataError
+from utils import DataError
 from utils.make_dataset import npy_paths
 
 

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils import symmetry
 from utils.config import check_batch_split, resolve_path
-from utils.errors import DataError, first_line
+from utils import DataError, first_line
 
 SPLITS = {"train": 0, "val": 1}
 
