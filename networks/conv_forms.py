@@ -34,6 +34,12 @@ instead of the sub-pixel convolution's 40, and plain additions instead of a conv
 the products' memory (4^3 C_out values per input voxel) and three passes over it (one per axis, each halving
 it), which torch.compile can fuse.
 
+``conv_transpose3d_fused`` (the ``fused`` form, transposed convolutions only) is the sub-pixel form without its
+copies: the kernel-2 convolution pads its own input (``padding=1`` gives the same (S + 1)^3 phases as padding
+first), and on a GPU the depth-to-space is one Triton kernel forward and one backward (networks/triton_interleave.py,
+imported only then), where the sub-pixel form makes eight strided copies each way, a zero fill and a padded copy
+of the input. On the CPU, or without Triton, it interleaves as the sub-pixel form does.
+
 All take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
 few MB), so the modules' parameters and checkpoints stay those of the plain model.
 
@@ -50,6 +56,7 @@ regression, pytorch#188422; torch 2.11 compiles it) once a second crop size in t
 those dimensions dynamic. Training compiles one crop size (a changing batch size is fine), and the
 ladder resets torch._dynamo between rungs.
 """
+import importlib.util
 import itertools
 
 import torch
@@ -58,10 +65,11 @@ import torch.nn.functional as F
 
 from utils import ConfigError
 
-FORMS = ("native", "rewritten", "padded", "matmul", "unfold", "overlap_add")
-CONV_ONLY, TRANSPOSED_ONLY = ("unfold",), ("overlap_add",)  # forms that compute one kind of layer
+FORMS = ("native", "rewritten", "padded", "matmul", "unfold", "overlap_add", "fused")
+CONV_ONLY, TRANSPOSED_ONLY = ("unfold",), ("overlap_add", "fused")  # forms that compute one kind of layer
 MATMUL_INPUT_EDGE = {False: 2, True: 1}  # transposed -> the input edge where the matmul form is exact
 CHANNELS_LAST = torch.channels_last_3d
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # found, not imported; CUDA builds of torch ship it
 
 
 def _layout(x, weight):
@@ -156,6 +164,23 @@ def conv_transpose3d_subpixel(x, weight, bias):
     # One convolution gives all 8 phases (channel (ax, ay, az, o)), bias included: bias o on each phase of o.
     phases = F.conv3d(xp, _subpixel_weight(weight.to(xp.dtype)), None if bias is None else bias.repeat(8))
     return _InterleavePhases.apply(phases, memory_format)                # (B, C_out, 2S, 2S, 2S)
+
+
+def _interleave(phases, memory_format):
+    """``_InterleavePhases`` as one Triton kernel each way for CUDA tensors when Triton is installed."""
+    if phases.is_cuda and TRITON_INSTALLED:
+        from networks.triton_interleave import interleave_phases
+        return interleave_phases(phases, memory_format == CHANNELS_LAST)
+    return _InterleavePhases.apply(phases, memory_format)
+
+
+def conv_transpose3d_fused(x, weight, bias):
+    """``F.conv_transpose3d(x, weight, bias, stride=2, padding=1)`` for a kernel-4 ``weight``: the sub-pixel form
+    with the convolution padding its input and, on a GPU, the depth-to-space in one Triton kernel each way."""
+    memory_format = _layout(x, weight)
+    x = _compute_dtype(x).contiguous(memory_format=memory_format)  # no copy when x is in the model's layout
+    phases = F.conv3d(x, _subpixel_weight(weight.to(x.dtype)), None if bias is None else bias.repeat(8), padding=1)
+    return _interleave(phases, memory_format)                                 # (B, C_out, 2S, 2S, 2S)
 
 
 def conv3d_padded_in(x, weight, bias, multiple=8):
@@ -295,8 +320,8 @@ def conv3d_unfold(x, weight, bias):
 
 
 def form_computes(form, transposed):
-    """Whether ``form`` computes this kind of layer: ``unfold`` convolutions only, ``overlap_add`` transposed ones
-    only, every other form both."""
+    """Whether ``form`` computes this kind of layer: ``unfold`` convolutions only, ``overlap_add`` and ``fused``
+    transposed ones only, every other form both."""
     return not (form in CONV_ONLY and transposed or form in TRANSPOSED_ONLY and not transposed)
 
 
@@ -319,7 +344,8 @@ def stride2_conv(x, weight, bias, transposed, form="native"):
         if not form_computes(form, transposed):
             raise ValueError(f"the {form} form computes {'transposed ' * (form in TRANSPOSED_ONLY)}convolutions only; "
                              f"compute this layer in another form (native or rewritten)")
-        return (conv_transpose3d_overlap_add if transposed else conv3d_unfold)(x, weight, bias)
+        return {"unfold": conv3d_unfold, "overlap_add": conv_transpose3d_overlap_add,
+                "fused": conv_transpose3d_fused}[form](x, weight, bias)
     raise ValueError(f"unknown convolution form {form!r}; choose from {', '.join(FORMS)}")
 
 
@@ -333,8 +359,8 @@ def parse_conv_forms(spec, names, input_sizes=None):
     fits only a convolution of a 2^3 input and a transposed convolution of a 1^3 input (``down5=matmul,
     up0=matmul`` for the default model on 64^3 crops); with ``input_sizes`` ({name: input edge}, from
     ``conv_input_sizes``) any other layer given it is refused. ``unfold`` fits the convolutions only
-    (``down4=unfold``), ``overlap_add`` the transposed ones (``up1=overlap_add,last=overlap_add``). Raises
-    ValueError naming what was wrong.
+    (``down4=unfold``), ``overlap_add`` and ``fused`` the transposed ones (``up1=overlap_add,last=fused``).
+    Raises ValueError naming what was wrong.
     """
     forms = dict.fromkeys(names, "native")
     items = [item.strip() for item in str(spec).split(",")]
@@ -351,9 +377,10 @@ def parse_conv_forms(spec, names, input_sizes=None):
         else:
             raise ValueError(f"conv_forms item {item!r}: this model has no layer {name!r}; its layers are "
                              f"{', '.join(names)}")
+    transposed_example = "the up layers or last, e.g. 'last={}'"
     for form, kind, example in (("unfold", "convolutions", "the down layers, e.g. 'down4=unfold'"),
-                                ("overlap_add", "transposed convolutions", "the up layers or last, e.g. "
-                                                                           "'last=overlap_add'")):
+                                ("overlap_add", "transposed convolutions", transposed_example.format("overlap_add")),
+                                ("fused", "transposed convolutions", transposed_example.format("fused"))):
         wrong = [name for name, chosen in forms.items()
                  if chosen == form and not form_computes(form, transposed=not name.startswith("down"))]
         if wrong:

@@ -1,0 +1,175 @@
+"""The ``fused`` form of the transposed convolutions (networks/conv_forms.py) computes the native layer, and its
+Triton depth-to-space (networks/triton_interleave.py) is the sub-pixel form's interleave, bit for bit.
+
+The Triton kernels run on the CPU in Triton's interpreter, which reads TRITON_INTERPRET when a kernel is
+defined: they run in one subprocess with it set (this file run as a script), so no kernel of this process, or
+of a later test, is interpreted by accident."""
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from networks.conv_forms import (CHANNELS_LAST, _InterleavePhases, _subpixel_weight, apply_conv_forms,
+                                 conv_transpose3d_fused, parse_conv_forms, stride2_conv)
+from networks.UNet import UNet
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FORMATS = {"contiguous": torch.contiguous_format, "channels_last": CHANNELS_LAST}
+BATCH, HALF = 3, 4  # an odd batch; the output is (2 HALF)^3, the phases (HALF + 1)^3
+
+
+def interleave_case(c_out, phases_layout, out_layout, dtype):
+    """(name, arguments) of one interpreter case."""
+    return f"c_out{c_out}-phases_{phases_layout}-out_{out_layout}-{dtype}", (c_out, phases_layout, out_layout, dtype)
+
+
+INTERLEAVE_CASES = dict(
+    [interleave_case(c_out, phases, out, "float32") for c_out in (5, 8) for phases in FORMATS for out in FORMATS]
+    + [interleave_case(5, "channels_last", "channels_last", "bfloat16")])  # the training layout and dtype
+
+
+def _reference_pass(phases, out_format, grad):
+    """The sub-pixel form's interleave of ``phases`` and its phase gradient for the output gradient ``grad``."""
+    phases = phases.detach().requires_grad_()
+    out = _InterleavePhases.apply(phases, out_format)
+    out.backward(grad)
+    return out, phases.grad
+
+
+def _compare(got, want):
+    return {"equal": torch.equal(got, want), "same_strides": got.stride() == want.stride(),
+            "max_abs_diff": (got.float() - want.float()).abs().max().item()}
+
+
+def _interleave_results(c_out, phases_layout, out_layout, dtype):
+    """The Triton interleave (forward and backward, through autograd) against the reference, on random phases; the
+    backward also for an output gradient with zero strides (what a sum's backward hands on)."""
+    from networks.triton_interleave import interleave_phases
+    torch.manual_seed(c_out)
+    phases = torch.randn(BATCH, 8 * c_out, HALF + 1, HALF + 1, HALF + 1).to(
+        getattr(torch, dtype), memory_format=FORMATS[phases_layout])
+    results = {}
+    for grad_kind in ("dense", "broadcast"):
+        got_phases = phases.detach().requires_grad_()
+        got = interleave_phases(got_phases, out_layout == "channels_last")
+        grad = (torch.randn_like(got) if grad_kind == "dense"
+                else torch.randn(BATCH, c_out, 1, 1, 1, dtype=got.dtype).expand(got.shape))
+        got.backward(grad)
+        want, want_grad = _reference_pass(phases, FORMATS[out_layout], grad)
+        if grad_kind == "dense":
+            results["forward"] = _compare(got.detach(), want.detach())
+        results[f"backward_{grad_kind}"] = _compare(got_phases.grad, want_grad)
+    return results
+
+
+def _form_results(int64_indices):
+    """``conv_transpose3d_fused`` with its interleave in Triton against F.conv_transpose3d (float32), forward and
+    gradients; ``int64_indices``: the kernels' 64-bit index path (for tensors past 2^31 elements) forced."""
+    from networks import conv_forms, triton_interleave
+    conv_forms._interleave = lambda phases, memory_format: triton_interleave.interleave_phases(
+        phases, memory_format == CHANNELS_LAST)  # as on a GPU
+    if int64_indices:
+        triton_interleave._needs_int64 = lambda *tensors: True
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, 6, HALF, HALF, HALF).to(memory_format=CHANNELS_LAST).requires_grad_()
+    weight, bias = torch.randn(6, 5, 4, 4, 4, requires_grad=True), torch.randn(5, requires_grad=True)
+    outputs = [conv_transpose3d_fused(x, weight, bias), F.conv_transpose3d(x, weight, bias, stride=2, padding=1)]
+    upstream = torch.randn_like(outputs[1])
+    (got_grads, want_grads) = [torch.autograd.grad(y, (x, weight, bias), upstream) for y in outputs]
+    return {"max_abs_diff": max((got - want).abs().max().item() for got, want in
+                                zip((outputs[0], *got_grads), (outputs[1], *want_grads))),
+            "channels_last": outputs[0].is_contiguous(memory_format=CHANNELS_LAST)}
+
+
+def interpreter_results():
+    """Every interpreter case's comparisons: {case name: {...}}; run with TRITON_INTERPRET=1."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "the Triton kernels would need a GPU"
+    results = {name: _interleave_results(*case) for name, case in INTERLEAVE_CASES.items()}
+    results["form"] = _form_results(int64_indices=False)
+    results["form_int64_indices"] = _form_results(int64_indices=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """interpreter_results() from a subprocess with TRITON_INTERPRET=1; skipped where Triton is not installed."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, __file__], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", INTERLEAVE_CASES)
+def test_triton_interleave_is_the_reference_bit_for_bit(interpreted, case):
+    """Forward and backward, dense and broadcast output gradients: the same values (a permutation, and the phase
+    gradient's unread border planes 0) in the layout the reference gives."""
+    for check, result in interpreted[case].items():
+        assert result["equal"] and result["same_strides"], (check, result)
+
+
+@pytest.mark.parametrize("case", ["form", "form_int64_indices"])
+def test_fused_form_with_triton_equals_the_transposed_convolution(interpreted, case):
+    assert interpreted[case]["max_abs_diff"] < 1e-4 and interpreted[case]["channels_last"], interpreted[case]
+
+
+def test_the_convolution_padding_its_input_gives_the_padded_inputs_phases():
+    """``padding=1`` in the kernel-2 convolution is the sub-pixel form's F.pad of the input: the (S + 1)^3 phases."""
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, 6, HALF, HALF, HALF, dtype=torch.float64)
+    weight = _subpixel_weight(torch.randn(6, 5, 4, 4, 4, dtype=torch.float64))
+    padded_first = F.conv3d(F.pad(x, (1, 1, 1, 1, 1, 1)), weight)
+    assert padded_first.shape == (BATCH, 40, HALF + 1, HALF + 1, HALF + 1)
+    torch.testing.assert_close(F.conv3d(x, weight, padding=1), padded_first, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", FORMATS)
+@pytest.mark.parametrize("c_out", [5, 8])
+def test_fused_form_on_the_cpu_equals_the_transposed_convolution(c_out, layout):
+    """Off CUDA the fused form interleaves in PyTorch: the native layer's output, layout and gradients (float32)."""
+    torch.manual_seed(c_out)
+    x = torch.randn(BATCH, 6, HALF, HALF, HALF).to(memory_format=FORMATS[layout]).requires_grad_()
+    weight, bias = torch.randn(6, c_out, 4, 4, 4, requires_grad=True), torch.randn(c_out, requires_grad=True)
+    got = stride2_conv(x, weight, bias, transposed=True, form="fused")
+    want = F.conv_transpose3d(x, weight, bias, stride=2, padding=1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert got.is_contiguous(memory_format=FORMATS[layout])
+    upstream = torch.randn_like(want)
+    for got_grad, want_grad in zip(torch.autograd.grad(got, (x, weight, bias), upstream),
+                                   torch.autograd.grad(want, (x, weight, bias), upstream)):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_form_in_the_model_and_where_it_fits():
+    """Every transposed layer fused (up0 on a 1^3 input among them) gives the native model's output and gradients;
+    the conv_forms key refuses the form on a convolution, naming where it fits."""
+    torch.manual_seed(0)
+    native = UNet([4, 8, 8]).to(torch.float64, memory_format=CHANNELS_LAST)
+    other = copy.deepcopy(native)
+    assert apply_conv_forms(other, "up0=fused,up1=fused,last=fused") == {
+        "down0": "native", "down1": "native", "down2": "native", "up0": "fused", "up1": "fused", "last": "fused"}
+    x = torch.randn(2, 4, 8, 8, 8, dtype=torch.float64).to(memory_format=CHANNELS_LAST)
+    upstream = torch.randn(2, 5, 8, 8, 8, dtype=torch.float64)
+    outputs = []
+    for model in (native, other):
+        outputs.append(model(x))
+        (outputs[-1] * upstream).sum().backward()
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
+    for (name, got), want in zip(other.named_parameters(), native.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10, msg=name)
+    with pytest.raises(ValueError, match="the fused form computes transposed convolutions only, not down0; give it "
+                                         "to the up layers or last, e.g. 'last=fused'"):
+        parse_conv_forms("down0=fused", ["down0", "up0", "last"])
+    with pytest.raises(ValueError, match="the fused form computes transposed convolutions only"):
+        stride2_conv(x, torch.zeros(5, 4, 4, 4, 4, dtype=x.dtype), None, transposed=False, form="fused")
+
+
+if __name__ == "__main__":
+    print(json.dumps(interpreter_results()))
