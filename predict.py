@@ -39,8 +39,8 @@ import h5py
 import numpy as np
 import torch
 
-from utils.distributed import DistInfo, cleanup, env_world_size, init_distributed
 from utils import ConfigError, StorageError, run as run_cli, storage_cause
+from utils.distributed import DistInfo, cleanup, env_world_size, init_distributed
 from utils.inference import (WholeBoxScience, check_input, check_tiling, check_whole_box, gather_slabs,
                              load_trained_model, lyman_alpha_section, lyman_alpha_settings, periodic_model,
                              predict_slabs, predict_whole_box)

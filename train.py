@@ -28,14 +28,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from networks.UNet import build_model, conv_input_sizes, loss_func
-from utils import metrics
+from utils import ConfigError, OneLineParser, metrics, run as run_cli
 from utils.checkpoint import CheckpointManager, RunControl
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
                           load_config, save_config)
 from utils.data import get_data_loader, prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, describe_ddp, env_world_size,
                                init_distributed, peer_lost)
-from utils import ConfigError, OneLineParser, run as run_cli
 from utils.metrics import log_epoch, log_interval, log_startup
 from utils.run_dir import EventWriter, make_run_dir, resume_on_restart, setup_logging
 

@@ -29,8 +29,8 @@ import warnings
 import torch
 
 import train
-from utils.snapshot import restore_training_state, snapshot_training_state
 from utils import ConfigError
+from utils.snapshot import restore_training_state, snapshot_training_state
 
 NUM_WARMUP_STEPS = 3  # eager steps before capture: cuDNN autotuning, lazy optimizer state, compilation
 

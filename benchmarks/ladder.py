@@ -68,8 +68,8 @@ import train  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from train_graph import capture_train_step  # noqa: E402
 from utils import metrics  # noqa: E402
-from utils.config import REPO_ROOT, load_config  # noqa: E402
 from utils import ConfigError  # noqa: E402
+from utils.config import REPO_ROOT, load_config  # noqa: E402
 from utils.distributed import DistInfo  # noqa: E402
 from train import initial_lr  # noqa: E402
 from utils.make_dataset import make_dataset  # noqa: E402

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from science.metrics import ScienceMetrics, format_summary, lyman_alpha_settings
+from utils import DataError
 from utils.config import resolve_path
 from utils.distributed import all_reduce_sum
-from utils import DataError
 from utils.units import NORMALISATION_ATTRS, normalisation_mismatches
 
 

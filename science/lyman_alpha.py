@@ -53,8 +53,8 @@ import h5py
 import numpy as np
 import torch
 
-from utils.distributed import sum_over_ranks
 from utils import DataError, first_line
+from utils.distributed import sum_over_ranks
 from utils.units import DEFAULT_CELL_SIZE, denormalize_density, denormalize_temperature, denormalize_velocity
 
 BOLTZMANN = 1.380649e-23          # J / K

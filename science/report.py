@@ -31,9 +31,9 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from utils import inference
 from science import check_normalisation, lyman_alpha as lya
+from utils import CheckpointError, DataError, run as run_cli
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
-from utils import CheckpointError, DataError, run as run_cli
 from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
                            log_density_edges, log_temperature_edges)
 from science.plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d

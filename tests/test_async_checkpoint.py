@@ -16,11 +16,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import train
 from networks.UNet import UNet, loss_func
-from utils import checkpoint
+from utils import Preempted, checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, RunControl, load_checkpoint, plain_state_dict,
                               rng_state, save_checkpoint)
 from utils.config import load_config
-from utils import Preempted
 from conftest import REPO_ROOT, free_port, rank_env
 
 

@@ -12,8 +12,8 @@ from networks.conv_forms import (apply_conv_forms, conv3d_matmul, conv3d_padded_
                                  conv_transpose3d_matmul, conv_transpose3d_overlap_add, conv_transpose3d_padded_out,
                                  conv_transpose3d_subpixel, describe_conv_forms, parse_conv_forms, stride2_conv)
 from networks.UNet import UPSAMPLE_MODES, UNet, conv_input_sizes
-from utils.config import load_config
 from utils import ConfigError
+from utils.config import load_config
 from utils.metrics import conv_flops, describe_model
 
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last_3d}

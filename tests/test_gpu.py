@@ -30,6 +30,7 @@ from benchmarks import kernel_probe
 from conftest import TINY_OVERRIDES
 from networks.UNet import UNet, loss_func
 from utils import metrics
+from utils import Preempted
 from utils.snapshot import restore_training_state, snapshot_training_state
 from utils.config import DEFAULT_YAML, load_config
 from utils.data import get_data_loader, sample_plan
@@ -37,7 +38,6 @@ from utils.distributed import init_distributed
 from utils.data.dali import HeldUntilConsumed
 from utils.data.fast import FastLoader
 from utils.data.gpu import get_gpu_loader
-from utils import Preempted
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -14,8 +14,8 @@ import train
 import train_graph
 from benchmarks import ladder
 from networks.UNet import UNet, loss_func
-from utils.config import REPO_ROOT, ConfigError, load_config
 from utils import Preempted, StorageError
+from utils.config import REPO_ROOT, ConfigError, load_config
 from utils.profiling import Profiler
 
 

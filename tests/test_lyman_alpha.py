@@ -14,8 +14,8 @@ import utils.make_dataset as md
 from science import lyman_alpha as lya
 from science import metrics as science, plots as science_plots
 from utils import units
-from utils.config import load_config
 from utils import DataError
+from utils.config import load_config
 from utils.distributed import DistInfo, cleanup, init_distributed
 from conftest import free_port
 

@@ -10,9 +10,9 @@ import torch
 import torch._dynamo
 
 import train
+from utils import ConfigError, Preempted
 from utils.data import get_data_loader
 from utils.distributed import init_distributed
-from utils import ConfigError, Preempted
 
 
 def short_run(params, num_steps=6):

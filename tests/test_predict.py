@@ -17,9 +17,9 @@ import predict
 from utils import inference
 from conftest import REPO_ROOT
 from networks.UNet import UNet, build_model
+from utils import DataError
 from utils.checkpoint import plain_state_dict, save_checkpoint
 from utils.config import load_config
-from utils import DataError
 from utils.make_dataset import make_dataset
 from utils.units import physical_attrs
 

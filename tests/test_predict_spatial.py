@@ -18,9 +18,9 @@ from conftest import REPO_ROOT
 from networks.UNet import build_model
 from test_predict import TINY, forward, nbody, tiny_model, write_nbody
 from utils import inference
+from utils import ConfigError
 from utils.checkpoint import plain_state_dict, save_checkpoint
 from utils.config import load_config
-from utils import ConfigError
 
 
 @pytest.fixture(scope="module")

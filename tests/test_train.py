@@ -9,10 +9,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import train
 from utils import metrics
+from utils import ConfigError
 from utils.config import load_config
 from utils.data import get_data_loader
 from utils.distributed import cleanup, init_distributed
-from utils import ConfigError
 from conftest import free_port
 
 

@@ -19,8 +19,8 @@ from itertools import count
 import torch
 import torch.distributed as dist
 
-from utils.snapshot import restore_training_state, snapshot_training_state
 from utils import StorageError, storage_cause
+from utils.snapshot import restore_training_state, snapshot_training_state
 
 MODES = ("IO", "SYNTHETIC", "FULL")
 

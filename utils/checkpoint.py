@@ -34,10 +34,9 @@ import torch.distributed as dist
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from utils import CheckpointError, NonFiniteLoss, Preempted, StorageError, first_line, os_error_in, storage_cause
 from utils.config import SCHEMA, resolve_path
 from utils.distributed import all_reduce_sum
-from utils import (CheckpointError, NonFiniteLoss, Preempted, StorageError, first_line, os_error_in,
-                          storage_cause)
 
 logger = logging.getLogger("train")
 CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")

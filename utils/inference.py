@@ -38,10 +38,10 @@ from tqdm import tqdm
 
 from networks.UNet import build_model
 from science import check_normalisation, lyman_alpha as lya
+from utils import CheckpointError, ConfigError, DataError
 from utils.checkpoint import latest_valid_checkpoint, load_checkpoint, load_model_state
 from utils.config import Params
 from utils.data import read_volume_shapes
-from utils import CheckpointError, ConfigError, DataError
 from utils.spatial import SpatialGroup, shard_model
 
 # Config keys build_model and the default tile need; older or foreign checkpoints may lack them.

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import yaml
 from torch.utils.tensorboard import SummaryWriter
 
-from utils.config import SCHEMA, resolve_path
 from utils import ConfigError, StorageError, storage_cause
+from utils.config import SCHEMA, resolve_path
 
 
 def resume_on_restart(resume, environ=os.environ):

@@ -21,8 +21,8 @@ import yaml
 from benchmarks.suite.settings import CALL_START_S, COMPILE_S, FIRST_TRAINING_PART_S, GPU, PART_SECONDS, SMALL, \
     TRAINING_RUNS
 from benchmarks.suite.summary import markdown
-from utils.config import DEFAULT_YAML
 from utils import ReportedError
+from utils.config import DEFAULT_YAML
 
 
 class SuiteCore:

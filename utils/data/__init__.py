@@ -10,10 +10,10 @@ namespace.
 import torch
 import torch.distributed as dist
 
+from utils import DataError
 from utils.config import resolve_path
 from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, get_torch_loader, read_volume_shapes,
                                      sample_plan)
-from utils import DataError
 
 __all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "get_data_loader", "prepare_data",
            "read_volume_shapes", "sample_plan"]

@@ -22,10 +22,10 @@ import torch
 
 from science import check_normalisation
 from utils import symmetry
+from utils import DataError
 from utils.data.batches import PlannedLoader, batch_plans
 from utils.data.symmetry_torch import element_table
 from utils.data.torch_loader import SplitSpec, build_sampler
-from utils import DataError
 from utils.make_dataset import npy_paths
 
 

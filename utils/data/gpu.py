@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from utils import DataError
 from utils.data.batches import PlannedLoader, batch_slices, epoch_plan
 from utils.data.fast import hand_over
 from utils.data.symmetry_torch import element_table, transform_torch
 from utils.data.torch_loader import ShardedSampler, SplitSpec, build_sampler, check_data_file
-from utils import DataError
 
 STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 GATHERS = ("eager", "compiled")

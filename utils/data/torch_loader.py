@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils import symmetry
-from utils.config import check_batch_split, resolve_path
 from utils import DataError, first_line
+from utils.config import check_batch_split, resolve_path
 
 SPLITS = {"train": 0, "val": 1}
 
