@@ -7,8 +7,8 @@
 One rank's training step, layer by layer, with utils/spatial.py's own plan (run on the meta device) saying which
 layers exchange halos and which run whole:
 - compute = the H100's measured kernel ms of the layer (native form, batch 64, 64^3, bf16, channels-last; read by
-  roofline.py) x the shard's FLOPs / the measured FLOPs. A transposed layer computes on its halo planes too (n + 2
-  input planes for n own); a layer run whole costs its whole FLOPs on every rank. Plus the Adam update of all
+  roofline.py) x the shard's FLOPs / the measured FLOPs. A transposed layer computes only its own output planes
+  (utils/spatial.py's two depth phases); a layer run whole costs its whole FLOPs on every rank. Plus the Adam update of all
   parameters on every rank (HBM roofline). Elementwise work is left out.
 - halo: forward sends ``hi`` planes to the previous slab and ``lo`` to the next, backward the same volume back:
   alpha + bytes / bandwidth per exchange. A layer whose sharded input it must gather whole all-gathers it and
@@ -57,20 +57,20 @@ class ShardLayer:
     reason: str = ""
 
     def planes(self):
-        """(input planes this rank computes on, output planes it keeps): a padding-free transposed convolution
-        makes 2 (n + lo + hi) + 2 planes and its in-place ReLU keeps them all alive."""
+        """(input planes this rank keeps, with its halo, and output planes it makes): a transposed layer makes only
+        its own 2n (utils/spatial.py's depth phases), a convolution n / 2."""
         if self.mode == "plain":
             return self.input_shape[2], self.output_shape[2]
         n = self.input_shape[2] // self.spatial if self.mode == "halo" else self.input_shape[2]
-        extended = n + sum(self.halo)
-        return extended, (2 * extended + 2 if self.transposed else n // 2)
+        return n + sum(self.halo), (2 * n if self.transposed else n // 2)
 
-    def shard_flops(self, recompute=True):
-        """FLOPs of one pass on this rank; not ``recompute``: transposed layers skip their halo planes' work."""
+    def shard_flops(self, recompute=False):
+        """FLOPs of one pass on this rank; ``recompute``: as if transposed layers also computed the output planes their
+        halo gives (a plain padding-free transposed convolution of the extended slab: utils/spatial.py avoids it)."""
         depth_in = self.planes()[0]
         if self.transposed:  # FLOPs per input voxel
-            if not recompute and self.mode == "halo":
-                depth_in = self.input_shape[2] // self.spatial
+            if not recompute and self.mode != "plain":  # its own input planes, whole where it runs whole
+                depth_in = self.input_shape[2] // (self.spatial if self.mode == "halo" else 1)
             x = self.input_shape[:2] + (depth_in,) + self.input_shape[3:]
             return ConvLayer(self.name, True, x, self.output_shape, self.weight_shape).flops()
         own_out = self.output_shape[2] // self.spatial if self.mode == "halo" else self.output_shape[2]
@@ -157,7 +157,7 @@ class Setup:
     overlap: float = 0.0
     grad_bytes: int = 4  # DDP all-reduces fp32 gradients; 2 with a bf16 compression hook
     hbm_bw: float = GPUS["h100"][1] * 1e12
-    recompute: bool = True  # transposed layers compute on their halo planes too, as utils/spatial.py does
+    recompute: bool = False  # True: transposed layers computing their halo's planes too (utils/spatial.py does not)
 
 
 def layer_times(layer, setup, measured):
@@ -284,11 +284,11 @@ def losses(crop, spatial, setup, measured):
     adam = parameter_bytes(num_parameters(), DTYPE_BYTES[setup.dtype]) / setup.hbm_bw
     t = step_time(crop, spatial, setup, measured)
     parts = {"ideal: 1/S of one GPU's step": step_time(crop, 1, setup, measured)["step"] / spatial,
-             "transposed layers computing on their halo planes": 0.0, "deep layers run whole on every rank": 0.0,
+             "halo layers beyond 1/S of their work": 0.0, "deep layers run whole on every rank": 0.0,
              "Adam update of all parameters on every rank": adam * (1 - 1 / spatial),
              "halo exchanges and gathers (exposed)": t["halo"], "DDP gradient all-reduce (exposed)": t["ddp"]}
     for layer in plan_layers(crop, spatial, setup.batch):
-        key = "transposed layers computing on their halo planes" if layer.mode == "halo" else \
+        key = "halo layers beyond 1/S of their work" if layer.mode == "halo" else \
             "deep layers run whole on every rank"
         parts[key] += layer_times(layer, setup, measured)[0] - whole[layer.name] / spatial
     return parts
@@ -302,12 +302,11 @@ def goal_lines(setup, measured):
     lines = [row("one rank's step", "ms", "share"), row("---", "---:", "---:")]
     lines += [row(k, f"{1e3 * v:.2f}", f"{100 * v / total:.1f}%") for k, v in parts.items()]
     hidden = replace(setup, grad_bytes=2, overlap=1.0)
-    own = replace(hidden, recompute=False)
-    variants = [("as modelled", setup), ("+ bf16 gradients, all communication hidden behind compute (overlap 1)",
-                                         hidden),
-                ("+ transposed layers compute only their own output planes", own),
-                ("+ batch 64 per data rank", replace(own, batch=64))]
-    lines += ["", row("what if (each row adds to the one above)", "efficiency"), row("---", "---:")]
+    variants = [("instead: transposed layers also computing their halo's planes (a plain padding-free layer)",
+                 replace(setup, recompute=True)), ("as modelled", setup),
+                ("+ bf16 gradients, all communication hidden behind compute (overlap 1)", hidden),
+                ("+ batch 64 per data rank", replace(hidden, batch=64))]
+    lines += ["", row("what if (below 'as modelled', each row adds to the one above)", "efficiency"), row("---", "---:")]
     lines += [row(label, f"{100 * efficiency(crop, spatial, v, measured):.1f}%") for label, v in variants]
     return lines
 
@@ -338,8 +337,7 @@ def report(setup, measured):
         f"{'met' if eff >= target else 'not met'} ({100 * eff:.1f}%)", "", *goal_lines(setup, measured), "",
         f"## One rank's layers at {crop}³, S = {spatial}, batch {setup.batch}", "",
         "Halo and gather MB: sent per step by the busiest rank, forward + backward. x 1/S: the shard's compute over "
-        "1/S of the unsharded layer's (1: no waste; transposed layers compute on their halo planes; layers that "
-        "run whole cost S).", "", *layer_table(crop, spatial, setup, measured), "",
+        "1/S of the unsharded layer's (1: no waste; layers that run whole cost S).", "", *layer_table(crop, spatial, setup, measured), "",
         "## Inside one node (NVLink): efficiency = t(1 GPU, whole crop) / (S x t(slab))", "",
         f"Times for batch {setup.batch}.", "", *node, "",
         "## S x D across nodes: efficiency against one GPU (in brackets: against data parallelism on the same "

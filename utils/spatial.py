@@ -274,15 +274,29 @@ class SpatialConv(nn.Module):
             padding = (0, self.padding[1], self.padding[2])
         if not self.transposed:
             return F.conv3d(x, weight, bias, self.stride, padding, groups=self.groups)
-        y = F.conv_transpose3d(x, weight, bias, self.stride, padding, groups=self.groups)
         lo = self.halo(0)[0]
         n = x.shape[DEPTH] - sum(self.halo(0))
-        y = y.narrow(DEPTH, self.stride[0] * lo + self.padding[0], self.stride[0] * n)
+        if (self.kernel_size[0], self.stride[0], self.padding[0]) == (4, 2, 1):
+            y = self._own_planes_k4s2p1(x, weight, bias, padding, n)
+        else:  # any other k = 2p + s: the local output, then the slab's own planes of it
+            y = F.conv_transpose3d(x, weight, bias, self.stride, padding, groups=self.groups)
+            y = y.narrow(DEPTH, self.stride[0] * lo + self.padding[0], self.stride[0] * n)
         if periodic:
             for axis, dim in ((1, 3), (2, 4)):
                 s, p, lo_axis = self.stride[axis], self.padding[axis], self.halo(axis)[0]
                 y = y.narrow(dim, s * lo_axis + p, s * (x.shape[dim] - sum(self.halo(axis))))
         return y
+
+    def _own_planes_k4s2p1(self, x, weight, bias, padding, n):
+        """Only the slab's own 2n output planes of a kernel-4, stride-2, padding-1 transposed convolution, none of the
+        planes its neighbours own. Along depth, own output 2m + a (phase a) is x[m] w[1] + x[m - 1] w[3] (a = 0) or
+        x[m + 1] w[0] + x[m] w[2] (a = 1): for each phase a kernel-2, stride-1 transposed convolution along depth
+        (padding 1: no plane beyond the slab's) of the n + 1 input planes it reads, then the phases interleave.
+        x: (B, C_in, 1 + n + 1, H, W) with its halo; returns (B, C_out, 2n, H', W')."""
+        stride, pad = (1,) + tuple(self.stride[1:]), (1,) + tuple(padding[1:])
+        phases = [F.conv_transpose3d(x.narrow(DEPTH, a, n + 1), weight[:, :, taps], bias, stride, pad,
+                                     groups=self.groups) for a, taps in ((0, [1, 3]), (1, [0, 2]))]
+        return torch.stack(phases, dim=DEPTH + 1).flatten(DEPTH, DEPTH + 1)  # planes 2m + a
 
     def depth_out(self, depth_in):
         return depth_in * self.stride[0] if self.transposed else depth_in // self.stride[0]
