@@ -113,6 +113,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: an integration test, run with --full")
     config.addinivalue_line("markers", "timeout(seconds): pytest-timeout's limit for one test (where it is installed)")
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each pytest-xdist worker (-n N)
     if workers > 1:
         share_the_cores(workers)

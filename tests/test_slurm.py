@@ -21,7 +21,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import free_port
 
-pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
+# integration: run with --full (CI does); under pytest-xdist both Slurm modules run on one worker (--dist
+# loadgroup), one after the other: the one-node and the two-node clusters would share daemons' ports
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETUP = REPO_ROOT / ".ci" / "setup_slurm.sh"

@@ -36,7 +36,9 @@ TRAIN_ARGS = ["--config=quickstart", "--num_epochs", "1", "--Nsamples", "256", "
               "--global_batch_size", "4", "--num_data_workers", "0", "--device", "cpu", "--deterministic",
               "--log_every_n_steps", "4"]
 
-pytestmark = pytest.mark.slow
+# integration: run with --full (CI does); under pytest-xdist both Slurm modules run on one worker (--dist
+# loadgroup), one after the other: the one-node and the two-node clusters would share daemons' ports
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 
 def client(*command, check=True):
