@@ -131,8 +131,9 @@ def write_markdown(out, saved, flops_of):
              f"Hardware: {saved['cpu']}, {os.cpu_count()} cores (shared), torch {saved['torch']}, one thread per "
              f"process (the 64^3 arms: 2 processes). quickstart model, 4 epochs, cosine LR 2e-3 to 0.", "",
              "Budget: the training FLOPs of quickstart (convolutions, forward x 3, utils/metrics.py); the 64^3 "
-             "crops are split in two depth slabs (--spatial_parallel 2) and gather the thin deep layers whole, which "
-             "repeats those layers on both ranks (not counted).", ""] + budget_rows(arms, flops_of)
+             "crops are split in two depth slabs (--spatial_parallel 2); at 64^3 no layer gathers its input whole "
+             "(none logged), and halo planes a rank computes beyond its slab are not counted.", ""]
+    lines += budget_rows(arms, flops_of)
     lines += ["", "Times (s; train: the epochs in out.log, without validation; wall: the whole command, start-up, "
               "validation and checkpoints included; process-seconds = wall x ranks):", "",
               "| arm | seed | train | wall | process-seconds |", "|---|---:|---:|---:|---:|"]
