@@ -85,11 +85,15 @@ def train(option, seed, samples, epochs, expdir):
     start = time.perf_counter()
     subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env={**os.environ, "OMP_NUM_THREADS": str(THREADS)})
-    wall = time.perf_counter() - start
+    return run_dir, {"wall_s": time.perf_counter() - start, **logged_times(run_dir)}
+
+
+def logged_times(run_dir):
+    """{"train_s": the epochs' training seconds (no validation), "final_val_l1"} from a run's out.log."""
     log = (run_dir / "out.log").read_text()
     train_time = sum(float(t) for t in re.findall(r"Time taken for epoch \d+ is ([\d.]+) sec", log))
     final_l1 = float(re.search(r"Final validation L1 ([\d.]+)", log).group(1))
-    return run_dir, {"wall_s": wall, "train_s": train_time, "final_val_l1": final_l1}
+    return {"train_s": train_time, "final_val_l1": final_l1}
 
 
 def whole_box(run_dir):
@@ -114,8 +118,8 @@ def bands(scalars, prefix):
     return sorted(found, key=lambda band: int(band.split("-")[0]))
 
 
-def table(results, options, key_prefix, title, long=False):
-    """Markdown rows of one measurement (validation crops or whole box) per option."""
+def table(results, options, key_prefix, title, long=False, extra=()):
+    """Markdown rows of one measurement (validation crops or whole box) per option; ``extra``: more (name, tag)."""
     rows = [f"| {title} | " + " | ".join(options) + " |", "|---" * (len(options) + 1) + "|"]
     example = [r for r in results if r["long"] == long][0][key_prefix]
     metrics = ([(f"gas power ratio {band} cells", f"power_ratio/wavelength_{band}_cells")
@@ -129,7 +133,7 @@ def table(results, options, key_prefix, title, long=False):
                + [("L1 gas density", "L1/gas_density"), ("L1 temperature", "L1/temperature")])
     if key_prefix == "val":
         metrics.append(("validation L1 (all fields)", "final_val_l1"))
-    for name, tag in metrics:
+    for name, tag in metrics + list(extra):
         if not all(tag in r[key_prefix] for r in results if r["long"] == long):
             continue                         # a metric added after these runs were logged
         cells = []

@@ -1,0 +1,44 @@
+"""benchmarks/crop_science.py: the equal-FLOP budget of its arms and the commands that train them."""
+from pathlib import Path
+
+import pytest
+
+from benchmarks.crop_science import QUICKSTART, equal_flop_samples, make_arms, train_command
+from networks.UNet import build_model
+from utils.metrics import flops_per_sample
+
+
+@pytest.mark.parametrize("reference_flops, flops, batch, expected", [
+    (1, 8, 8, 256),        # 2048 crops of 32^3 buy 256 of 64^3
+    (1, 8, 1, 256),
+    (1, 3, 8, 680),        # 682.7 crops: rounded to whole batches of 8
+    (1, 1000, 8, 8),       # never below one batch
+])
+def test_equal_flop_samples(reference_flops, flops, batch, expected):
+    assert equal_flop_samples(2048, reference_flops, flops, batch) == expected
+
+
+def test_a_64_cubed_crop_costs_eight_32_cubed_ones():
+    model = build_model(QUICKSTART)
+    assert flops_per_sample(model, 64) == 8 * flops_per_sample(model, 32)
+
+
+def test_every_arm_trains_quickstarts_flops_and_validates_its_voxels():
+    def flops_of(crop):
+        return 5 * crop ** 3
+
+    arms = make_arms(flops_of)
+    assert [(a.crop, a.spatial_parallel, a.batch, a.samples, a.val_samples) for a in arms] == [
+        (32, 1, 8, 2048, 256), (64, 2, 8, 256, 32), (64, 2, 1, 256, 32)]
+    assert {flops_of(a.crop) * a.samples for a in arms} == {flops_of(32) * QUICKSTART.Nsamples}
+    assert {a.val_samples * a.crop ** 3 for a in arms} == {QUICKSTART.Nsamples_val * 32 ** 3}
+
+
+def test_shared_crops_launch_under_torchrun_and_whole_crops_alone():
+    whole, shared, _ = make_arms(lambda crop: crop ** 3)
+    alone, launched = train_command(whole, 0, Path("/x")), train_command(shared, 1, Path("/x"))
+    assert "torch.distributed.run" not in alone and alone[1] == "train.py"
+    assert launched[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    flags = dict(zip(launched[7::2], launched[8::2]))   # after train.py and --config=quickstart
+    assert flags["--spatial_parallel"] == "2" and flags["--data_size"] == "64" and flags["--Nsamples"] == "256"
+    assert flags["--seed"] == "1" and flags["--global_batch_size"] == "8" and flags["--Nsamples_val"] == "32"
