@@ -114,6 +114,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: an integration test, run with --full")
     config.addinivalue_line("markers", "timeout(seconds): pytest-timeout's limit for one test (where it is installed)")
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs a group's tests on one worker")
+    config.addinivalue_line("markers", "longest: one of the few longest tests, started first under --full")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each pytest-xdist worker (-n N)
     if workers > 1:
         share_the_cores(workers)
@@ -134,6 +135,9 @@ def share_the_cores(workers):
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--full"):
+        # The longest tests first: under pytest-xdist (CI's -n 2) they then overlap with the rest instead of
+        # running alone at the end. The sort is stable, so the others keep their order.
+        items.sort(key=lambda item: item.get_closest_marker("longest") is None)
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     if slow:

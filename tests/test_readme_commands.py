@@ -52,11 +52,11 @@ EXPECTED = [
     "python -m utils.make_dataset --box 256 --seed 1 --out data/train.h5",
     "python -m utils.make_dataset --box 128 --seed 2 --out data/val.h5",
     "python -m utils.make_dataset --out data/train.h5 --npy_only",
-    "python train.py --config=quickstart --num_epochs 1 --profile_dir traces",
+    "python train.py --config=quickstart --num_epochs 1 --Nsamples 256 --profile_dir traces",
     "python train.py --config=quickstart --enable_benchy",
     "python benchmarks/ladder.py --tiny",
     "python benchmarks/roofline.py",
-    "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1",
+    "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1 --Nsamples 512",
     "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1 --spatial_parallel 2",
     "python benchmarks/gpu_suite.py OUT --small",
     "python -m utils.plot_logs logs/quickstart/1GPU/0",
@@ -297,9 +297,9 @@ CLAIMS = {
     "python -m utils.make_dataset --box 128 --seed 2 --out data/val.h5": check_file("data/val.h5"),
     "python -m utils.make_dataset --out data/train.h5 --npy_only":
         check_file("data/train.h5", "data/train_data.npy", "data/train_label.npy"),
-    "python train.py --config=quickstart --num_epochs 1 --profile_dir traces": check_profile,
+    "python train.py --config=quickstart --num_epochs 1 --Nsamples 256 --profile_dir traces": check_profile,
     "python train.py --config=quickstart --enable_benchy": check_benchy,
-    "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1": check_torchrun,
+    "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1 --Nsamples 512": check_torchrun,
     "python benchmarks/gpu_suite.py OUT --small": check_gpu_suite,
     # Section 15: loss plots, the science report of the run and of a whole-box prediction.
     "python -m utils.plot_logs logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/loss.png"),
@@ -311,6 +311,7 @@ CLAIMS = {
 
 
 @pytest.mark.slow
+@pytest.mark.longest  # by far: CI starts it first (tests/conftest.py)
 @pytest.mark.timeout(1200)  # pytest-timeout, where installed: the GPU whole-suite command's 300 s is too short here
 def test_readme_walkthrough_on_a_fresh_clone(tmp_path):
     if not (REPO_ROOT / ".git").exists():

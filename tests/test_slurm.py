@@ -23,7 +23,7 @@ from conftest import free_port
 
 # integration: run with --full (CI does); under pytest-xdist both Slurm modules run on one worker (--dist
 # loadgroup), one after the other: the one-node and the two-node clusters would share daemons' ports
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm"), pytest.mark.longest]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETUP = REPO_ROOT / ".ci" / "setup_slurm.sh"

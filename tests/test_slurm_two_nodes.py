@@ -38,7 +38,7 @@ TRAIN_ARGS = ["--config=quickstart", "--num_epochs", "1", "--Nsamples", "256", "
 
 # integration: run with --full (CI does); under pytest-xdist both Slurm modules run on one worker (--dist
 # loadgroup), one after the other: the one-node and the two-node clusters would share daemons' ports
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm"), pytest.mark.longest]
 
 
 def client(*command, check=True):
