@@ -29,8 +29,7 @@ import train_graph
 from benchmarks import kernel_probe
 from conftest import TINY_OVERRIDES
 from networks.UNet import UNet, loss_func
-from utils import metrics
-from utils import Preempted
+from utils import Preempted, metrics
 from utils.snapshot import restore_training_state, snapshot_training_state
 from utils.config import DEFAULT_YAML, load_config
 from utils.data import get_data_loader, sample_plan
