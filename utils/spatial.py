@@ -294,8 +294,10 @@ class SpatialConv(nn.Module):
         (padding 1: no plane beyond the slab's) of the n + 1 input planes it reads, then the phases interleave.
         x: (B, C_in, 1 + n + 1, H, W) with its halo; returns (B, C_out, 2n, H', W')."""
         stride, pad = (1,) + tuple(self.stride[1:]), (1,) + tuple(padding[1:])
-        phases = [F.conv_transpose3d(x.narrow(DEPTH, a, n + 1), weight[:, :, taps], bias, stride, pad,
-                                     groups=self.groups) for a, taps in ((0, [1, 3]), (1, [0, 2]))]
+        # depth taps [1, 3] and [0, 2]: strided views of the weight, no gather of it every forward
+        taps = ((0, slice(1, None, 2)), (1, slice(0, None, 2)))
+        phases = [F.conv_transpose3d(x.narrow(DEPTH, a, n + 1), weight[:, :, depth_taps], bias, stride, pad,
+                                     groups=self.groups) for a, depth_taps in taps]
         return torch.stack(phases, dim=DEPTH + 1).flatten(DEPTH, DEPTH + 1)  # planes 2m + a
 
     def depth_out(self, depth_in):
