@@ -2,7 +2,8 @@
 optimizer's schedule, resuming a graph run, training on a high-priority stream, the rewritten convolution forms in
 a graph, torch.compile with channels-last (what the refusal of pytorch#171622 lets through, and a canary of the
 bug), the GPU-resident loader, the pinned prefetcher, cuDNN kernels for bf16 3D convolutions, MFU and peak memory,
-and the collectives and DDP on NCCL (a one-rank group; also compiled and channels-last, as the *_opt configs train).
+the collectives and DDP on NCCL (a one-rank group; also compiled and channels-last, as the *_opt configs train), and
+two gloo ranks sharing the GPU for spatial parallelism (benchmarks/spatial_gpu.py check).
 
     python -m pytest -q tests/test_gpu.py     # on a GPU machine: a minute or two; every test skips elsewhere
 
@@ -12,10 +13,14 @@ need tight tolerances run with TF32 off in fp32; cuDNN autotuning may choose alg
 rounding differs run to run, so eager and graph steps are compared within a tolerance, while the
 resumed graph run uses deterministic algorithms and must be bit-identical.
 """
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +42,8 @@ from utils.distributed import init_distributed
 from utils.data.dali import HeldUntilConsumed
 from utils.data.fast import FastLoader
 from utils.data.gpu import get_gpu_loader
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -614,6 +621,17 @@ def test_reference_model_mfu_and_peak_memory_are_plausible():
     resident = torch.cuda.memory_allocated(CUDA)
     assert 16 * num_params <= resident < summary["peak_memory_gb"] * 1e9 < 16e9, (resident, summary)
     assert summary["peak_memory_reserved_gb"] >= summary["peak_memory_gb"]  # the pools hold what was allocated
+
+
+# --- two ranks on the one GPU through gloo ------------------------------------------------------
+def test_two_gloo_ranks_on_the_gpu_train_a_spatial_model_as_one(tmp_path):
+    """benchmarks/spatial_gpu.py check: S = 2 with CUDA tensors over gloo (the halos staged through host memory,
+    which gloo's send and receive need) against the unsharded model, fp32: gradients and losses to 1e-5."""
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "benchmarks/spatial_gpu.py", "check", "--parts", "spatial", "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert all(rank["spatial"]["ok"] for rank in json.loads(out.read_text())["ranks"])
 
 
 # --- NCCL ----------------------------------------------------------------------------------------
