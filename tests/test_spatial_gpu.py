@@ -1,0 +1,69 @@
+"""benchmarks/spatial_gpu.py on the CPU: the memory sweep's one-rank slabs and the two-rank checks run and report.
+
+The GPU figures themselves are in benchmarks/results/h200.md; tests/test_gpu.py runs the two-rank check on CUDA."""
+import json
+
+import pytest
+import torch
+
+from benchmarks import spatial_gpu
+from networks.UNet import UNet
+from utils.spatial import SpatialGroup, shard_model
+
+
+def test_a_slab_under_the_loopback_has_a_middle_ranks_shapes():
+    """One rank of four, alone: its output slab is a quarter of the crop, and a layer run whole still returns the
+    slab (the gathered input is four copies of this rank's slab)."""
+    torch.manual_seed(0)
+    model = shard_model(UNet([4, 8, 8]), SpatialGroup(4, 2, [0, 1, 2, 3]))
+    with spatial_gpu.loopback():
+        out = model(torch.randn(1, 4, 4, 16, 16))  # a 16^3 crop's slab: 4 planes
+        out.sum().backward()
+    assert out.shape == (1, 5, 4, 16, 16)
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(Exception):  # the loopback is gone again: a real collective needs a process group
+        model(torch.randn(1, 4, 4, 16, 16))
+
+
+def test_memory_sweep_on_the_cpu_writes_every_case(tmp_path):
+    out = tmp_path / "memory.json"
+    assert spatial_gpu.main(["memory", "--tiny", "--steps", "1", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [row["crop"] for row in results["whole"]] == [8, 16] and results["largest_whole_crop"] == 16
+    assert results["memory_wall_found"] is False
+    slabs = {(row["crop"], row["spatial_parallel"]): row for row in results["slabs"]}
+    assert set(slabs) == {(16, 2), (16, 4)}
+    for (crop, size), row in slabs.items():
+        assert row["status"] == "ok" and row["slab"] == [crop // size, crop, crop] and row["step_ms"] > 0
+        whole = results["whole"][1]["step_ms"]
+        assert row["compute_efficiency"] == pytest.approx(whole / (size * row["step_ms"]), abs=1e-3)
+    assert slabs[(16, 4)]["gathered_layers"] == []  # the tiny 2-level model: every slab holds its halos
+
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_two_rank_checks_pass_on_the_cpu(tmp_path):
+    out = tmp_path / "check.json"
+    assert spatial_gpu.main(["check", "--out", str(out)]) == 0
+    ranks = json.loads(out.read_text())["ranks"]
+    for rank in ranks:
+        assert rank["spatial"]["ok"] and rank["spatial"]["gradient_relative_difference"] <= 1e-5, rank["spatial"]
+        assert rank["ddp_compile"]["ok"] and rank["ddp_compile"]["ranks_weights_identical"], rank["ddp_compile"]
+    assert ranks[0]["spatial"]["losses_sharded"] == ranks[1]["spatial"]["losses_sharded"]
+
+
+def test_the_sweep_stops_at_the_first_crop_that_does_not_fit(monkeypatch):
+    real = spatial_gpu.step_case
+
+    def step_case(channels, crop, size, device, steps):
+        if size == 1 and crop >= 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return real(channels, crop, size, device, steps)
+
+    monkeypatch.setattr(spatial_gpu, "step_case", step_case)
+    lines = []
+    results = spatial_gpu.measure_memory([4, 8], [8, 16, 24], [(16, 2)], torch.device("cpu"), 1, log=lines.append)
+    assert [row["status"] for row in results["whole"]] == ["ok", "out of memory"]
+    assert results["largest_whole_crop"] == 8 and results["memory_wall_found"]
+    assert results["whole"][1]["error"] == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert results["slabs"][0]["status"] == "ok" and "compute_efficiency" not in results["slabs"][0]
+    assert lines[1] == "crop 16^3, S = 1: out of memory"
