@@ -27,7 +27,8 @@ gradient), to hold against the GPU's peak:
   GPU, the depth-to-space as one Triton kernel each way instead of strided copies.
 
 Then whole training steps (model, L1 loss, backward, fused Adam) with every layer native, every layer
-rewritten, and every layer in its fastest form (by kernel time on a GPU, by wall time on a CPU), set as
+rewritten, every layer in its fastest form (by kernel time on a GPU, by wall time on a CPU), the ``*_opt``
+configs' forms (``opt``) and those with the last layer fused (``opt_fused``), set as
 training sets them (``apply_conv_forms``, the config key ``conv_forms``), and the share of the native
 step the convolutions take. The last line prints the ``--conv_forms`` value of the fastest step, to pass
 to train.py. Median of CUDA-event timings after warm-up (cuDNN autotuning on). The GPU suite runs this as its part h
@@ -75,6 +76,10 @@ def timed(function, device, repeats=10, warmup=3):
 
 
 KERNELS_KEPT = 6  # per layer and form, the longest kernels recorded in the results
+# The *_opt configs' forms (config/UNet.yaml), and the same with the last layer fused: the eager side-by-side of
+# the Triton depth-to-space against the sub-pixel form's strided copies, in one process.
+OPT_STEPS = {"opt": "down0=rewritten,last=rewritten,up0=rewritten",
+             "opt_fused": "down0=rewritten,last=fused,up0=rewritten"}
 
 
 def kernel_rows(events, repeats):
@@ -197,10 +202,10 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     data = (torch.rand(batch, 4, crop, crop, crop, device=device) * 2 - 1,
             torch.rand(batch, 5, crop, crop, crop, device=device) * 2 - 1)
     data = tuple(t.contiguous(memory_format=torch.channels_last_3d) for t in data)
-    for variant in ("native", "rewritten", "best"):
+    variants = {"native": "native", "rewritten": "rewritten", "best": describe_conv_forms(best), **OPT_STEPS}
+    for variant, spec in variants.items():
         torch.manual_seed(0)
         model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
-        spec = describe_conv_forms(best) if variant == "best" else variant
         chosen = apply_conv_forms(model, spec)  # as train.py's --conv_forms sets them
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
@@ -215,7 +220,7 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
         results["steps"][variant] = {"ms": round(ms, 2), "samples_per_s": round(batch * 1e3 / ms, 1),
                                      "conv_forms": spec,
                                      "forms": {name: form for name, form in chosen.items() if form != "native"}}
-        log(f"train step, {variant:9s}: {ms:7.2f} ms = {batch * 1e3 / ms:6.0f} samples/s (not native: "
+        log(f"train step, {variant:10s}: {ms:7.2f} ms = {batch * 1e3 / ms:6.0f} samples/s (not native: "
             f"{', '.join(f'{n} {f}' for n, f in results['steps'][variant]['forms'].items()) or 'none'})")
         del model, optimizer
         if device.type == "cuda":

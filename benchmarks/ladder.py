@@ -13,8 +13,9 @@ Each rung adds one optimisation to the previous rung (bf16 replaces fp16):
 plus two side rungs: the CUDA graph of the compiled model, and torch.compile with channels-last-3d; and
 two rungs that end at the ``*_opt`` configs' settings: channels-last with the convolution forms that
 measured fastest on an H100 (``down0=rewritten,last=rewritten``, compile off), then torch.compile on top
-(``up0`` rewritten too); and a last candidate rung, the same compiled step with ``last`` as an overlap-add
-(``last=overlap_add``: 2751 against 2692 samples/s on the H100, benchmarks/results/h100.md). These three set
+(``up0`` rewritten too); and two candidate rungs, the same compiled step with ``last`` as an overlap-add
+(``last=overlap_add``: 2751 against 2692 samples/s on the H100, benchmarks/results/h100.md) and with
+``last=fused`` (its depth-to-space as one Triton kernel each way, networks/triton_interleave.py). These four set
 their own forms; ``--conv_forms`` sets every other rung's. A rung means the rungs above it plus its own change,
 also when ``--rungs`` runs it alone (``--rungs channels_last`` is bf16, fused Adam and channels-last).
 
@@ -114,6 +115,10 @@ RUNGS = (
     # compile can fuse (networks/conv_forms.py), against the rung above's sub-pixel last layer.
     Rung("compile_overlap_add", "the same, last as an overlap-add",
          {"conv_forms": "down0=rewritten,last=overlap_add,up0=rewritten"},
+         needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
+    # And the last layer in the fused form: no pad copy, the depth-to-space as one Triton kernel each way.
+    Rung("compile_fused", "the same, last fused (Triton depth-to-space)",
+         {"conv_forms": "down0=rewritten,last=fused,up0=rewritten"},
          needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
 )
 OPT_RUNG = "compile_conv_forms"  # the rung the *_opt configs (config/UNet.yaml) train as

@@ -250,12 +250,13 @@ def test_conv_variants_times_every_form_of_every_layer():
             assert row["tflops"][form] == pytest.approx(passes * row["forward_gflop"] / ms, rel=0.01)
         assert row["best"] == min(row["ms"], key=row["ms"].get)
         assert all(error < 0.02 for error in row["relative_error_bf16"].values()), row  # same maths, bf16 rounding
-    assert set(results["steps"]) == {"native", "rewritten", "best"}
+    assert set(results["steps"]) == {"native", "rewritten", "best", "opt", "opt_fused"}
     assert len(results["steps"]["rewritten"]["forms"]) == 4 and results["steps"]["native"]["forms"] == {}
+    assert results["steps"]["opt_fused"]["forms"] == {"down0": "rewritten", "up0": "rewritten", "last": "fused"}
     assert results["steps"]["rewritten"]["conv_forms"] == "rewritten"
     assert results["fastest_step"] == min(results["steps"], key=lambda variant: results["steps"][variant]["ms"])
     assert results["fastest_conv_forms"] == results["steps"][results["fastest_step"]]["conv_forms"]
-    assert 0 < results["conv_share_of_native_step"] and len(lines) == 4 + 3 + 2  # no kernel lines on a CPU
+    assert 0 < results["conv_share_of_native_step"] and len(lines) == 4 + 5 + 2  # no kernel lines on a CPU
     assert slowest_layers(results) == []
     assert lines[-1].endswith(f"train with --conv_forms {results['fastest_conv_forms']}")
     # On 8^3 crops a 3-level model's down2 sees 2^3 and up0 1^3: there the matmul form is a candidate too.

@@ -47,19 +47,19 @@ def _compare(got, want):
             "max_abs_diff": (got.float() - want.float()).abs().max().item()}
 
 
-def _interleave_results(c_out, phases_layout, out_layout, dtype):
+def _interleave_results(c_out, phases_layout, out_layout, dtype, device="cpu"):
     """The Triton interleave (forward and backward, through autograd) against the reference, on random phases; the
     backward also for an output gradient with zero strides (what a sum's backward hands on)."""
     from networks.triton_interleave import interleave_phases
     torch.manual_seed(c_out)
     phases = torch.randn(BATCH, 8 * c_out, HALF + 1, HALF + 1, HALF + 1).to(
-        getattr(torch, dtype), memory_format=FORMATS[phases_layout])
+        device, getattr(torch, dtype), memory_format=FORMATS[phases_layout])
     results = {}
     for grad_kind in ("dense", "broadcast"):
         got_phases = phases.detach().requires_grad_()
         got = interleave_phases(got_phases, out_layout == "channels_last")
         grad = (torch.randn_like(got) if grad_kind == "dense"
-                else torch.randn(BATCH, c_out, 1, 1, 1, dtype=got.dtype).expand(got.shape))
+                else torch.randn(BATCH, c_out, 1, 1, 1, dtype=got.dtype, device=device).expand(got.shape))
         got.backward(grad)
         want, want_grad = _reference_pass(phases, FORMATS[out_layout], grad)
         if grad_kind == "dense":
@@ -68,17 +68,13 @@ def _interleave_results(c_out, phases_layout, out_layout, dtype):
     return results
 
 
-def _form_results(int64_indices):
+def _form_results(device="cpu"):
     """``conv_transpose3d_fused`` with its interleave in Triton against F.conv_transpose3d (float32), forward and
-    gradients; ``int64_indices``: the kernels' 64-bit index path (for tensors past 2^31 elements) forced."""
-    from networks import conv_forms, triton_interleave
-    conv_forms._interleave = lambda phases, memory_format: triton_interleave.interleave_phases(
-        phases, memory_format == CHANNELS_LAST)  # as on a GPU
-    if int64_indices:
-        triton_interleave._needs_int64 = lambda *tensors: True
+    gradients."""
     torch.manual_seed(1)
-    x = torch.randn(BATCH, 6, HALF, HALF, HALF).to(memory_format=CHANNELS_LAST).requires_grad_()
-    weight, bias = torch.randn(6, 5, 4, 4, 4, requires_grad=True), torch.randn(5, requires_grad=True)
+    x = torch.randn(BATCH, 6, HALF, HALF, HALF, device=device).to(memory_format=CHANNELS_LAST).requires_grad_()
+    weight = torch.randn(6, 5, 4, 4, 4, device=device, requires_grad=True)
+    bias = torch.randn(5, device=device, requires_grad=True)
     outputs = [conv_transpose3d_fused(x, weight, bias), F.conv_transpose3d(x, weight, bias, stride=2, padding=1)]
     upstream = torch.randn_like(outputs[1])
     (got_grads, want_grads) = [torch.autograd.grad(y, (x, weight, bias), upstream) for y in outputs]
@@ -90,9 +86,13 @@ def _form_results(int64_indices):
 def interpreter_results():
     """Every interpreter case's comparisons: {case name: {...}}; run with TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "the Triton kernels would need a GPU"
+    from networks import conv_forms, triton_interleave
     results = {name: _interleave_results(*case) for name, case in INTERLEAVE_CASES.items()}
-    results["form"] = _form_results(int64_indices=False)
-    results["form_int64_indices"] = _form_results(int64_indices=True)
+    conv_forms._interleave = lambda phases, memory_format: triton_interleave.interleave_phases(
+        phases, memory_format == CHANNELS_LAST)  # as on a GPU
+    results["form"] = _form_results()
+    triton_interleave._needs_int64 = lambda *tensors: True  # the 64-bit index path, for tensors past 2^31 elements
+    results["form_int64_indices"] = _form_results()
     return results
 
 
@@ -169,6 +169,50 @@ def test_fused_form_in_the_model_and_where_it_fits():
         parse_conv_forms("down0=fused", ["down0", "up0", "last"])
     with pytest.raises(ValueError, match="the fused form computes transposed convolutions only"):
         stride2_conv(x, torch.zeros(5, 4, 4, 4, 4, dtype=x.dtype), None, transposed=False, form="fused")
+
+
+# --- on a GPU: the compiled kernels, and the form under torch.compile ---------------------------------------------
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernels need a CUDA GPU")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("case", INTERLEAVE_CASES)
+def test_triton_interleave_on_the_gpu_is_the_reference_bit_for_bit(case):
+    for check, result in _interleave_results(*INTERLEAVE_CASES[case], device="cuda").items():
+        assert result["equal"] and result["same_strides"], (check, result)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("int64_indices", [False, True], ids=["int32", "int64"])
+def test_fused_form_on_the_gpu_equals_the_transposed_convolution(monkeypatch, int64_indices):
+    from networks import triton_interleave
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 against float32
+    if int64_indices:
+        monkeypatch.setattr(triton_interleave, "_needs_int64", lambda *tensors: True)
+    result = _form_results(device="cuda")
+    assert result["max_abs_diff"] < 1e-4 and result["channels_last"], result
+
+
+@CUDA_ONLY
+def test_fused_form_compiles_and_gives_the_eager_gradients():
+    """torch.compile sees the Triton kernels as custom ops (their fake shapes, their autograd): the compiled model
+    with last fused gives the eager model's output and gradients, bf16 autocast and channels-last as trained."""
+    torch.manual_seed(0)
+    eager = UNet([8, 16]).cuda().to(memory_format=CHANNELS_LAST)
+    apply_conv_forms(eager, "last=fused")
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model)
+    x = torch.randn(2, 4, 16, 16, 16, device="cuda").to(memory_format=CHANNELS_LAST)
+    upstream = torch.randn(2, 5, 16, 16, 16, device="cuda")
+    outputs = []
+    for model in (eager, compiled):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            outputs.append(model(x).float())
+        (outputs[-1] * upstream).sum().backward()
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=2e-2, atol=2e-2)
+    for (name, got), want in zip(compiled_model.named_parameters(), eager.parameters()):
+        scale = want.grad.abs().max().item()
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=3e-2 * scale, msg=name)
 
 
 if __name__ == "__main__":
