@@ -13,9 +13,10 @@ Each rung adds one optimisation to the previous rung (bf16 replaces fp16):
 plus two side rungs: the CUDA graph of the compiled model, and torch.compile with channels-last-3d; and
 two rungs that end at the ``*_opt`` configs' settings: channels-last with the convolution forms that
 measured fastest on an H100 (``down0=rewritten,last=rewritten``, compile off), then torch.compile on top
-(``up0`` rewritten too); and two candidate rungs, the same compiled step with ``last`` as an overlap-add
-(``last=overlap_add``: 2751 against 2692 samples/s on the H100, benchmarks/results/h100.md) and with
-``last=fused`` (its depth-to-space as one Triton kernel each way, networks/triton_interleave.py). These four set
+(``up0`` rewritten too); and three candidate rungs, the same compiled step with ``last`` as an overlap-add
+(``last=overlap_add``: 2751 against 2692 samples/s on the H100, benchmarks/results/h100.md), with ``last=fused``
+(its depth-to-space as one Triton kernel each way, networks/triton_interleave.py: 3409 against 3017 on an H200,
+benchmarks/results/h200.md), and with every layer in the form conv_variants.py timed fastest there. These five set
 their own forms; ``--conv_forms`` sets every other rung's. A rung means the rungs above it plus its own change,
 also when ``--rungs`` runs it alone (``--rungs channels_last`` is bf16, fused Adam and channels-last).
 
@@ -90,6 +91,7 @@ class Rung:
 # where compile meets channels-last on CUDA (pytorch#171622; networks/conv_forms.py).
 FASTEST_EAGER_FORMS = "down0=rewritten,last=rewritten"
 
+FASTEST_H200_FORMS = "down0=rewritten,down5=matmul,up0=overlap_add,up1=overlap_add,up3=fused,up4=fused,last=fused"
 RUNGS = (
     Rung("fp32", "fp32 (TF32 off)", {"enable_tf32": False}),
     Rung("tf32", "TF32", {"enable_tf32": True}, needs_cuda="TF32 is a math mode of NVIDIA tensor cores"),
@@ -119,6 +121,10 @@ RUNGS = (
     # And the last layer in the fused form: no pad copy, the depth-to-space as one Triton kernel each way.
     Rung("compile_fused", "the same, last fused (Triton depth-to-space)",
          {"conv_forms": "down0=rewritten,last=fused,up0=rewritten"},
+         needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
+    # And every layer in the form whose kernels were fastest eager on an H200 (benchmarks/results/h200.md).
+    Rung("compile_fastest_forms", "the same, every layer in its fastest eager form",
+         {"conv_forms": FASTEST_H200_FORMS},
          needs_cuda="the rung measures Inductor's GPU kernels (on a CPU it would compile C++ for ~30 s)"),
 )
 OPT_RUNG = "compile_conv_forms"  # the rung the *_opt configs (config/UNet.yaml) train as

@@ -47,7 +47,7 @@ from networks.UNet import build_model, loss_func  # noqa: E402
 from utils.config import load_config  # noqa: E402
 from utils.spatial import SpatialConv, SpatialGroup, shard_model, spatial_loss  # noqa: E402
 
-WHOLE_CROPS = (64, 128, 192, 256, 320, 384, 448, 512)
+WHOLE_CROPS = (64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768)
 SLABS = "128:2,128:4,128:8,256:2,256:4,256:8,384:8,512:8"
 TINY = dict(channels=[4, 8], crops=(8, 16), slabs="16:2,16:4")
 

@@ -290,7 +290,7 @@ def test_ladder_tiny_runs_on_cpu_and_skips_cuda_rungs(tmp_path):
     assert list(rows) == [rung.name for rung in ladder.RUNGS]
     assert {name for name, row in rows.items() if row["status"] == "skipped"} == {
         "tf32", "fp16", "compile", "cuda_graph", "cuda_graph_compile", "compile_channels_last", "compile_conv_forms",
-        "compile_overlap_add", "compile_fused"}
+        "compile_overlap_add", "compile_fused", "compile_fastest_forms"}
     assert rows["cuda_graph"]["reason"] == "CUDA graphs need a CUDA GPU"
     # Skipped rungs' settings are not carried up: no compile on CPU.
     assert rows["channels_last"]["settings"] == "bf16, fused Adam, channels-last"
