@@ -5,7 +5,7 @@
     python benchmarks/gpu_suite.py OUT_DIR --parts ab # a subset of the parts
 
 No network and no installs: it needs torch, h5py, tensorboard, pyyaml, tqdm, matplotlib and pytest.
-Everything but parts g and i runs in this one process, so all runs share one CUDA context and cuDNN's
+Everything but parts g, i and j runs in this one process, so all runs share one CUDA context and cuDNN's
 autotuning results: a fresh process spends about 40 s autotuning this model's 3D convolutions on an
 H100 before its first step runs at speed. The parts, in order (each module's docstring says what it measures):
 
@@ -17,6 +17,8 @@ f. a profiler trace of training and the prefetcher's copy overlap (part_f_profil
 g. the CUDA tests, tests/test_gpu.py (part_g_tests.py);
 h. each convolution in each form of networks/conv_forms.py (part_h_conv_forms.py);
 i. torch.compile with channels-last, and every cuDNN engine, in fresh processes; only when named (part_i_levers.py).
+j. spatial parallelism: memory per crop, one rank's slabs, two gloo ranks on the GPU; only when named
+   (part_j_spatial.py).
 
 ``--conv_forms FORMS`` (default native) trains parts c-f and i with train.py's ``--conv_forms``, e.g.
 the fastest value part h printed, to measure the loaders, CUDA graphs and checkpoints at that speed.
@@ -60,11 +62,12 @@ from benchmarks.suite.part_f_profile import ProfilePart  # noqa: E402
 from benchmarks.suite.part_g_tests import TestsPart  # noqa: E402
 from benchmarks.suite.part_h_conv_forms import ConvFormsPart  # noqa: E402
 from benchmarks.suite.part_i_levers import LeversPart  # noqa: E402
+from benchmarks.suite.part_j_spatial import SpatialPart  # noqa: E402
 from benchmarks.suite.settings import DEFAULT_PARTS  # noqa: E402
 
 
 class Suite(SuiteCore, ProbePart, LadderPart, BenchyPart, TrainingParts, ProfilePart, TestsPart, ConvFormsPart,
-            LeversPart):
+            LeversPart, SpatialPart):
     """The GPU suite: SuiteCore's bookkeeping (checks, log, budget, results, training runs) and each part's methods."""
 
 
@@ -73,8 +76,8 @@ def main(argv=None):
     parser.add_argument("out", type=Path, help="folder for the (at most 8) result files")
     parser.add_argument("--small", action="store_true", help="CPU smoke mode: tiny model, few steps, GPU parts skip")
     parser.add_argument("--parts", default=DEFAULT_PARTS,
-                        help=f"subset of the parts a-i to run (default {DEFAULT_PARTS}: i, answered on the H100, runs "
-                             f"only when named; the environment is recorded in any case)")
+                        help=f"subset of the parts a-j to run (default {DEFAULT_PARTS}: i, answered on the H100, and j "
+                             f"run only when named; the environment is recorded in any case)")
     parser.add_argument("--conv_forms", default="native",
                         help="train.py's --conv_forms for the training runs of parts c-f and i (part i adds "
                              "up0=rewritten); part b's ladder ends with the forms rungs and part h times every "
@@ -86,9 +89,9 @@ def main(argv=None):
                         help="time budget in seconds: a part that would overrun it is skipped (default 560, under "
                              "the device tool's 600 s per call)")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.parts) - set("abcdefghi"))
+    unknown = sorted(set(args.parts) - set("abcdefghij"))
     if unknown:
-        parser.error(f"unknown part(s) {', '.join(unknown)} in --parts; choose from a-i")
+        parser.error(f"unknown part(s) {', '.join(unknown)} in --parts; choose from a-j")
     if not args.small and not torch.cuda.is_available():
         parser.error("no CUDA GPU is visible; run with --small for the CPU smoke mode")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +109,8 @@ def main(argv=None):
                  "d": ("d. train.py vs train_graph.py", suite.graph_vs_eager),
                  "e": ("e. checkpoint stall", suite.checkpoint_stall), "f": ("f. profile", suite.profile),
                  "g": ("g. tests", suite.tests), "h": ("h. convolution forms", suite.conv_forms),
-                 "i": ("i. compile with channels-last; every cuDNN engine", suite.levers)}
+                 "i": ("i. compile with channels-last; every cuDNN engine", suite.levers),
+                 "j": ("j. spatial parallelism", suite.spatial)}
         for key, (name, function) in steps.items():
             if key in args.parts:
                 suite.part(name, function, key)

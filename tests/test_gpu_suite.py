@@ -371,3 +371,41 @@ def test_compile_trains_parts_c_to_f_as_the_opt_configs_do(tmp_path):
     assert setup["enable_jit"] is True and setup["channels_last"] is True
     assert setup["conv_forms"] == "down0=rewritten,last=rewritten,up0=rewritten"
     assert suite.train_forms == "down0=rewritten,last=rewritten"
+
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_part_j_runs_the_spatial_sweep_and_the_two_rank_check(tmp_path):
+    """Part j in the smoke mode: benchmarks/spatial_gpu.py's tiny sweep and its two-rank S = 2 check, each a fresh
+    process, judged from their JSON; named only (not among the default parts)."""
+    assert "j" not in settings.DEFAULT_PARTS
+    assert gpu_suite.main([str(tmp_path), "--small", "--parts", "j"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    checks = {c["name"]: c for c in summary["checks"]}
+    assert checks["spatial: a training step's memory per crop"]["status"] == "PASS"
+    assert checks["spatial: a training step's memory per crop"]["detail"].startswith("largest crop trained at S = 1: 16^3")
+    assert checks["spatial: one rank's slabs train"]["detail"].count("S=") == 2
+    assert checks["two gloo ranks: S = 2 equals the unsharded model (fp32)"]["status"] == "PASS"
+    assert set(summary["spatial"]) == {"memory", "check"}
+
+
+def test_part_j_judges_a_stopped_sweep_and_a_failed_check(tmp_path):
+    """On a GPU (made up here): the 256^3 share at S = 8 is the issue's goal; a sweep killed before its slabs and a
+    rank's error are FAILs that say what happened."""
+    suite = gpu_suite.Suite(tmp_path, small=True, budget_s=560)
+    suite.cuda = True
+    suite.judge_memory({"whole": [{"crop": 64, "status": "ok", "peak_allocated_gib": 1.78}],
+                        "largest_whole_crop": 64, "memory_wall_found": False,
+                        "slabs": [{"crop": 256, "spatial_parallel": 8, "status": "ok", "step_ms": 15.4,
+                                   "peak_allocated_gib": 2.18, "compute_efficiency": 0.69}]})
+    suite.judge_check({"ranks": [{"spatial": {"ok": False, "error": "RuntimeError: writev: Bad address"}}] * 2})
+    suite.judge_check({"ended": "killed after 60 s"})
+    checks = {c["name"]: c for c in suite.checks}
+    assert checks["spatial: a training step's memory per crop"]["detail"] == (
+        "largest crop trained at S = 1: 64^3 (the sweep ended before any crop failed to fit); 64^3 1.78 GiB")
+    goal = checks["a rank's share of a 256^3 crop at S = 8 trains"]
+    assert goal["status"] == "PASS" and goal["kind"] == "goal" and goal["detail"].startswith("2.18 GiB")
+    failed = checks["two gloo ranks: S = 2 equals the unsharded model (fp32)"]
+    assert failed["status"] == "FAIL" and "Bad address" in failed["detail"]
+    assert checks["spatial: two gloo ranks on one device"] == {
+        "name": "spatial: two gloo ranks on one device", "status": "FAIL", "detail": "killed after 60 s", "kind": "check"}
+    suite.finish()
