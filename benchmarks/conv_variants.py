@@ -23,8 +23,8 @@ gradient), to hold against the GPU's peak:
 - ``overlap_add`` (the transposed layers): one matrix product to every tap's contribution, added where each
   lands. Timed eager here; its passes over the products are what torch.compile may fuse, so time it compiled
   too (``benchmarks/ladder.py --rungs compile_conv_forms,compile_overlap_add``);
-- ``fused`` (the transposed layers): the sub-pixel form with the convolution padding its own input and, on a
-  GPU, the depth-to-space as one Triton kernel each way instead of strided copies.
+- ``fused``: the rewritten form with, on a GPU, its pad and depth-to-space (transposed layers) or pad and
+  space-to-depth (convolutions) as one Triton kernel each way instead of strided copies.
 
 Then whole training steps (model, L1 loss, backward, fused Adam) with every layer native, every layer
 rewritten, every layer in its fastest form (by kernel time on a GPU, by wall time on a CPU), the ``*_opt``

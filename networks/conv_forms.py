@@ -34,11 +34,14 @@ instead of the sub-pixel convolution's 40, and plain additions instead of a conv
 the products' memory (4^3 C_out values per input voxel) and three passes over it (one per axis, each halving
 it), which torch.compile can fuse.
 
-``conv_transpose3d_fused`` (the ``fused`` form, transposed convolutions only) is the sub-pixel form without its
+``conv_transpose3d_fused`` (the ``fused`` form of a transposed convolution) is the sub-pixel form without its
 copies: the kernel-2 convolution pads its own input (``padding=1`` gives the same (S + 1)^3 phases as padding
 first), and on a GPU the depth-to-space is one Triton kernel forward and one backward (networks/triton_interleave.py,
 imported only then), where the sub-pixel form makes eight strided copies each way, a zero fill and a padded copy
-of the input. On the CPU, or without Triton, it interleaves as the sub-pixel form does.
+of the input. On the CPU, or without Triton, it interleaves as the sub-pixel form does. ``conv3d_fused`` (the
+``fused`` form of a convolution) runs the same two kernels the other way round: the pad and space-to-depth of the
+space-to-depth form are the depth-to-space's backward (block voxel r is phase 1 - r, so the weight's blocks are
+taken in reverse order), and its input gradient is the depth-to-space; elsewhere it is the space-to-depth form.
 
 All take the weights in nn.Conv3d / nn.ConvTranspose3d layout and rearrange them on the fly (a
 few MB), so the modules' parameters and checkpoints stay those of the plain model.
@@ -66,7 +69,7 @@ import torch.nn.functional as F
 from utils import ConfigError
 
 FORMS = ("native", "rewritten", "padded", "matmul", "unfold", "overlap_add", "fused")
-CONV_ONLY, TRANSPOSED_ONLY = ("unfold",), ("overlap_add", "fused")  # forms that compute one kind of layer
+CONV_ONLY, TRANSPOSED_ONLY = ("unfold",), ("overlap_add",)  # forms that compute one kind of layer
 MATMUL_INPUT_EDGE = {False: 2, True: 1}  # transposed -> the input edge where the matmul form is exact
 CHANNELS_LAST = torch.channels_last_3d
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # found, not imported; CUDA builds of torch ship it
@@ -166,9 +169,14 @@ def conv_transpose3d_subpixel(x, weight, bias):
     return _InterleavePhases.apply(phases, memory_format)                # (B, C_out, 2S, 2S, 2S)
 
 
+def _use_triton(x):
+    """Whether the fused forms run their Triton kernels on ``x``: CUDA tensors, with Triton installed."""
+    return x.is_cuda and TRITON_INSTALLED
+
+
 def _interleave(phases, memory_format):
     """``_InterleavePhases`` as one Triton kernel each way for CUDA tensors when Triton is installed."""
-    if phases.is_cuda and TRITON_INSTALLED:
+    if _use_triton(phases):
         from networks.triton_interleave import interleave_phases
         return interleave_phases(phases, memory_format == CHANNELS_LAST)
     return _InterleavePhases.apply(phases, memory_format)
@@ -181,6 +189,19 @@ def conv_transpose3d_fused(x, weight, bias):
     x = _compute_dtype(x).contiguous(memory_format=memory_format)  # no copy when x is in the model's layout
     phases = F.conv3d(x, _subpixel_weight(weight.to(x.dtype)), None if bias is None else bias.repeat(8), padding=1)
     return _interleave(phases, memory_format)                                 # (B, C_out, 2S, 2S, 2S)
+
+
+def conv3d_fused(x, weight, bias):
+    """``F.conv3d(x, weight, bias, stride=2, padding=1)`` for a kernel-4 ``weight``: on a GPU the pad and
+    space-to-depth as one Triton kernel (the depth-to-space's backward), and its gradient the depth-to-space."""
+    if not _use_triton(x):
+        return conv3d_s2d(x, weight, bias)
+    from networks.triton_interleave import space_to_depth
+    memory_format = _layout(x, weight)
+    z = space_to_depth(_compute_dtype(x), memory_format == CHANNELS_LAST)  # (B, 8 C_in, S/2 + 1, ...), block 1 - r
+    c_out, c_in = weight.shape[:2]
+    w = _s2d_weight(weight.to(z.dtype)).view(c_out, 8, c_in, 2, 2, 2).flip(1).reshape(c_out, 8 * c_in, 2, 2, 2)
+    return F.conv3d(z, w, bias)
 
 
 def conv3d_padded_in(x, weight, bias, multiple=8):
@@ -320,8 +341,8 @@ def conv3d_unfold(x, weight, bias):
 
 
 def form_computes(form, transposed):
-    """Whether ``form`` computes this kind of layer: ``unfold`` convolutions only, ``overlap_add`` and ``fused``
-    transposed ones only, every other form both."""
+    """Whether ``form`` computes this kind of layer: ``unfold`` convolutions only, ``overlap_add`` transposed ones
+    only, every other form both."""
     return not (form in CONV_ONLY and transposed or form in TRANSPOSED_ONLY and not transposed)
 
 
@@ -340,12 +361,13 @@ def stride2_conv(x, weight, bias, transposed, form="native"):
         return (conv_transpose3d_padded_out if transposed else conv3d_padded_in)(x, weight, bias)
     if form == "matmul":
         return (conv_transpose3d_matmul if transposed else conv3d_matmul)(x, weight, bias)
+    if form == "fused":
+        return (conv_transpose3d_fused if transposed else conv3d_fused)(x, weight, bias)
     if form in CONV_ONLY + TRANSPOSED_ONLY:
         if not form_computes(form, transposed):
             raise ValueError(f"the {form} form computes {'transposed ' * (form in TRANSPOSED_ONLY)}convolutions only; "
                              f"compute this layer in another form (native or rewritten)")
-        return {"unfold": conv3d_unfold, "overlap_add": conv_transpose3d_overlap_add,
-                "fused": conv_transpose3d_fused}[form](x, weight, bias)
+        return {"unfold": conv3d_unfold, "overlap_add": conv_transpose3d_overlap_add}[form](x, weight, bias)
     raise ValueError(f"unknown convolution form {form!r}; choose from {', '.join(FORMS)}")
 
 
@@ -359,7 +381,7 @@ def parse_conv_forms(spec, names, input_sizes=None):
     fits only a convolution of a 2^3 input and a transposed convolution of a 1^3 input (``down5=matmul,
     up0=matmul`` for the default model on 64^3 crops); with ``input_sizes`` ({name: input edge}, from
     ``conv_input_sizes``) any other layer given it is refused. ``unfold`` fits the convolutions only
-    (``down4=unfold``), ``overlap_add`` and ``fused`` the transposed ones (``up1=overlap_add,last=fused``).
+    (``down4=unfold``), ``overlap_add`` the transposed ones (``up1=overlap_add``).
     Raises ValueError naming what was wrong.
     """
     forms = dict.fromkeys(names, "native")
@@ -377,10 +399,9 @@ def parse_conv_forms(spec, names, input_sizes=None):
         else:
             raise ValueError(f"conv_forms item {item!r}: this model has no layer {name!r}; its layers are "
                              f"{', '.join(names)}")
-    transposed_example = "the up layers or last, e.g. 'last={}'"
     for form, kind, example in (("unfold", "convolutions", "the down layers, e.g. 'down4=unfold'"),
-                                ("overlap_add", "transposed convolutions", transposed_example.format("overlap_add")),
-                                ("fused", "transposed convolutions", transposed_example.format("fused"))):
+                                ("overlap_add", "transposed convolutions", "the up layers or last, e.g. "
+                                                                           "'last=overlap_add'")):
         wrong = [name for name, chosen in forms.items()
                  if chosen == form and not form_computes(form, transposed=not name.startswith("down"))]
         if wrong:

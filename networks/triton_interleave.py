@@ -11,7 +11,8 @@ works. Sizes are compile-time constants too (index arithmetic by constants is ch
 compiles its own kernel once.
 
 The two passes are torch.library custom ops (``interleave_phases`` with its autograd): opaque to torch.compile,
-which then keeps the kernels as they are. This module imports Triton: networks/conv_forms.py imports it only
+which then keeps the kernels as they are. Run the other way round (``space_to_depth``, whose gradient is the
+depth-to-space) they are the pad and space-to-depth of the fused stride-2 convolution. This module imports Triton: networks/conv_forms.py imports it only
 for CUDA tensors (tests run the kernels on the CPU under ``TRITON_INTERPRET=1``).
 """
 import contextlib
@@ -159,3 +160,29 @@ def _backward(ctx, grad):
 
 
 interleave_phases.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("unet_conv_forms::space_to_depth", mutates_args=())
+def space_to_depth(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """(B, C, 2D, 2H, 2W) input, any strides -> (B, 8 C, D + 1, H + 1, W + 1): the input padded by one zero plane
+    on every face, cut into 2^3 blocks, block m's voxel (r_d, r_h, r_w) in channel (1 - r_d, 1 - r_h, 1 - r_w, c) at m.
+    That is the depth-to-space's backward (phase a at plane m is input 2m - a, the padded plane 2m + r with
+    r = 1 - a), run forward: the pad and space-to-depth of the fused convolution; its gradient is the
+    depth-to-space, which drops the padding's planes."""
+    return _launch(_interleave_backward_kernel, x, _empty_phases(x, channels_last), x.shape[1],
+                   [size // 2 for size in x.shape[2:]], channels_last)
+
+
+space_to_depth.register_fake(_empty_phases)
+
+
+def _setup_space_to_depth(ctx, inputs, output):
+    x, _ = inputs
+    ctx.x_channels_last = x.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def _space_to_depth_backward(ctx, grad):
+    return interleave_phases(grad, ctx.x_channels_last), None
+
+
+space_to_depth.register_autograd(_space_to_depth_backward, setup_context=_setup_space_to_depth)

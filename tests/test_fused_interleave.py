@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from networks.conv_forms import (CHANNELS_LAST, _InterleavePhases, _subpixel_weight, apply_conv_forms,
-                                 conv_transpose3d_fused, parse_conv_forms, stride2_conv)
+                                 conv3d_fused, conv_transpose3d_fused, stride2_conv)
 from networks.UNet import UNet
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +29,8 @@ def interleave_case(c_out, phases_layout, out_layout, dtype):
     return f"c_out{c_out}-phases_{phases_layout}-out_{out_layout}-{dtype}", (c_out, phases_layout, out_layout, dtype)
 
 
+FORM_CASES = {f"{kind}-{layout}": {"transposed": kind == "transposed", "layout": layout}
+              for kind in ("transposed", "conv") for layout in ("channels_last", "contiguous")}
 INTERLEAVE_CASES = dict(
     [interleave_case(c_out, phases, out, "float32") for c_out in (5, 8) for phases in FORMATS for out in FORMATS]
     + [interleave_case(5, "channels_last", "channels_last", "bfloat16")])  # the training layout and dtype
@@ -68,19 +70,22 @@ def _interleave_results(c_out, phases_layout, out_layout, dtype, device="cpu"):
     return results
 
 
-def _form_results(device="cpu"):
-    """``conv_transpose3d_fused`` with its interleave in Triton against F.conv_transpose3d (float32), forward and
-    gradients."""
+def _form_results(device="cpu", transposed=True, layout="channels_last"):
+    """The fused form with its Triton kernels against the native layer (float32), forward and gradients:
+    ``conv_transpose3d_fused`` against F.conv_transpose3d, or ``conv3d_fused`` against F.conv3d."""
     torch.manual_seed(1)
-    x = torch.randn(BATCH, 6, HALF, HALF, HALF, device=device).to(memory_format=CHANNELS_LAST).requires_grad_()
-    weight = torch.randn(6, 5, 4, 4, 4, device=device, requires_grad=True)
+    edge = HALF if transposed else 2 * HALF
+    x = torch.randn(BATCH, 6, edge, edge, edge, device=device).to(memory_format=FORMATS[layout]).requires_grad_()
+    weight = torch.randn(*((6, 5) if transposed else (5, 6)), 4, 4, 4, device=device, requires_grad=True)
     bias = torch.randn(5, device=device, requires_grad=True)
-    outputs = [conv_transpose3d_fused(x, weight, bias), F.conv_transpose3d(x, weight, bias, stride=2, padding=1)]
+    native = F.conv_transpose3d if transposed else F.conv3d
+    outputs = [(conv_transpose3d_fused if transposed else conv3d_fused)(x, weight, bias),
+               native(x, weight, bias, stride=2, padding=1)]
     upstream = torch.randn_like(outputs[1])
     (got_grads, want_grads) = [torch.autograd.grad(y, (x, weight, bias), upstream) for y in outputs]
     return {"max_abs_diff": max((got - want).abs().max().item() for got, want in
                                 zip((outputs[0], *got_grads), (outputs[1], *want_grads))),
-            "channels_last": outputs[0].is_contiguous(memory_format=CHANNELS_LAST)}
+            "same_layout": outputs[0].is_contiguous(memory_format=FORMATS[layout])}
 
 
 def interpreter_results():
@@ -88,11 +93,12 @@ def interpreter_results():
     assert os.environ.get("TRITON_INTERPRET") == "1", "the Triton kernels would need a GPU"
     from networks import conv_forms, triton_interleave
     results = {name: _interleave_results(*case) for name, case in INTERLEAVE_CASES.items()}
-    conv_forms._interleave = lambda phases, memory_format: triton_interleave.interleave_phases(
-        phases, memory_format == CHANNELS_LAST)  # as on a GPU
-    results["form"] = _form_results()
+    conv_forms._use_triton = lambda x: True  # as on a GPU
+    for name, case in FORM_CASES.items():
+        results[name] = _form_results(**case)
     triton_interleave._needs_int64 = lambda *tensors: True  # the 64-bit index path, for tensors past 2^31 elements
-    results["form_int64_indices"] = _form_results()
+    for name, case in FORM_CASES.items():
+        results[f"{name}-int64_indices"] = _form_results(**case)
     return results
 
 
@@ -115,9 +121,11 @@ def test_triton_interleave_is_the_reference_bit_for_bit(interpreted, case):
         assert result["equal"] and result["same_strides"], (check, result)
 
 
-@pytest.mark.parametrize("case", ["form", "form_int64_indices"])
-def test_fused_form_with_triton_equals_the_transposed_convolution(interpreted, case):
-    assert interpreted[case]["max_abs_diff"] < 1e-4 and interpreted[case]["channels_last"], interpreted[case]
+@pytest.mark.parametrize("case", [f"{name}{suffix}" for name in FORM_CASES for suffix in ("", "-int64_indices")])
+def test_fused_form_with_triton_equals_the_native_layer(interpreted, case):
+    """Transposed: the depth-to-space forward, its backward for the input gradient. Convolution: the same kernels
+    the other way round (space-to-depth = the depth-to-space's backward)."""
+    assert interpreted[case]["max_abs_diff"] < 1e-4 and interpreted[case]["same_layout"], interpreted[case]
 
 
 def test_the_convolution_padding_its_input_gives_the_padded_inputs_phases():
@@ -147,14 +155,14 @@ def test_fused_form_on_the_cpu_equals_the_transposed_convolution(c_out, layout):
         torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-4)
 
 
-def test_fused_form_in_the_model_and_where_it_fits():
-    """Every transposed layer fused (up0 on a 1^3 input among them) gives the native model's output and gradients;
-    the conv_forms key refuses the form on a convolution, naming where it fits."""
+def test_fused_form_in_the_model():
+    """Every layer fused (up0 on a 1^3 input among them) gives the native model's output and gradients (float64, on
+    the CPU: the convolutions in their space-to-depth form, the transposed ones interleaved in PyTorch)."""
     torch.manual_seed(0)
     native = UNet([4, 8, 8]).to(torch.float64, memory_format=CHANNELS_LAST)
     other = copy.deepcopy(native)
-    assert apply_conv_forms(other, "up0=fused,up1=fused,last=fused") == {
-        "down0": "native", "down1": "native", "down2": "native", "up0": "fused", "up1": "fused", "last": "fused"}
+    assert apply_conv_forms(other, "fused") == dict.fromkeys(["down0", "down1", "down2", "up0", "up1", "last"],
+                                                             "fused")
     x = torch.randn(2, 4, 8, 8, 8, dtype=torch.float64).to(memory_format=CHANNELS_LAST)
     upstream = torch.randn(2, 5, 8, 8, 8, dtype=torch.float64)
     outputs = []
@@ -164,11 +172,6 @@ def test_fused_form_in_the_model_and_where_it_fits():
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
     for (name, got), want in zip(other.named_parameters(), native.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10, msg=name)
-    with pytest.raises(ValueError, match="the fused form computes transposed convolutions only, not down0; give it "
-                                         "to the up layers or last, e.g. 'last=fused'"):
-        parse_conv_forms("down0=fused", ["down0", "up0", "last"])
-    with pytest.raises(ValueError, match="the fused form computes transposed convolutions only"):
-        stride2_conv(x, torch.zeros(5, 4, 4, 4, 4, dtype=x.dtype), None, transposed=False, form="fused")
 
 
 # --- on a GPU: the compiled kernels, and the form under torch.compile ---------------------------------------------
@@ -183,23 +186,24 @@ def test_triton_interleave_on_the_gpu_is_the_reference_bit_for_bit(case):
 
 
 @CUDA_ONLY
+@pytest.mark.parametrize("case", FORM_CASES)
 @pytest.mark.parametrize("int64_indices", [False, True], ids=["int32", "int64"])
-def test_fused_form_on_the_gpu_equals_the_transposed_convolution(monkeypatch, int64_indices):
+def test_fused_form_on_the_gpu_equals_the_native_layer(monkeypatch, case, int64_indices):
     from networks import triton_interleave
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 against float32
     if int64_indices:
         monkeypatch.setattr(triton_interleave, "_needs_int64", lambda *tensors: True)
-    result = _form_results(device="cuda")
-    assert result["max_abs_diff"] < 1e-4 and result["channels_last"], result
+    result = _form_results(device="cuda", **FORM_CASES[case])
+    assert result["max_abs_diff"] < 1e-4 and result["same_layout"], result
 
 
 @CUDA_ONLY
 def test_fused_form_compiles_and_gives_the_eager_gradients():
     """torch.compile sees the Triton kernels as custom ops (their fake shapes, their autograd): the compiled model
-    with last fused gives the eager model's output and gradients, bf16 autocast and channels-last as trained."""
+    with every layer fused gives the eager model's output and gradients, bf16 autocast and channels-last as trained."""
     torch.manual_seed(0)
     eager = UNet([8, 16]).cuda().to(memory_format=CHANNELS_LAST)
-    apply_conv_forms(eager, "last=fused")
+    apply_conv_forms(eager, "fused")
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model)
     x = torch.randn(2, 4, 16, 16, 16, device="cuda").to(memory_format=CHANNELS_LAST)
