@@ -138,28 +138,16 @@ def interleave_phases(phases: torch.Tensor, channels_last: bool) -> torch.Tensor
                    channels_last)
 
 
+def _phases_of(source, channels_last):
+    return _launch(_interleave_backward_kernel, source, _empty_phases(source, channels_last), source.shape[1],
+                   [size // 2 for size in source.shape[2:]], channels_last)
+
+
 @torch.library.custom_op("unet_conv_forms::interleave_phases_backward", mutates_args=())
 def interleave_phases_backward(grad: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """(B, C, 2D, 2H, 2W) output gradient, any strides -> (B, 8 C, D + 1, H + 1, W + 1) phase gradient,
     channels-last-3d when ``channels_last``, else contiguous."""
-    return _launch(_interleave_backward_kernel, grad, _empty_phases(grad, channels_last), grad.shape[1],
-                   [size // 2 for size in grad.shape[2:]], channels_last)
-
-
-interleave_phases.register_fake(_empty_output)  # what torch.compile traces: shapes and strides, no kernel
-interleave_phases_backward.register_fake(_empty_phases)
-
-
-def _setup_context(ctx, inputs, output):
-    phases, _ = inputs
-    ctx.phases_channels_last = phases.is_contiguous(memory_format=torch.channels_last_3d)
-
-
-def _backward(ctx, grad):
-    return interleave_phases_backward(grad, ctx.phases_channels_last), None
-
-
-interleave_phases.register_autograd(_backward, setup_context=_setup_context)
+    return _phases_of(grad, channels_last)
 
 
 @torch.library.custom_op("unet_conv_forms::space_to_depth", mutates_args=())
@@ -169,20 +157,25 @@ def space_to_depth(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     That is the depth-to-space's backward (phase a at plane m is input 2m - a, the padded plane 2m + r with
     r = 1 - a), run forward: the pad and space-to-depth of the fused convolution; its gradient is the
     depth-to-space, which drops the padding's planes."""
-    return _launch(_interleave_backward_kernel, x, _empty_phases(x, channels_last), x.shape[1],
-                   [size // 2 for size in x.shape[2:]], channels_last)
+    return _phases_of(x, channels_last)
 
 
+interleave_phases.register_fake(_empty_output)  # what torch.compile traces: shapes and strides, no kernel
+interleave_phases_backward.register_fake(_empty_phases)
 space_to_depth.register_fake(_empty_phases)
 
 
-def _setup_space_to_depth(ctx, inputs, output):
-    x, _ = inputs
-    ctx.x_channels_last = x.is_contiguous(memory_format=torch.channels_last_3d)
+def _gradient_is(op, adjoint):
+    """``op``'s backward is ``adjoint`` (the other pass: each is the other's transpose), in the layout of ``op``'s
+    input."""
+    def setup_context(ctx, inputs, output):
+        ctx.channels_last = inputs[0].is_contiguous(memory_format=torch.channels_last_3d)
+
+    def backward(ctx, grad):
+        return adjoint(grad, ctx.channels_last), None
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
-def _space_to_depth_backward(ctx, grad):
-    return interleave_phases(grad, ctx.x_channels_last), None
-
-
-space_to_depth.register_autograd(_space_to_depth_backward, setup_context=_setup_space_to_depth)
+_gradient_is(interleave_phases, interleave_phases_backward)
+_gradient_is(space_to_depth, interleave_phases)
