@@ -268,8 +268,9 @@ def check_ddp_compile(info, device, steps=3, batch=4):
     weights = flat_weights(state.model)
     other = weights.clone()
     dist.broadcast(other, src=0)
-    ranks_identical = torch.equal(weights, other)
-    dist.all_reduce(torch.tensor([float(ranks_identical)]), op=dist.ReduceOp.MIN)
+    identical = torch.tensor([float(torch.equal(weights, other))])
+    dist.all_reduce(identical, op=dist.ReduceOp.MIN)  # every rank reports the same verdict
+    ranks_identical = bool(identical.item())
     eager = train.build_training(load_config("bs64_opt", overrides={**overrides, "enable_jit": False}),
                                  DistInfo(device=device))
     eager_losses = train_steps(eager, batches)

@@ -10,10 +10,10 @@ so neither needs a zero fill nor eight strided copies. Each kernel walks the ten
 works. Sizes are compile-time constants too (index arithmetic by constants is cheap), so each layer shape
 compiles its own kernel once.
 
-The two passes are torch.library custom ops (``interleave_phases`` with its autograd): opaque to torch.compile,
-which then keeps the kernels as they are. Run the other way round (``space_to_depth``, whose gradient is the
-depth-to-space) they are the pad and space-to-depth of the fused stride-2 convolution. This module imports Triton: networks/conv_forms.py imports it only
-for CUDA tensors (tests run the kernels on the CPU under ``TRITON_INTERPRET=1``).
+The two passes are torch.library custom ops, each the other's gradient: opaque to torch.compile, which then keeps
+the kernels as they are. Run the other way round (``space_to_depth``) they are the pad and space-to-depth of the
+fused stride-2 convolution. This module imports Triton: networks/conv_forms.py imports it only for CUDA tensors
+(tests run the kernels on the CPU under ``TRITON_INTERPRET=1``).
 """
 import contextlib
 
@@ -138,31 +138,16 @@ def interleave_phases(phases: torch.Tensor, channels_last: bool) -> torch.Tensor
                    channels_last)
 
 
-def _phases_of(source, channels_last):
-    return _launch(_interleave_backward_kernel, source, _empty_phases(source, channels_last), source.shape[1],
-                   [size // 2 for size in source.shape[2:]], channels_last)
-
-
 @torch.library.custom_op("unet_conv_forms::interleave_phases_backward", mutates_args=())
 def interleave_phases_backward(grad: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """(B, C, 2D, 2H, 2W) output gradient, any strides -> (B, 8 C, D + 1, H + 1, W + 1) phase gradient,
     channels-last-3d when ``channels_last``, else contiguous."""
-    return _phases_of(grad, channels_last)
-
-
-@torch.library.custom_op("unet_conv_forms::space_to_depth", mutates_args=())
-def space_to_depth(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """(B, C, 2D, 2H, 2W) input, any strides -> (B, 8 C, D + 1, H + 1, W + 1): the input padded by one zero plane
-    on every face, cut into 2^3 blocks, block m's voxel (r_d, r_h, r_w) in channel (1 - r_d, 1 - r_h, 1 - r_w, c) at m.
-    That is the depth-to-space's backward (phase a at plane m is input 2m - a, the padded plane 2m + r with
-    r = 1 - a), run forward: the pad and space-to-depth of the fused convolution; its gradient is the
-    depth-to-space, which drops the padding's planes."""
-    return _phases_of(x, channels_last)
+    return _launch(_interleave_backward_kernel, grad, _empty_phases(grad, channels_last), grad.shape[1],
+                   [size // 2 for size in grad.shape[2:]], channels_last)
 
 
 interleave_phases.register_fake(_empty_output)  # what torch.compile traces: shapes and strides, no kernel
 interleave_phases_backward.register_fake(_empty_phases)
-space_to_depth.register_fake(_empty_phases)
 
 
 def _gradient_is(op, adjoint):
@@ -178,4 +163,10 @@ def _gradient_is(op, adjoint):
 
 
 _gradient_is(interleave_phases, interleave_phases_backward)
-_gradient_is(space_to_depth, interleave_phases)
+_gradient_is(interleave_phases_backward, interleave_phases)
+
+# The phase gradient's kernel run forward on an input x (B, C, 2D, 2H, 2W) is the pad and space-to-depth of the
+# fused stride-2 convolution: x padded by one zero plane on every face, cut into 2^3 blocks, block m's voxel
+# (r_d, r_h, r_w) in channel (1 - r_d, 1 - r_h, 1 - r_w, c) at m (phase a at plane m reads input 2m - a, the padded
+# plane 2m + r with r = 1 - a). Its gradient, the depth-to-space, drops the padding's planes.
+space_to_depth = interleave_phases_backward

@@ -102,16 +102,14 @@ def _exchange(to_prev, to_next, from_prev_shape, from_next_shape, spatial, perio
     prev, nxt = spatial.neighbour(-1, periodic), spatial.neighbour(1, periodic)
     # gloo sends and receives host memory only (its CUDA support covers collectives such as all_reduce and
     # all_gather): CUDA halos travel through host copies. NCCL, the backend train.py gives CUDA ranks, needs none.
-    staged = like.is_cuda and dist.get_backend(spatial.group) == "gloo"
-    host = like.new_zeros(0, device="cpu") if staged else like
-    send = (lambda t: t.contiguous().cpu()) if staged else (lambda t: t.contiguous())
-    from_prev = host.new_zeros(from_prev_shape)
-    from_next = host.new_zeros(from_next_shape)
+    wire = "cpu" if like.is_cuda and dist.get_backend(spatial.group) == "gloo" else like.device
+    from_prev = like.new_zeros(from_prev_shape, device=wire)
+    from_next = like.new_zeros(from_next_shape, device=wire)
     ops = []
     if prev is not None and to_prev.shape[DEPTH]:
-        ops.append(dist.P2POp(dist.isend, send(to_prev), prev, spatial.group, tag=1))
+        ops.append(dist.P2POp(dist.isend, to_prev.contiguous().to(wire), prev, spatial.group, tag=1))
     if nxt is not None and to_next.shape[DEPTH]:
-        ops.append(dist.P2POp(dist.isend, send(to_next), nxt, spatial.group, tag=2))
+        ops.append(dist.P2POp(dist.isend, to_next.contiguous().to(wire), nxt, spatial.group, tag=2))
     if nxt is not None and from_next_shape[DEPTH]:
         ops.append(dist.P2POp(dist.irecv, from_next, nxt, spatial.group, tag=1))
     if prev is not None and from_prev_shape[DEPTH]:
@@ -119,7 +117,7 @@ def _exchange(to_prev, to_next, from_prev_shape, from_next_shape, spatial, perio
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-    return (from_prev.to(like.device), from_next.to(like.device)) if staged else (from_prev, from_next)
+    return from_prev.to(like.device), from_next.to(like.device)  # no copy unless staged
 
 
 def _with_depth(shape, planes):
