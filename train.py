@@ -31,22 +31,22 @@ from networks.UNet import build_model, conv_input_sizes, loss_func
 from utils import ConfigError, OneLineParser, metrics, run as run_cli
 from utils.checkpoint import CheckpointManager, RunControl
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
-                          load_config, save_config)
+                          load_config)
 from utils.data import get_data_loader, prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, describe_ddp, env_world_size,
                                init_distributed, peer_lost)
 from utils.metrics import log_epoch, log_interval, log_startup
-from utils.run_dir import EventWriter, make_run_dir, resume_on_restart, setup_logging
+from utils.run_dir import EventWriter, make_run_dir, resume_on_restart, save_config, setup_logging
 
 logger = logging.getLogger("train")
 
 
-# The reference tutorial's flag names: on/off aliases of config keys (key, value when on, value when off).
+# The reference tutorial's flag names: aliases of config keys (key, the value the flag sets).
 FLAG_ALIASES = {
-    "enable_amp": ("amp_mode", "fp16", "none"),                # SC21's mixed-precision flag
-    "disable_tf32": ("enable_tf32", False, True),
-    "disable_broadcast_buffers": ("broadcast_buffers", False, True),
-    "benchy_continue": ("benchy.continue_training", True, False),
+    "enable_amp": ("amp_mode", "fp16"),                # SC21's mixed-precision flag
+    "disable_tf32": ("enable_tf32", False),
+    "disable_broadcast_buffers": ("broadcast_buffers", False),
+    "benchy_continue": ("benchy.continue_training", True),
 }
 
 

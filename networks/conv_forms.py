@@ -417,6 +417,15 @@ def parse_conv_forms(spec, names, input_sizes=None):
     return forms
 
 
+def check_conv_forms(spec, num_levels, crop_size):
+    """A config's ``conv_forms`` value, checked against the U-Net it configures: a one-line ConfigError if wrong."""
+    from networks.UNet import conv_input_sizes, conv_layer_names
+    try:
+        parse_conv_forms(spec, conv_layer_names(num_levels), conv_input_sizes(num_levels, crop_size))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def describe_conv_forms(forms):
     """The shortest ``conv_forms`` value that selects ``forms`` ({layer: form}): 'native', 'rewritten,last=padded'..."""
     counts = {form: list(forms.values()).count(form) for form in FORMS}

@@ -2,7 +2,8 @@ import pytest
 import yaml
 
 from train import config_overrides, parse_args
-from utils.config import DEFAULT_YAML, ConfigError, load_config, save_config
+from utils.config import DEFAULT_YAML, ConfigError, load_config
+from utils.run_dir import save_config
 
 NAMED = ["base", "short", "short_opt", "bs64_opt", "bs256_opt", "bs512_test", "bs512_opt", "bs2048_opt",
          "bs8192_opt", "quickstart"]

@@ -1,9 +1,9 @@
-"""Configuration: one YAML file of named configs, validated against a schema, plus command-line overrides.
+"""Configuration: one YAML file of named configs, checked against ``SCHEMA``, plus command-line flags.
 
-Precedence, applied in this order and nowhere else:
-    base values  <  named config (``--config=NAME``)  <  $EXPDIR (expdir only)  <  command-line flags that were given
-A flag that was not given is ``None`` and changes nothing, so an absent flag never turns off what a config turns
-on. Each key is one ``Key`` in ``SCHEMA``, which makes both its check and its flag (``--key``, ``--section.key``).
+Precedence, applied in ``load_config`` and nowhere else:
+    base values  <  named config (``--config=NAME``)  <  $EXPDIR (expdir only)  <  flags that were given
+A flag not given is ``None`` and changes nothing, so an absent flag never turns off what a config turns on. Each
+key is one ``Key``, which makes both its check and its flag (``--key``, ``--section.key``).
 """
 import argparse
 import math
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from utils import ConfigError, storage_cause
+from utils import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO_ROOT / "config" / "UNet.yaml"
@@ -27,10 +27,8 @@ class Key:
     doc (the flag's help), whether it defines the run, and the values it allows.
 
     A checkpoint continues only under the same run-defining (``RUN``) values: the model, the loss, the optimisation
-    trajectory (batch size, LR schedule and the num_epochs and Nsamples that set its length, noddp) and the data
-    (which crops, in which order). The others may change on resume: speed and precision knobs, DDP tuning and
-    gradient compression (only rounding changes, as with another world size), logging, profiling, data generation,
-    the initialisation (the checkpoint has the weights) and the world size (each gets the same global batches).
+    trajectory and the data (which crops, in which order). Speed and precision knobs, DDP tuning, logging and the
+    world size (each gets the same global batches) may change on resume.
     """
     type: object
     doc: str
@@ -176,18 +174,17 @@ def _validate(name, value, key):
     if isinstance(key.type, dict) and isinstance(value, dict):
         _check_keys(value, key.type, f" in {name}")
         return {sub: _validate(f"{name}.{sub}", value[sub], key.type[sub]) for sub in key.type}
-    checked = value
     if key.type is float and isinstance(value, str):  # PyYAML (YAML 1.1) reads `2e-4` as a string
         try:
-            checked = float(value)
+            value = float(value)
         except ValueError:
             pass
-    if isinstance(key.type, dict) or not _allowed(checked, key):
+    if isinstance(key.type, dict) or not _allowed(value, key):
         raise ConfigError(f"config key '{name}' must be {_expected(key)}, got {value!r}")
-    return float(checked) if key.type is float else checked
+    return float(value) if key.type is float else value
 
 
-def _check_keys(values, schema, where, missing_hint=lambda missing: ""):
+def _check_keys(values, schema, where, hint=""):
     """A one-line ConfigError naming the keys of ``values`` that ``schema`` lacks, else those it has and they lack."""
     unknown, missing = sorted(set(values) - set(schema)), sorted(set(schema) - set(values))
     if unknown:
@@ -195,19 +192,21 @@ def _check_keys(values, schema, where, missing_hint=lambda missing: ""):
                           f"valid keys: {', '.join(sorted(schema))}")
     if missing:
         raise ConfigError(f"missing config key{'s' * (len(missing) > 1)} {', '.join(missing)}{where}"
-                          + missing_hint(missing))
+                          + (hint and hint(missing)))
 
 
-def _missing_hint(missing, yaml_path):
-    """A YAML written for older code lacks a few keys added since: say what to add. One that lacks many, or keys
-    the shipped base lacks too, forgot to inherit them."""
-    shipped = read_yaml(DEFAULT_YAML).get("base") or {}
-    if len(missing) > 3 or not all(key in shipped for key in missing):
-        return "; a config gets the keys it does not set from another with a YAML anchor, as config/UNet.yaml's do " \
-               "(`<<: *base`)"
-    add = "; ".join(f"{key}: {yaml.safe_dump(shipped[key], default_flow_style=True, width=1e9)}"
-                    .removesuffix("...\n").strip() for key in missing)
-    return f" of {yaml_path}; add {add} (the default{'s' * (len(missing) > 1)} in config/UNet.yaml's base)"
+def _missing_hint(yaml_path):
+    """A YAML written for older code lacks a few keys added since: say what to add (the shipped base's values).
+    One that lacks many, or keys the shipped base lacks too, forgot to inherit them."""
+    def hint(missing):
+        shipped = read_yaml(DEFAULT_YAML).get("base") or {}
+        if len(missing) > 3 or not all(key in shipped for key in missing):
+            return "; a config gets the keys it does not set from another with a YAML anchor, as config/UNet.yaml's " \
+                   "do (`<<: *base`)"
+        add = "; ".join(f"{key}: {yaml.safe_dump(shipped[key], default_flow_style=True)}".removesuffix("...\n")
+                        .strip() for key in missing)
+        return f" of {yaml_path}; add {add} (the default{'s' * (len(missing) > 1)} in config/UNet.yaml's base)"
+    return hint
 
 
 class Params(dict):
@@ -247,11 +246,11 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
         raise ConfigError(f"config '{name}' in {yaml_path} must be a mapping of keys to values, got a "
                           f"{type(configs[name]).__name__}")
     values = dict(configs[name] or {})
-    _check_keys(values, SCHEMA, f" in config '{name}'", lambda missing: _missing_hint(missing, yaml_path))
+    _check_keys(values, SCHEMA, f" in config '{name}'", _missing_hint(yaml_path))
     for key, value in (overrides or {}).items():
+        section, _, sub = key.partition(".")
         if value is None:
             continue
-        section, _, sub = key.partition(".")
         if section not in SCHEMA:
             raise ConfigError(f"unknown override '{key}'; valid keys: {', '.join(sorted(SCHEMA))}")
         value = None if value is NULL else value
@@ -278,7 +277,7 @@ def _or_null(parse):
 
 def add_config_arguments(parser, aliases=None):
     """One flag per config key, made from its Key, defaulting to None ("not given"); on/off keys also get a
-    ``--no-`` form. ``aliases`` maps extra on/off flags (SC21's ``--disable_tf32``) to (key, value on, value off)."""
+    ``--no-`` form. ``aliases``: {extra flag (the reference's ``--disable_tf32``): (key, the value it sets)}."""
     group = parser.add_argument_group("config keys (override the named config; see config/UNet.yaml)")
     for name, key in config_flags().items():
         item = int if key.type is list else key.type
@@ -287,9 +286,8 @@ def add_config_arguments(parser, aliases=None):
             metavar=None if key.choices else {int: "N", float: "X"}.get(item, "TEXT"),
             nargs=(key.length or "+") if key.type is list else None)
         group.add_argument(f"--{name}", dest=name, default=None, help=key.doc, **form)
-    for alias, (key, on, off) in (aliases or {}).items():
-        group.add_argument(f"--{alias}", dest=f"alias:{alias}", default=None, action=argparse.BooleanOptionalAction,
-                           help=f"same as {_as_flag(key, on)}; --no-{alias}: {_as_flag(key, off)}")
+    for alias, (key, value) in (aliases or {}).items():
+        group.add_argument(f"--{alias}", dest=f"alias:{alias}", action="store_true", help=f"= {_as_flag(key, value)}")
 
 
 def _as_flag(key, value):
@@ -299,12 +297,9 @@ def _as_flag(key, value):
 def config_overrides_from_args(args, aliases=None):
     """{key: value} of the config flags that were given; an alias contradicting its key's flag is a ConfigError."""
     overrides = {name: getattr(args, name) for name in config_flags() if getattr(args, name, None) is not None}
-    for alias, (key, on, off) in (aliases or {}).items():
-        given = getattr(args, f"alias:{alias}", None)
-        value = on if given else off
-        if given is not None and overrides.setdefault(key, value) != value:
-            raise ConfigError(f"--{'' if given else 'no-'}{alias} means {_as_flag(key, value)} and contradicts "
-                              f"{_as_flag(key, overrides[key])}")
+    for alias, (key, value) in (aliases or {}).items():
+        if getattr(args, f"alias:{alias}", False) and overrides.setdefault(key, value) != value:
+            raise ConfigError(f"--{alias} means {_as_flag(key, value)} and contradicts {_as_flag(key, overrides[key])}")
     return overrides
 
 
@@ -326,36 +321,19 @@ def _check_consistency(params):
     if params.data_size % 2 ** levels:
         raise ConfigError(f"data_size {params.data_size} must be divisible by 2^{levels} "
                           f"(the U-Net halves the crop {levels} times)")
-    if params.conv_forms != "native":
-        from networks.conv_forms import parse_conv_forms  # (the rest needs no torch)
-        from networks.UNet import conv_input_sizes, conv_layer_names
-        try:
-            parse_conv_forms(params.conv_forms, conv_layer_names(levels), conv_input_sizes(levels, params.data_size))
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-    if params.spatial_parallel > 1:
-        from utils.spatial import check_spatial_config  # an opt-in extra (and torch)
-        check_spatial_config(params)
     for box, split in zip(params.box_size, ("training", "validation")):
         if params.data_size > box:
             raise ConfigError(f"crop size data_size={params.data_size} is larger than the {split} box "
                               f"({box}); lower data_size or use a larger box")
+    if params.conv_forms != "native":  # the extras check their own keys
+        from networks.conv_forms import check_conv_forms
+        check_conv_forms(params.conv_forms, levels, params.data_size)
+    if params.spatial_parallel > 1:
+        from utils.spatial import check_spatial_config
+        check_spatial_config(params)
 
 
 def resolve_path(path):
     """Relative data paths are relative to the repository root, so runs work from any directory."""
     path = Path(os.path.expanduser(path))
     return path if path.is_absolute() else REPO_ROOT / path
-
-
-def save_config(params, path):
-    """Write the resolved config atomically (a run folder's config.yaml names the command that made it)."""
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            yaml.safe_dump(dict(params), f, sort_keys=False)
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(f"cannot write {path} ({storage_cause(err)}); free space there or choose another "
-                          f"--expdir") from None

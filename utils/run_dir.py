@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 import yaml
@@ -182,6 +183,19 @@ class RunLock:
             if self.note is None:
                 fcntl.flock(self.file, fcntl.LOCK_UN)  # for forked loader workers sharing the open file too
             self.file.close()
+
+
+def save_config(params, path):
+    """Write the resolved config atomically: the run folder's record of the command that made it."""
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            yaml.safe_dump(dict(params), f, sort_keys=False)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {path} ({storage_cause(err)}); free space there or choose another "
+                          f"--expdir") from None
 
 
 def archive_previous_run(run_dir):
