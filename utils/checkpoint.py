@@ -57,23 +57,16 @@ DIGEST_TRAILER_BYTES = 2 + len(DIGEST_TAG) + 64
 END_RECORD = b"PK\x05\x06"  # signature of the zip's end record, 22 bytes, the last in torch.save's files
 
 
-def _trailer(sha256):
-    comment = DIGEST_TAG + sha256.hexdigest().encode()
-    return len(comment).to_bytes(2, "little") + comment
-
-
-class _HashingFile:
-    """The binary file ``file``, hashing what is written through it (hashlib frees the GIL: training goes on)."""
-
-    def __init__(self, file):
-        self.file, self.sha256 = file, hashlib.sha256()
-
-    def write(self, data):
-        self.sha256.update(data)
-        return self.file.write(data)
-
-    def __getattr__(self, name):  # flush, name, ...
-        return getattr(self.file, name)
+def _sha256(f, size):
+    """The SHA-256 of the first ``size`` bytes of open file ``f`` plus an empty zip comment's length (hashlib
+    frees the GIL: on the writer thread, training goes on)."""
+    sha256 = hashlib.sha256()
+    f.seek(0)
+    while size > 0 and (chunk := f.read(min(size, 1 << 24))):
+        sha256.update(chunk)
+        size -= len(chunk)
+    sha256.update(b"\0\0")
+    return DIGEST_TAG + sha256.hexdigest().encode()
 
 
 def _check_digest(f, path):
@@ -84,13 +77,7 @@ def _check_digest(f, path):
     tail = f.read()
     if tail[-22:-18] == END_RECORD and tail[-2:] == b"\0\0":
         return False
-    sha256, remaining = hashlib.sha256(), size - DIGEST_TRAILER_BYTES
-    f.seek(0)
-    while remaining > 0 and (chunk := f.read(min(remaining, 1 << 24))):
-        sha256.update(chunk)
-        remaining -= len(chunk)
-    sha256.update(b"\0\0")  # the empty comment's length, as hashed when written
-    if tail != _trailer(sha256):
+    if tail[2:] != _sha256(f, size - DIGEST_TRAILER_BYTES):
         raise CheckpointError(f"{path} changed after it was written (its bytes do not match the SHA-256 digest saved "
                               f"with it: bit rot or an overwrite); use an earlier checkpoint")
     return True
@@ -149,11 +136,13 @@ def save_checkpoint(directory, payload, step, keep_last, any_error=False):
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("ckpt_step*.pt.*.tmp"):  # one writer per folder: a crashed save's leftover,
             stale.unlink()                                     # and removing it may make room for this one
-        with open(tmp, "wb") as f:
-            hashing = _HashingFile(f)
-            torch.save(payload, hashing)
-            f.seek(-2, os.SEEK_END)  # the end record's comment length, 0 as torch.save wrote it
-            f.write(_trailer(hashing.sha256))
+        with open(tmp, "w+b") as f:
+            torch.save(payload, f)
+            size = f.seek(0, os.SEEK_END) - 2  # up to the end record's comment length, 0 as torch.save wrote it
+            f.flush()
+            digest = _sha256(f, size)  # read back from the page cache
+            f.seek(size)
+            f.write(len(digest).to_bytes(2, "little") + digest)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the name points at it
         os.replace(tmp, path)
@@ -243,16 +232,11 @@ def load_model_state(module, state_dict, source="the checkpoint"):
     """Load plain (or wrapped: prefixes stripped) weights into ``module``, whether plain, DDP-wrapped or compiled."""
     target = unwrap_model(module)
     expected = target.state_dict()
-    while set(state_dict) != set(expected):  # DDP's and torch.compile's prefixes, nested in either order
-        prefix = next((p for p in ("module.", "_orig_mod.") if state_dict and all(k.startswith(p) for k in state_dict)),
-                      None)
-        if prefix is None:
-            break
-        stripped = OrderedDict(state_dict)
-        if hasattr(state_dict, "_metadata"):  # module versions; the torch helper rewrites it in place
-            stripped._metadata = OrderedDict(state_dict._metadata)
-        consume_prefix_in_state_dict_if_present(stripped, prefix)
-        state_dict = stripped
+    metadata, state_dict = getattr(state_dict, "_metadata", {}), OrderedDict(state_dict)  # the helper below
+    state_dict._metadata = OrderedDict(metadata)                                          # edits in place
+    for prefix in ("module.", "_orig_mod.", "module."):  # DDP's and torch.compile's prefixes, nested either way
+        if state_dict and all(key.startswith(prefix) for key in state_dict):
+            consume_prefix_in_state_dict_if_present(state_dict, prefix)
     problems = {"missing": [key for key in expected if key not in state_dict],
                 "unexpected": [key for key in state_dict if key not in expected],
                 "shape": [f"{key} {tuple(value.shape)} vs {tuple(expected[key].shape)} here" for key, value
