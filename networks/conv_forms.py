@@ -417,11 +417,11 @@ def parse_conv_forms(spec, names, input_sizes=None):
     return forms
 
 
-def check_conv_forms(spec, num_levels, crop_size):
-    """A config's ``conv_forms`` value, checked against the U-Net it configures: a one-line ConfigError if wrong."""
-    from networks.UNet import conv_input_sizes, conv_layer_names
+def check_conv_forms(spec, input_sizes):
+    """A config's ``conv_forms`` value, checked against the U-Net it configures (``input_sizes``: networks/UNet.py's
+    ``conv_input_sizes``): a one-line ConfigError if wrong."""
     try:
-        parse_conv_forms(spec, conv_layer_names(num_levels), conv_input_sizes(num_levels, crop_size))
+        parse_conv_forms(spec, list(input_sizes), input_sizes)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

@@ -327,7 +327,8 @@ def _check_consistency(params):
                               f"({box}); lower data_size or use a larger box")
     if params.conv_forms != "native":  # the extras check their own keys
         from networks.conv_forms import check_conv_forms
-        check_conv_forms(params.conv_forms, levels, params.data_size)
+        from networks.UNet import conv_input_sizes
+        check_conv_forms(params.conv_forms, conv_input_sizes(levels, params.data_size))
     if params.spatial_parallel > 1:
         from utils.spatial import check_spatial_config
         check_spatial_config(params)
