@@ -336,12 +336,11 @@ WrittenCheckpoint = namedtuple("WrittenCheckpoint", "path step reason seconds si
 
 
 class AsyncCheckpointer:
-    """Rank 0's writer: ``save`` copies the payload to host memory (a deep copy; a CUDA run's into pinned buffers,
-    see ``reserve``) and returns; then nothing done to the live tensors reaches the file. One thread
-    writes it with ``save_checkpoint``, one write in flight: ``save`` first waits for the previous one. A failed
-    write raises its one-line CheckpointError at the next ``save``, ``poll``, ``wait`` or ``close``, once.
-    Per save, for benchmarks: ``stall_seconds`` (the caller blocked, from ``started``), ``wait_seconds`` (of it,
-    waiting for the previous write); per write: ``write_seconds``."""
+    """Rank 0's writer: ``save`` copies the payload to host memory (a CUDA run's into pinned buffers, ``reserve``)
+    and returns, so nothing done to the live tensors reaches the file; one thread writes it, one write in flight.
+    A failed write raises its CheckpointError at the next ``save``, ``poll``, ``wait`` or ``close``, once. For
+    benchmarks: ``stall_seconds`` (the caller blocked), ``wait_seconds`` (of it, for the previous write) per save,
+    ``write_seconds`` per write."""
 
     def __init__(self, directory, every_minutes=0.0, log=None, clock=None):
         self.directory, self.every_minutes = Path(directory), every_minutes
@@ -427,12 +426,11 @@ PEER_FAILED = {1: (CheckpointError, "rank 0 could not write a checkpoint"),  # w
 
 
 class RunControl:
-    """The run's one stop-signal handler, installed from main's first line to its end, and the ranks' agreement.
+    """The run's one stop-signal handler, from main's first line to its end, and the ranks' agreement.
 
-    Outside the training loop (start-up: data generation, loading, compilation; the final validation) a signal
-    raises Preempted at once, naming the newest checkpoint in ``checkpoints`` (a folder, once known): nothing new
-    was trained, so nothing is lost. While the loop runs (``in_loop``) it only sets ``signal_name``: the step ends,
-    and the next agreement checkpoints and stops every rank at the same step.
+    Outside the training loop (start-up, the final validation) a signal raises Preempted at once: nothing new was
+    trained, so nothing is lost. In the loop (``in_loop``) it only sets ``signal_name``: the step ends, and the next
+    agreement checkpoints and stops every rank at the same step.
     """
 
     def __init__(self, info=None):
