@@ -1,15 +1,7 @@
-"""The project's library; this file says how every command reports an error (the bottom layer: it imports nothing
-of ours).
-
-A user error (bad config, bad or missing data, an unusable checkpoint, data that cannot be generated) ends with
-``error: ...`` on stderr and exit code 2; a preemption with ``stopped: ...`` and 3 (submit_pm.sh requeues on 3); a
-non-finite loss with 4. ``run`` (below) turns them into that line and code for every command (train.py,
-train_graph.py, predict.py, the science report, the generator); anything else is a bug and keeps its traceback.
-``OneLineParser`` makes argparse's own errors one line too.
-
-The library needs a POSIX system: run folders are locked with ``fcntl`` (utils/run_dir.py), Slurm's warning signal
-SIGUSR1 stops a run cleanly (utils/checkpoint.py), and peak host memory comes from ``resource`` (utils/metrics.py).
-On native Windows, importing it ends the process with one line that says so (exit status 2, a user error's).
+"""The project's library; this file (the bottom layer, importing nothing of ours) says how every command reports
+an error: a user error ends with ``error: ...`` on stderr and exit code 2, a preemption with ``stopped: ...`` and 3
+(submit_pm.sh requeues on 3), a non-finite loss with 4; ``run`` does this for every command. Anything else is a bug
+and keeps its traceback. POSIX only: on Windows, importing it ends the process with one line (exit status 2).
 """
 import argparse
 import errno
@@ -49,13 +41,11 @@ class GenerationError(ReportedError, RuntimeError):
 
 
 class StorageError(ReportedError):
-    """A write to disk failed (full, over quota, read-only, an I/O error): the message names the path and the
-    cause; what was written before (checkpoints, the run's files) is intact."""
+    """A write to disk failed (full, quota, read-only, I/O error); what was written before is intact."""
 
 
 class PeerLost(ReportedError):
-    """Under DDP, another rank stopped or crashed and a collective on this rank failed: its own log (or exit
-    code) says why; this rank ends with one line and exit code 1 instead of a backend traceback."""
+    """Under DDP, a collective failed because another rank stopped (its log says why): one line, not a traceback."""
     exit_code = 1
 
 
@@ -82,17 +72,14 @@ def os_error_in(err):
 
 
 def first_line(err, empty=None):
-    """The first line of ``err``'s message, for a one-line report; ``empty`` (default: the type's name) when it
-    has none."""
+    """The first line of ``err``'s message; ``empty`` (default: the type's name) when it has none."""
     text = str(err).strip()
     return text.splitlines()[0] if text else (empty or type(err).__name__)
 
 
 def storage_cause(err):
-    """The cause of a failed write in a few words: "ENOSPC: No space left on device" for an OSError (also one
-    wrapped in another exception, or one whose errno only HDF5's text carries), else the first line."""
-    found = os_error_in(err)
-    number = found.errno if found is not None else None
+    """A failed write's cause in a few words ("ENOSPC: No space left on device"), also from a wrapped OSError."""
+    number = getattr(os_error_in(err), "errno", None)
     if number is None:
         match = re.search(r"errno = (\d+)", str(err))  # h5py: "... (file write failed: ..., errno = 28, ...)"
         number = int(match.group(1)) if match else None
@@ -102,17 +89,14 @@ def storage_cause(err):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, the reason and where the flags are listed, instead of the usage block
-    (train.py's lists a flag per config key: some 50 lines above the one that matters). Exit status 2."""
+    """argparse whose errors are one line instead of the usage block (train.py's has some 50 lines of flags)."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (`python {self.prog} --help` lists the flags)\n")
 
 
 def run(entry, *args):
-    """``entry(*args)``; a ReportedError ends the process with ``<prefix>: <message>`` and its exit code.
-
-    An entry that returns an int (an exit status) ends the process with it."""
+    """``entry(*args)``, ending the process on a ReportedError (``<prefix>: <message>``) or a returned int."""
     try:
         status = entry(*args)
     except ReportedError as err:

@@ -1,7 +1,5 @@
-"""Process-group set-up that works the same under torchrun, Slurm (export_DDP_vars.sh) and alone.
-
-torchrun and export_DDP_vars.sh both export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT; with WORLD_SIZE unset or 1 the script runs as a single process without a group.
+"""Process-group set-up that works the same under torchrun, Slurm (export_DDP_vars.sh) and alone: both launchers
+export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; with WORLD_SIZE unset or 1 there is no group.
 """
 import inspect
 import os
@@ -46,27 +44,21 @@ def env_world_size():
 
 
 def init_distributed(device_kind="auto"):
-    """This rank's DistInfo; joins the process group when WORLD_SIZE > 1.
-
-    ``device_kind``: 'auto' takes GPU LOCAL_RANK when CUDA is visible and the CPU otherwise; 'cuda'
-    insists on a GPU; 'cpu' never touches CUDA (CPU runs and tests on a GPU machine, gloo DDP).
-    """
+    """This rank's DistInfo; joins the process group when WORLD_SIZE > 1. ``device_kind``: 'auto' takes GPU
+    LOCAL_RANK if CUDA is visible, else the CPU; 'cuda' insists on a GPU; 'cpu' never touches CUDA (gloo DDP)."""
     world_size, rank, local_rank = env_world_size(), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     device = torch.device("cpu")
     if device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("device: cuda, but no CUDA device is visible here; use --device cpu (or auto)")
         count = torch.cuda.device_count()
-        if local_rank < count:
-            index = local_rank  # every GPU of the node visible (torchrun, srun --gpu-bind=none)
-        elif count == 1 and os.environ.get("SLURM_GPUS_PER_TASK") == "1":
-            index = 0  # srun --gpus-per-task=1: the one GPU this task sees is its own
-        else:
+        # GPU LOCAL_RANK if all the node's GPUs are visible, else GPU 0 if srun --gpus-per-task=1 shows only its own
+        if local_rank >= count and not (count == 1 and os.environ.get("SLURM_GPUS_PER_TASK") == "1"):
             raise ConfigError(f"LOCAL_RANK={local_rank} but only {count} GPU(s) are visible: start at most {count} "
                               f"rank(s) per node (under Slurm with one GPU per task: --gpus-per-task=1, or "
                               f"--gpu-bind=none to show each task all of them), or add --device cpu to train on "
                               f"the CPU with gloo")
-        device = torch.device("cuda", index)
+        device = torch.device("cuda", local_rank if local_rank < count else 0)
         torch.cuda.set_device(device)
     if world_size > 1:
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
@@ -80,13 +72,9 @@ def init_distributed(device_kind="auto"):
 
 
 def _rendezvous():
-    """``init_method="env://"``, except after a torchrun restart.
-
-    torchrun's workers share the agent's key-value store, which outlives a restart: restarted
-    workers could read the addresses the killed ones published and fail to connect ("Gloo
-    connectFullMesh failed ... Connection refused"; seen with --standalone and --max_restarts).
-    A prefix per restart attempt keeps each generation's keys apart.
-    """
+    """``init_method="env://"``, except after a torchrun restart: the agent's key-value store outlives it, and
+    restarted workers could read the killed ones' addresses and fail to connect ("Gloo connectFullMesh failed ...
+    Connection refused"), so a prefix per restart keeps each generation's keys apart."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {"init_method": "env://"}
@@ -108,13 +96,10 @@ def all_reduce_sum(values, info):
 
 
 def peer_lost(err, info):
-    """PeerLost for a collective that failed because another rank went away (gloo: "Connection closed by
-    peer"; NCCL: a DistBackendError), else None: any other error keeps its traceback."""
-    if not info.enabled:
-        return None
-    frames = traceback.extract_tb(err.__traceback__)[-3:]
-    if not (isinstance(err, dist.DistError) or any("torch/distributed/" in f.filename.replace("\\", "/")
-                                                   for f in frames)):
+    """PeerLost for a collective that failed because another rank went away (gloo: "Connection closed by peer";
+    NCCL: a DistBackendError), else None: any other error keeps its traceback."""
+    if not info.enabled or not (isinstance(err, dist.DistError) or any(
+            "torch/distributed/" in frame.filename for frame in traceback.extract_tb(err.__traceback__)[-3:])):
         return None
     return PeerLost(f"rank {info.rank}: a collective failed because another rank stopped or crashed "
                     f"({first_line(err)[:160]}); its log says why; rerun the same command to continue from the "
@@ -122,8 +107,8 @@ def peer_lost(err, info):
 
 
 def cleanup(info, finished=False):
-    """Destroy the process group. ``finished``: every rank ended the run normally, so first wait for all of them
-    at a barrier: none tears its connections down while another still has collectives in flight."""
+    """Destroy the process group; when every rank ``finished`` normally, first meet at a barrier, so that none
+    tears its connections down while another still has collectives in flight."""
     if info.enabled and dist.is_initialized():
         if finished:
             dist.barrier()
@@ -134,7 +119,7 @@ def ddp_buffer_sync(broadcast_buffers):
     """DistributedDataParallel's keyword for ``broadcast_buffers: false`` (none when true, DDP's default)."""
     if broadcast_buffers:
         return {}
-    # torch >= 2.13 renamed the option (and warns about the old name); older releases only know the old one.
+    # torch >= 2.13 renamed it (and warns about the old name); older releases know only the old one
     new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
 

@@ -32,10 +32,7 @@ def peak_flops(device, amp_mode, tf32, peak_tflops=None):
         return None
     name = torch.cuda.get_device_name(device)
     mode = amp_mode if amp_mode in ("fp16", "bf16") else ("tf32" if tf32 else "fp32")
-    for fragment, table in PEAK_TFLOPS.items():
-        if fragment in name:
-            return table[mode] * 1e12
-    return None
+    return next((table[mode] * 1e12 for fragment, table in PEAK_TFLOPS.items() if fragment in name), None)
 
 
 def conv_flops(model, crop_size):
@@ -56,8 +53,7 @@ def flops_per_sample(model, crop_size):
 
 
 def describe_model(model, crop_size):
-    """'upsample=..., leaky_relu_slope=..., [conv_forms=..., ]N parameters, X GFLOP/sample forward': the start-up
-    log's facts about a U-Net."""
+    """The start-up log's facts about a U-Net: 'upsample=..., [conv_forms=..., ]N parameters, X GFLOP/sample ...'."""
     forms = {name: getattr(layer, "form", "native") for name, layer in model.conv_layers()}
     shown_forms = ""
     if set(forms.values()) != {"native"}:
@@ -81,18 +77,14 @@ class StepMeter:
     """Accumulates time spent waiting for data against wall time, per log interval and per epoch."""
 
     def __init__(self, device, start_step=0, warming_up=False):
-        """Start of an epoch: on a GPU the peak-memory counters restart here, so each epoch reports its own.
-
-        ``warming_up``: the process's first epoch, whose first steps may autotune cuDNN and compile (tens of
-        seconds on a GPU); its summary adds the rate after the first log interval (``steady_samples_per_sec``).
-        """
-        self.device = device
+        """Start of an epoch (on a GPU the peak-memory counters restart, so each epoch reports its own). ``warming_up``:
+        the process's first epoch, whose first steps may autotune cuDNN and compile (tens of seconds on a GPU), so its
+        summary adds the rate after the first log interval (``steady_samples_per_sec``)."""
+        self.device, self.warming_up = device, warming_up
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self.last_time = time.perf_counter()
+        self.last_time, self.last_steps = time.perf_counter(), start_step
         self.wait = self.last_wait = 0.0
-        self.last_steps = start_step
-        self.warming_up = warming_up
         self.after_first_interval = None  # (time, steps) at the end of the first log interval
 
     @contextmanager
@@ -103,10 +95,8 @@ class StepMeter:
 
     def interval(self, steps, samples_per_step):
         """Rates since the previous call; the caller has just synchronised (via .item())."""
-        now = time.perf_counter()
-        steps_done = steps - self.last_steps
+        now, steps_done, wait = time.perf_counter(), steps - self.last_steps, self.wait - self.last_wait
         elapsed = max(now - self.last_time, 1e-9)
-        wait = self.wait - self.last_wait
         self.last_time, self.last_wait, self.last_steps = now, self.wait, steps
         if self.after_first_interval is None:
             self.after_first_interval = (now, steps)
@@ -114,7 +104,6 @@ class StepMeter:
                 "wait_share": wait / elapsed}
 
     def summary(self, elapsed, steps, samples_per_step, flops_per_step, peak):
-        samples_per_sec = steps * samples_per_step / elapsed
         steady = None
         if self.warming_up and self.after_first_interval is not None and self.last_steps > self.after_first_interval[1]:
             since, first_steps = self.after_first_interval  # the last interval ends the epoch (train.py logs there)
@@ -123,8 +112,8 @@ class StepMeter:
         # Reserved counts the caching allocator's pools too: a CUDA graph's memory is reserved, and its replays
         # allocate nothing, so for train_graph.py the allocated peak alone would understate it.
         reserved = torch.cuda.max_memory_reserved(self.device) / 1e9 if self.device.type == "cuda" else None
-        return {"samples_per_sec": samples_per_sec, "steady_samples_per_sec": steady, "wait_share": self.wait / elapsed,
-                "mfu": flops_per_step * steps / elapsed / peak if peak else None,
+        return {"samples_per_sec": steps * samples_per_step / elapsed, "steady_samples_per_sec": steady,
+                "wait_share": self.wait / elapsed, "mfu": flops_per_step * steps / elapsed / peak if peak else None,
                 "peak_memory_gb": memory, "memory_kind": kind, "peak_memory_reserved_gb": reserved}
 
 
@@ -154,7 +143,6 @@ NO_PROFILER = _NoProfiler()
 
 
 # --- the lines train.py logs -----------------------------------------------------------------------------------------
-
 logger = logging.getLogger("train")
 
 
@@ -162,8 +150,7 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     info = state.info
     shown = run_dir.relative_to(Path.cwd()) if run_dir.is_relative_to(Path.cwd()) else run_dir
     logger.info(f"Run directory: {shown}")
-    size = params.spatial_parallel
-    data_ranks = info.world_size // size
+    size, data_ranks = params.spatial_parallel, info.world_size // params.spatial_parallel
     logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
                 f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
                 f"global batch {params.global_batch_size} ({params.global_batch_size // data_ranks} per "
@@ -199,29 +186,23 @@ def log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps
                 f"data wait {100 * rates['wait_share']:.0f}% | ETA {format_duration(eta)}")
     if writer:
         writer.add_scalar("Learning Rate", lr, state.global_step)
-        first = state.global_step - len(losses) + 1
-        for offset, value in enumerate(losses):  # this rank's loss at every step
-            writer.add_scalar("Loss/train_step", value, first + offset)
+        for step, value in enumerate(losses, state.global_step - len(losses) + 1):  # this rank's loss at every step
+            writer.add_scalar("Loss/train_step", value, step)
 
 
 def log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time):
-    steady = summary.get("steady_samples_per_sec")
-    logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, "
-                f"avg {summary['samples_per_sec']:.2f} samples/sec" + (
-                    "" if steady is None else f" ({steady:.2f} after the first log interval)"))
-    logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, "
-                f"MFU {format_mfu(summary['mfu'])}, peak memory {summary['peak_memory_gb']:.2f} GB "
-                f"({summary['memory_kind']}" + ("" if summary["peak_memory_reserved_gb"] is None
-                                               else f", {summary['peak_memory_reserved_gb']:.2f} GB reserved") + ")")
+    steady, reserved = summary.get("steady_samples_per_sec"), summary["peak_memory_reserved_gb"]
+    logger.info(f"Time taken for epoch {epoch + 1} is {epoch_time:.1f} sec, avg {summary['samples_per_sec']:.2f} "
+                f"samples/sec" + ("" if steady is None else f" ({steady:.2f} after the first log interval)"))
+    logger.info(f"  data wait {100 * summary['wait_share']:.1f}% of step time, MFU {format_mfu(summary['mfu'])}, "
+                f"peak memory {summary['peak_memory_gb']:.2f} GB ({summary['memory_kind']}"
+                + ("" if reserved is None else f", {reserved:.2f} GB reserved") + ")")
     logger.info(f"  Avg train loss={train_loss:.6f}")
     if writer:
-        step = state.global_step
-        writer.add_scalar("Loss/train", train_loss, step)
-        writer.add_scalar("Avg iters per sec", epoch_steps / epoch_time, step)
-        writer.add_scalar("Perf/samples_per_sec", summary["samples_per_sec"], step)
-        writer.add_scalar("Perf/data_wait_share", summary["wait_share"], step)
-        writer.add_scalar("Perf/peak_memory_GB", summary["peak_memory_gb"], step)
-        if summary["peak_memory_reserved_gb"] is not None:
-            writer.add_scalar("Perf/peak_memory_reserved_GB", summary["peak_memory_reserved_gb"], step)
-        if summary["mfu"] is not None:
-            writer.add_scalar("Perf/MFU", summary["mfu"], step)
+        scalars = {"Loss/train": train_loss, "Avg iters per sec": epoch_steps / epoch_time,
+                   "Perf/samples_per_sec": summary["samples_per_sec"], "Perf/data_wait_share": summary["wait_share"],
+                   "Perf/peak_memory_GB": summary["peak_memory_gb"], "Perf/peak_memory_reserved_GB": reserved,
+                   "Perf/MFU": summary["mfu"]}
+        for tag, value in scalars.items():
+            if value is not None:  # reserved memory: CUDA only; MFU: a known peak only
+                writer.add_scalar(tag, value, state.global_step)

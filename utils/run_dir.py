@@ -1,18 +1,14 @@
 """The run folder ``expdir/<config>/<N>GPU/<run_num>/``, its lock, and the run's log and TensorBoard events.
 
-One rule for every command: rerunning a command continues its run (the folder whose config.yaml matches);
-anything else -- a benchmark, a profile, another flag -- is a run of its own in the next free number and
-never collides with an earlier one. ``--resume never`` starts over, in a new folder unless ``--run_num``
-names one, where the earlier run's files move to ``previous-<time>/``. A restart of the same job (a Slurm
-requeue, a torchrun restart) continues its attempt whatever ``--resume`` said (``resume_on_restart``).
+Rerunning a command continues its run (the folder whose config.yaml matches); anything else (a benchmark, another
+flag) is a new run in the next free number. ``--resume never`` starts over, in a new folder unless ``--run_num``
+names one, whose earlier files move to ``previous-<time>/``.
 
-A failed write of the run log (``out.log``) or of the TensorBoard events (``logs/``) -- disk full, quota,
-read-only, I/O error -- becomes one StorageError line naming the file and the cause (exit 2), not a traceback;
-the checkpoints written before are intact, so rerunning the same command continues. The error goes to
-``report`` (train.py passes RunControl.write_failed): under DDP only rank 0 writes these files, and one rank
-stopping alone would leave the others in their next collective, so it is held until the ranks' next agreement
-and every rank stops together.
+A failed write of ``out.log`` or ``logs/`` becomes one StorageError line (exit 2), and rerunning continues from the
+intact checkpoints. It goes to ``report`` (RunControl.write_failed): only rank 0 writes these files, and a rank
+stopping alone would leave the others hanging in a collective, so it is held until the ranks' next agreement.
 """
+import contextlib
 import fcntl
 import logging
 import os
@@ -31,14 +27,10 @@ from utils.config import SCHEMA, resolve_path
 
 
 def resume_on_restart(resume, environ=os.environ):
-    """(resume, fallback, note): in a restarted job ``auto``, with ``fallback`` the PATH of ``--resume PATH``
-    (loaded when the run folder has no checkpoint yet), else ``resume`` as given and no fallback.
-
-    A requeued Slurm job or a restarted torchrun worker repeats the first attempt's command. With
-    ``--resume never`` every attempt would start over, with ``--resume PATH`` go back to PATH and prune the
-    checkpoints made since: work lost on every preemption, and the job requeued for ever. A restart continues
-    the attempt before it instead: from the run folder's newest checkpoint, else as the first attempt began.
-    """
+    """(resume, fallback, note): a restarted job (Slurm requeue, torchrun restart) repeats the first attempt's
+    command, where ``--resume never`` (start over) or ``--resume PATH`` (back to PATH, pruning the checkpoints
+    since) would lose the work of every preemption and requeue for ever; so it continues the attempt before it
+    with ``auto``, falling back to PATH while the run has no checkpoint. Otherwise ``resume`` is kept as given."""
     restarted = {name: environ[name] for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
                  if environ.get(name, "").isdigit() and int(environ[name]) > 0}
     if resume == "auto" or not restarted:
@@ -51,9 +43,8 @@ def resume_on_restart(resume, environ=os.environ):
 
 
 def same_command(run_dir, params):
-    """Whether ``run_dir`` was started with this resolved config (its config.yaml), wherever expdir is. A key
-    the saved config lacks and that does not define the run (a speed knob added to this code since) does not
-    count: after an update, the same command still continues its run."""
+    """Whether ``run_dir``'s config.yaml is this resolved config, wherever expdir is; keys it lacks that do not
+    define the run (a speed knob added since) are ignored, so after an update the same command still continues."""
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
@@ -79,10 +70,8 @@ def choose_run_num(parent, params, fresh):
 
 
 def make_run_dir(run_num, resume, params, info):
-    """expdir/<config>/<N>GPU/<run_num>/, writable and locked. Rank 0 prepares it and broadcasts its name or its
-    one-line error: every rank then raises that error, and none is left waiting in a collective.
-
-    Returns (run directory, a note for the log or None, rank 0's RunLock or None: release it at the end)."""
+    """(run directory, note for the log or None, rank 0's RunLock or None: release it at the end). Rank 0 prepares
+    the folder and broadcasts its name or its one-line error, which every rank raises: none waits in a collective."""
     parent = resolve_path(params.expdir) / params.config_name / f"{info.world_size}GPU"
     outcome, note, lock = [run_num, None], None, None
     if info.is_main:
@@ -118,9 +107,8 @@ def make_run_dir(run_num, resume, params, info):
 
 
 def _claim_run_dir(parent, run_num, resume, params, attempts=8):
-    """(run_num, RunLock) of a created, writable, locked run folder. A number chosen here for a new run that
-    another process took a moment earlier (two new runs started together) is skipped for the next free one; a
-    folder in use that the command named or continues is refused (RunDirInUse)."""
+    """(run_num, RunLock) of a created, writable, locked run folder. A new run's number that another new run took
+    a moment earlier is skipped for the next free one; a named or continued folder in use raises RunDirInUse."""
     for attempt in range(attempts):
         chosen = run_num
         if chosen is None:
@@ -150,14 +138,10 @@ class RunDirInUse(ConfigError):
 
 
 class RunLock:
-    """Rank 0's exclusive lock on ``run_dir/.lock`` for the life of the run.
-
-    Two processes in one run folder (the same job submitted twice, a manual rerun beside a requeued job)
-    would delete each other's temporary checkpoint files and newer checkpoints and interleave their logs;
-    the second one stops with a one-line error naming the first instead. The kernel drops the lock when
-    the process and its forked loader workers have ended (after a kill -9 the workers notice within
-    seconds). A file system without flock (some Lustre and NFS mounts) runs without it, and ``note`` says so.
-    """
+    """Rank 0's lock on ``run_dir/.lock`` for the life of the run. Two processes in one run folder (a job submitted
+    twice, a rerun beside a requeued job) would delete each other's checkpoints and interleave their logs. The
+    kernel drops it when the process and its forked loader workers end (after a kill -9, within seconds); without
+    flock (some Lustre and NFS mounts) the run goes unlocked, and ``note`` says so."""
 
     def __init__(self, run_dir):
         self.note = None
@@ -218,8 +202,8 @@ def write_error(what, err):
 
 
 class RunLogHandler(logging.FileHandler):
-    """out.log. Its first failed write goes to ``report`` once, in the main thread (a background thread's failure
-    at the main thread's next log line); the handler then stops writing."""
+    """out.log; its first failed write goes to ``report`` once, from the main thread (a background thread's failure
+    at the main thread's next log line); it then stops writing."""
 
     def __init__(self, path, report):
         super().__init__(path)
@@ -262,8 +246,7 @@ def _quiet_event_thread(args, default=threading.excepthook):
 
 
 class EventWriter(SummaryWriter):
-    """A SummaryWriter whose first failed write goes to ``report`` as one StorageError line; it then writes
-    nothing more."""
+    """A SummaryWriter whose first failed write goes to ``report`` as a StorageError; it then writes nothing."""
 
     def __init__(self, log_dir, report, **kwargs):
         self.report, self.failed = report, False
@@ -296,10 +279,8 @@ class EventWriter(SummaryWriter):
         """``ending_with``: the exception ending the run, which a failure here must not replace (a preemption
         still exits with 3); the failure is then printed in one line, unless that exception already is one."""
         if self.failed:  # stop the writer's thread; its error was reported already
-            try:
+            with contextlib.suppress(OSError):
                 super().close()
-            except OSError:
-                pass
             return None
         try:
             return self._reporting(super().close)

@@ -1,25 +1,20 @@
 """The symmetry group of the cube (48 elements) acting on volumes with vector channels.
 
-A periodic cubic box is unchanged by any signed permutation of its axes: the 24 proper rotations
-and their products with the inversion r -> -r. Augmenting with these is physically valid only if
-*vector* fields (velocities) are transformed along with the grid: when the grid axes are permuted
-and flipped, the velocity components are permuted and sign-flipped the same way. Scalar fields
-(densities, temperature) only move.
+A periodic cubic box is unchanged by any signed permutation of its axes: the 24 proper rotations and their products
+with the inversion r -> -r. Augmenting with these is physically valid only if *vector* fields (velocities) change
+with the grid: when the grid axes are permuted and flipped, the velocity components are permuted and sign-flipped
+the same way. Scalar fields (densities, temperature) only move.
 
-Element ``g`` in ``range(48)`` is described once, by :func:`element` and :func:`channel_map`:
-``perm = PERMUTATIONS[g // 8]`` and ``flips[k] = bit k of g % 8``. Acting on a (C, X0, X1, X2) field:
+Element ``g`` in ``range(48)`` has ``perm = PERMUTATIONS[g // 8]`` and ``flips[k] = bit k of g % 8``
+(:func:`element`, :func:`channel_map`). Acting on a (C, X0, X1, X2) field:
 
     new spatial axis k  = old axis perm[k], reversed if flips[k]
     new channel c       = sign[c] * old channel source[c]
 
-where, for the vector channels ``v``, ``source[v[k]] = v[perm[k]]`` and ``sign[v[k]] = -1 if flips[k]``,
-and every other channel is its own source with sign +1. That is ``f'(r) = M f(M^-1 r)`` for the signed
-permutation matrix ``M[k, perm[k]] = sign_k``. Element 0 is the identity.
-
-Every loader applies the group through one of two implementations of that description: :func:`transform`
-below (numpy: the PyTorch and fast CPU loaders) and ``transform_torch`` (utils/data/symmetry_torch.py: a batch
-with one element per sample, the GPU-resident loader); the DALI loader builds its pipeline operators from the
-same description as arrays.
+where ``source[v[k]] = v[perm[k]]`` and ``sign[v[k]] = -1 if flips[k]`` for the vector channels ``v``, and every
+other channel is its own source with sign +1: ``f'(r) = M f(M^-1 r)`` for the signed permutation matrix
+``M[k, perm[k]] = sign_k``. Element 0 is the identity. Every loader applies this one description: :func:`transform`
+(numpy), ``transform_torch`` (utils/data/symmetry_torch.py, one element per sample of a batch) and the DALI pipeline.
 """
 from itertools import permutations
 from typing import NamedTuple
@@ -50,10 +45,8 @@ def element(g):
 
 
 def channel_map(g, num_channels, vector_channels=VECTOR_CHANNELS):
-    """``(source, sign)``, C each: output channel c of element ``g`` is ``sign[c] *`` input channel ``source[c]``.
-
-    ``vector_channels`` names the 3 components of the vector field (None: scalar channels only).
-    """
+    """``(source, sign)``: output channel c of element ``g`` is ``sign[c] *`` input channel ``source[c]``;
+    ``vector_channels`` names the 3 components of the vector field (None: scalar channels only)."""
     if vector_channels is not None and (len(vector_channels) != 3 or max(vector_channels) >= num_channels):
         raise ValueError(f"vector_channels must name 3 of the {num_channels} channels, got {vector_channels}")
     perm, flips = element(g)
@@ -65,10 +58,7 @@ def channel_map(g, num_channels, vector_channels=VECTOR_CHANNELS):
 
 
 def transform_view(volume, g):
-    """Move the grid of a (C, X, Y, Z) array by element ``g`` without touching vector components.
-
-    Returns a strided numpy view (no copy). Use :func:`transform` for physically valid samples.
-    """
+    """A strided view (no copy) of a (C, X, Y, Z) array, its grid moved by ``g`` but not its vector components."""
     perm, flips = element(g)
     view = volume.transpose(0, 1 + perm[0], 1 + perm[1], 1 + perm[2])
     flip_axes = tuple(1 + k for k in range(3) if flips[k])
@@ -76,18 +66,14 @@ def transform_view(volume, g):
 
 
 def transform(volume, g, vector_channels=VECTOR_CHANNELS, out=None, scratch=None, planes=None):
-    """Apply element ``g`` to a (C, X, Y, Z) numpy array, vector channels included.
+    """Apply element ``g`` to a (C, X, Y, Z) numpy array, vector channels included, into ``out`` (e.g. a slot of a
+    pinned batch buffer) or a new array; ``planes`` (start, stop): only those planes of the result's first spatial axis
+    (a spatial-parallel rank's slab). Every path only copies and negates values, so all give the same bits.
 
-    Writes into ``out`` (a preallocated (C, X', Y', Z') array, e.g. a slot of a pinned batch buffer) or
-    a new array. Every path only copies and negates values, so all give the same bits. ``planes``
-    (start, stop): only those planes of the result's first spatial axis (a spatial-parallel rank's slab).
-
-    ``scratch``, a (2, S, S, S) float32 buffer (cubic crops; one per thread), buys speed (about 40% less
-    time, mean of the 48 elements): a strided copy is fast while it reads the volume's rows (its last
-    axis) forward, which the hardware prefetcher streams from memory. Elements that keep rows as
-    unreversed rows take one strided copy per channel either way; for the others each channel is first
-    streamed into a compact copy and moved from there, in cache (:func:`_staged_move`).
-    """
+    ``scratch``, a (2, S, S, S) float32 buffer (cubic crops; one per thread), saves about 40% of the time: a strided
+    copy is fast only while it reads the volume's rows (last axis) forward, which the hardware prefetcher streams.
+    Elements that keep rows as unreversed rows take one strided copy per channel; for the others each channel is
+    first streamed into a compact copy and moved from there, in cache (:func:`_staged_move`)."""
     source, sign = channel_map(g, volume.shape[0], vector_channels)
     moved = transform_view(volume, g)                          # (C, X', Y', Z') strided view
     if planes is not None:
@@ -115,19 +101,16 @@ def _signed_copy(source, destination, sign):
 
 
 def _staged_move(g, scratch):
-    """``(compact, move)``: ``move(destination)`` writes ``compact`` (S, S, S), moved by ``g``, to ``destination``.
-
-    By numpy, or -- for the 3 axis orders that turn rows into columns, (1,2,0), (2,0,1), (2,1,0) -- by one
-    2D transpose, which torch's copy does in cache-sized blocks after numpy has applied the flips.
-    """
+    """``(compact, move)``: ``move(destination)`` writes ``compact`` (S, S, S), moved by ``g``, to ``destination``: by
+    numpy, or for the 3 axis orders that turn rows into columns, (1,2,0), (2,0,1), (2,1,0), by one 2D transpose,
+    which torch's copy does in cache-sized blocks after numpy has applied the flips."""
     perm, flips = element(g)
     compact, staged = scratch
     if perm[0] == 0 or perm[2] == 2:
         moved = transform_view(compact[None], g)[0]
         return compact, lambda destination: np.copyto(destination, moved)
     s = compact.shape[0]
-    # Order the axes so that moving the last one to the front (perm[0] == 2), or the first one to the back
-    # (perm[1] == 2), gives the output's axis order.
+    # axes ordered so that moving the last to the front (perm[0] == 2) or the first to the back gives the output's
     order = (perm[1], perm[2], 2) if perm[0] == 2 else (perm[2], perm[0], 2)
     flipped = np.flip(compact, [perm[k] for k in range(3) if flips[k]]).transpose(order)
     transposed = torch.from_numpy(staged).view((s * s, s) if perm[0] == 2 else (s, s * s)).t()

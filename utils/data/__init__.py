@@ -1,11 +1,9 @@
 """The data package: ``get_data_loader`` builds the loader a config asks for, ``prepare_data`` makes or checks
 the data files before a run.
 
-The default loader, read top to bottom, is torch_loader.py. Every other loader is an extra, imported only when
-asked for: ``fast_loader: true`` the fast CPU loader (fast.py), ``data_loader_config: gpu`` the GPU-resident
-loader (gpu.py), ``dali-lowmem`` the NVIDIA DALI pipeline (dali.py). They take whole batches from the same
-sampler (batches.py), so the choice changes speed, never results. No module of the package imports from this
-namespace.
+The default loader is torch_loader.py. The others are extras, imported only when asked for: ``fast_loader: true``
+(fast.py, CPU), ``data_loader_config: gpu`` (gpu.py, GPU-resident), ``dali-lowmem`` (dali.py, NVIDIA DALI). They
+serve the same sample stream, so the choice changes speed, never results. No module of the package imports from here.
 """
 import torch
 import torch.distributed as dist
@@ -20,14 +18,10 @@ __all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "get_data_loader"
 
 
 def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
-    """``(loader, sampler)`` for ``split`` ('train' or 'val').
-
-    Every loader yields batches ``(input (B, 4, S, S, S), target (B, 5, S, S, S))`` of the same
-    sample stream, in the sampler's order, after ``sampler.set_epoch(epoch)``; with ``spatial_parallel`` P, each
-    rank's slab (B, C, S/P, S, S) of the crops its data rank gets (``rank`` is global). With ``channels_last``
-    the fast loader (on its copy stream) and the GPU-resident loader (in its gather) already lay the
-    batches out channels-last, so the training step's own conversion has nothing left to do.
-    """
+    """``(loader, sampler)`` of ``split`` ('train' or 'val'), yielding after ``sampler.set_epoch(epoch)`` batches
+    (input (B, 4, S, S, S), target (B, 5, S, S, S)) in the sampler's order; with ``spatial_parallel`` P, each rank's
+    slab (B, C, S/P, S, S) (``rank`` is global). With ``channels_last`` the fast and GPU-resident loaders lay batches
+    out channels-last already (in their copy or gather), so the training step's own conversion has nothing to do."""
     memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
     if params.data_loader_config == "dali-lowmem":
         from utils.data.dali import get_dali_loader  # optional extra: DALI and utils.make_dataset only when used
@@ -42,12 +36,8 @@ def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cp
 
 
 def prepare_data(params, info, log):
-    """Generate the quickstart dataset on first use (``generate_data``). A config that names user files never
-    generates: a missing one stops the run with one line saying which and how to make them.
-
-    ``info``: the run's DistInfo (rank 0 generates, every rank waits for it); ``log``: a callable
-    that reports one line (train.py's ``logger.info``).
-    """
+    """Generate the quickstart dataset on first use (``generate_data``: rank 0 of DistInfo ``info`` writes, every rank
+    waits; ``log`` reports one line). A config naming user files never generates: a missing one stops the run."""
     if params.data_loader_config == "synthetic":
         return
     seeds = params.generate_data or {"train_seed": 1, "val_seed": 2}  # else the seeds the message suggests
@@ -71,8 +61,7 @@ def prepare_data(params, info, log):
         for path, box, seed in files:
             if not path.exists():
                 log(f"Generating {box}^3 dataset {path} (seed {seed}), first use only")
-            # writes only what is missing (for DALI also the .npy twins of an existing file), on the run's
-            # device: a run with device cpu leaves the GPU alone
+            # only what is missing (for DALI also the .npy twins of an existing file), on the run's device
             ensure_dataset(path, box, seed, npy=params.data_loader_config == "dali-lowmem", device=info.device)
     if info.enabled:
         dist.barrier()

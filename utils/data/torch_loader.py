@@ -1,16 +1,14 @@
 """The default data path, top to bottom: data file -> split settings -> sample plan -> sampler -> dataset -> loader.
 
 A split's HDF5 file holds two float32 datasets over one periodic N^3 box: ``Nbody`` (4, N, N, N), the N-body (dark
-matter) input, and ``Hydro`` (5, N, N, N), the hydro (gas) target. ``RandomCropDataset`` serves sample ``(epoch,
-index)``: a ``data_size``^3 crop of each, both moved by the same one of the 48 symmetries of the cube, velocity vectors
-included (utils/symmetry.py); a torch ``DataLoader``'s worker processes make one sample each and collate them.
+matter) input, and ``Hydro`` (5, N, N, N), the hydro (gas) target. Sample ``(epoch, index)`` is a ``data_size``^3 crop
+of both, moved by the same one of the 48 symmetries of the cube, velocity vectors included (utils/symmetry.py).
 
 Reproducibility contract: sample ``index`` of ``epoch`` is a pure function of ``(seed, epoch, index)``
-(``sample_plan``), whatever the world size, rank or workers; step ``s`` uses indices ``[s * B, (s + 1) * B)`` of
-global batch B on any number of ranks, so a 2-rank run sees a 1-rank run's batches and a resumed run continues
-exactly. Under spatial parallelism the P ranks sharing a crop are one data rank, each served its slab
-(``SplitSpec.planes``). The faster loaders (fast.py, gpu.py, dali.py) build on this module's ``SplitSpec``,
-``sample_plan`` and sampler, so they serve the same stream.
+(``sample_plan``) whatever the world size, rank or workers, and step ``s`` uses indices ``[s * B, (s + 1) * B)`` of
+global batch B on any number of ranks: a 2-rank run sees a 1-rank run's batches and a resumed run continues exactly.
+The P ranks sharing a crop (spatial parallelism) are one data rank, each served its slab (``SplitSpec.planes``). The
+faster loaders (fast.py, gpu.py, dali.py) build on ``SplitSpec``, ``sample_plan`` and the sampler: the same stream.
 """
 import os
 import signal
@@ -23,8 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from utils import symmetry
-from utils import DataError, first_line
+from utils import DataError, first_line, symmetry
 from utils.config import check_batch_split, resolve_path
 
 SPLITS = {"train": 0, "val": 1}
@@ -32,8 +29,7 @@ SPLITS = {"train": 0, "val": 1}
 
 # --- the data file ------------------------------------------------------------------------------------------------
 def read_volume_shapes(path, channels, hint=""):
-    """Shapes of the (C, N, N, N) datasets ``channels`` names ({key: C}) in HDF5 file ``path``, or a one-line
-    DataError (``hint`` ends the channel-count one)."""
+    """{key: shape} of the (C, N, N, N) datasets ``channels`` ({key: C}) names in HDF5 file ``path``, or a DataError."""
     try:
         with h5py.File(path, "r") as f:
             shapes = {}
@@ -41,13 +37,12 @@ def read_volume_shapes(path, channels, hint=""):
                 if key not in f:
                     raise DataError(f"{path} has no dataset '{key}' (found: {', '.join(f.keys()) or 'none'}); "
                                     f"expected " + " and ".join(f"'{k}' ({c}, N, N, N)" for k, c in channels.items()))
-                shape = f[key].shape
+                shapes[key] = shape = f[key].shape
                 if len(shape) != 4 or shape[0] != num_channels:
                     raise DataError(f"{path}: dataset '{key}' has shape {shape}, expected ({num_channels}, N, N, N)"
                                     f"{hint}")
                 if not shape[1] == shape[2] == shape[3]:
                     raise DataError(f"{path}: dataset '{key}' is not a cubic box: shape {shape}")
-                shapes[key] = shape
     except OSError as err:
         raise DataError(f"cannot read {path} as HDF5: {first_line(err)}") from None
     return shapes
@@ -76,11 +71,8 @@ def check_data_file(path, box, in_channels, out_channels):
 # --- what a split serves ------------------------------------------------------------------------------------------
 @lru_cache(maxsize=8)
 def sample_plan(seed, split, epoch, num_samples, box, crop, augment=True):
-    """Crop corners (num_samples, 3) and symmetry elements (num_samples,) of one epoch.
-
-    A pure function of its arguments: every worker and rank computes the same plan and indexes it.
-    Validation always uses epoch 0 and no augmentation, so its crops are the same every epoch.
-    """
+    """Crop corners (num_samples, 3) and symmetry elements (num_samples,) of one epoch: a pure function of its
+    arguments, so every worker and rank computes the same plan. Validation uses epoch 0 and no augmentation."""
     def stream(kind):  # one generator per quantity, so sample i does not depend on num_samples
         return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, SPLITS[split], epoch, kind])))
     corners = stream(0).integers(0, box - crop + 1, size=(num_samples, 3))
@@ -94,8 +86,8 @@ def sample_plan(seed, split, epoch, num_samples, box, crop, augment=True):
 
 @dataclass(frozen=True)
 class SplitSpec:
-    """Everything about one split that a loader needs, read from the config once (``from_params``). ``box``: the
-    edge of the box the crops come from (``synthetic``: a random box of ``min(box_size, 2 * crop)``)."""
+    """What a loader needs to know about one split. ``box``: the edge of the box the crops come from
+    (``synthetic``: a random box of ``min(box_size, 2 * crop)``)."""
     split: str                 # 'train' or 'val'
     mode: str                  # synthetic | inmem | lowmem | gpu | dali-lowmem
     path: Path
@@ -117,19 +109,15 @@ class SplitSpec:
     def from_params(cls, params, split, rank=0, world_size=1, mode=None):
         """``rank`` and ``world_size`` are global: the P = spatial_parallel ranks of one crop are consecutive
         (utils/spatial.py's mesh), so global rank r is data rank r // P and holds slab r % P."""
-        mode = mode or params.data_loader_config
-        size = params.spatial_parallel
-        train = split == "train"
+        mode, size, train = mode or params.data_loader_config, params.spatial_parallel, split == "train"
         box, crop = params.box_size[SPLITS[split]], params.data_size
-        if mode == "synthetic":
-            box = min(box, 2 * crop)
         return cls(split=split, mode=mode, path=resolve_path(params.train_path if train else params.val_path),
-                   box=box, crop=crop, seed=params.seed,
+                   box=min(box, 2 * crop) if mode == "synthetic" else box, crop=crop, seed=params.seed,
                    num_samples=params.Nsamples if train else params.Nsamples_val,
-                   augment=params.enable_augmentation and train,
-                   in_channels=params.N_in_channels, out_channels=params.N_out_channels,
-                   global_batch_size=params.global_batch_size, rank=rank // size, world_size=world_size // size,
-                   num_workers=params.num_data_workers, spatial_parallel=size, spatial_index=rank % size)
+                   augment=params.enable_augmentation and train, in_channels=params.N_in_channels,
+                   out_channels=params.N_out_channels, global_batch_size=params.global_batch_size, rank=rank // size,
+                   world_size=world_size // size, num_workers=params.num_data_workers, spatial_parallel=size,
+                   spatial_index=rank % size)
 
     @property
     def local_batch_size(self):
@@ -145,7 +133,6 @@ class SplitSpec:
         return self.spatial_index * depth, (self.spatial_index + 1) * depth
 
     def plan(self, epoch):
-        """``sample_plan`` of this split: crop corners and symmetry elements of every sample of ``epoch``."""
         return sample_plan(self.seed, self.split, epoch, self.num_samples, self.box, self.crop, self.augment)
 
     def check_crop_fits(self):
@@ -154,23 +141,17 @@ class SplitSpec:
 
 
 class ShardedSampler(Sampler):
-    """Yields this rank's ``(epoch, index)`` keys; call ``set_epoch`` before each epoch.
-
-    training: step s of global batch B gives rank r the indices s*B + r*(B/W) ... + B/W - 1, so
-    global batches do not depend on the world size W; the last Nsamples % B samples are dropped.
-    ``set_epoch(epoch, start_step)`` starts mid-epoch, as a resumed run does.
-    validation: every sample once, rank r taking indices r, r + W, ... (shares may differ by one).
-    ``plan`` (``SplitSpec.plan``) is what the batch loaders (batches.py) read each sample's crop from.
-    """
+    """Yields this rank's ``(epoch, index)`` keys after ``set_epoch(epoch, start_step=0)`` (a resumed run starts
+    mid-epoch). Training: step s of global batch B gives rank r indices s*B + r*(B/W) ... + B/W - 1, so global batches
+    do not depend on the world size W; the last Nsamples % B samples are dropped. Validation: every sample once, rank
+    r taking r, r + W, ... ``plan`` (``SplitSpec.plan``) is where batches.py reads each sample's crop from."""
 
     def __init__(self, num_samples, global_batch_size, rank=0, world_size=1, split="train", plan=None):
         check_batch_split(global_batch_size, world_size)
-        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.num_samples, self.global_batch_size, self.plan = num_samples, global_batch_size, plan
         self.rank, self.world_size, self.split = rank, world_size, split
-        self.local_batch_size = global_batch_size // world_size
-        self.steps_per_epoch = num_samples // global_batch_size
+        self.local_batch_size, self.steps_per_epoch = global_batch_size // world_size, num_samples // global_batch_size
         self.epoch = self.start_step = 0
-        self.plan = plan
 
     def set_epoch(self, epoch, start_step=0):
         self.epoch, self.start_step = epoch, start_step
@@ -202,26 +183,20 @@ def build_sampler(spec):
 
 # --- the dataset and its loader -----------------------------------------------------------------------------------
 class RandomCropDataset(Dataset):
-    """Sample ``(epoch, index)`` -> (input (C_in, S, S, S), target (C_out, S, S, S)) float32 tensors; under
-    spatial parallelism this rank's slab of them, (C, S / spatial_parallel, S, S).
-
-    ``lowmem`` reads each crop from the HDF5 file; ``inmem`` loads both volumes once (shared with forked workers);
-    ``synthetic`` crops random in-memory volumes: the same copy and augmentation work with no file. Built from a
+    """Sample ``(epoch, index)`` -> float32 (input (C_in, S, S, S), target (C_out, S, S, S)), or this rank's slab
+    (C, S / spatial_parallel, S, S). ``lowmem`` reads each crop from the file; ``inmem`` loads both volumes once
+    (shared with forked workers); ``synthetic`` crops random volumes: the same work with no file. Built from a
     ``SplitSpec``, or from ``params`` and ``split`` (and maybe another ``mode``)."""
 
     def __init__(self, spec, split=None, mode=None):
         if not isinstance(spec, SplitSpec):
             spec = SplitSpec.from_params(spec, split, mode=mode)
-        self.spec = spec
-        self.split, self.mode, self.box, self.crop = spec.split, spec.mode, spec.box, spec.crop
-        self.path = None
-        self._file = self._file_pid = None
+        self.spec, self.split, self.mode, self.box, self.crop = spec, spec.split, spec.mode, spec.box, spec.crop
+        self.path = self._file = self._file_pid = None
         if self.mode == "synthetic":
-            # A small random box (spec.box): same crop + transform work, no I/O.
-            side = self.box
-            rng = np.random.default_rng(spec.seed)
-            self.inp = rng.uniform(-1, 1, (spec.in_channels, side, side, side)).astype(np.float32)
-            self.tar = rng.uniform(-1, 1, (spec.out_channels, side, side, side)).astype(np.float32)
+            rng, cube = np.random.default_rng(spec.seed), (self.box,) * 3
+            self.inp = rng.uniform(-1, 1, (spec.in_channels, *cube)).astype(np.float32)
+            self.tar = rng.uniform(-1, 1, (spec.out_channels, *cube)).astype(np.float32)
         else:
             self.path = check_data_file(spec.path, self.box, spec.in_channels, spec.out_channels)
             if self.mode == "inmem":
@@ -248,14 +223,12 @@ class RandomCropDataset(Dataset):
     def read_crop(self, epoch, index):
         """The untransformed crop and the symmetry element of sample (epoch, index)."""
         corners, elements = self.plan(epoch)
-        x, y, z = corners[index]
-        s = self.crop
+        (x, y, z), s = corners[index], self.crop
         inp, tar = self._volumes()
         return (inp[:, x:x + s, y:y + s, z:z + s], tar[:, x:x + s, y:y + s, z:z + s]), int(elements[index])
 
     def __getitem__(self, key):
-        epoch, index = key
-        (inp, tar), element = self.read_crop(epoch, index)
+        (inp, tar), element = self.read_crop(*key)
         # One strided copy per channel moves the grid and rotates the velocity components together; under
         # spatial parallelism it copies only this rank's planes of the moved crop (lowmem still reads it whole).
         return tuple(torch.from_numpy(np.asarray(symmetry.transform(volume, element, planes=self.spec.planes),
@@ -263,9 +236,7 @@ class RandomCropDataset(Dataset):
                      for volume in (inp, tar))
 
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_file"] = state["_file_pid"] = None
-        return state
+        return {**self.__dict__, "_file": None, "_file_pid": None}
 
 
 def ignore_stop_signals(worker_id=None):
@@ -276,18 +247,12 @@ def ignore_stop_signals(worker_id=None):
 
 
 def get_torch_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
-    """``(loader, sampler)``: the straightforward ``DataLoader`` of ``split`` ('train' or 'val'), batches
-    ``(input (B, 4, S, S, S), target (B, 5, S, S, S))`` in the sampler's order after ``sampler.set_epoch(epoch)``."""
+    """``(loader, sampler)``: the straightforward ``DataLoader`` of ``split`` (see ``get_data_loader``)."""
     spec = SplitSpec.from_params(params, split, rank, world_size)
-    dataset = RandomCropDataset(spec)
-    sampler = build_sampler(spec)
-    workers = spec.num_workers
-    loader = DataLoader(
-        dataset, batch_size=sampler.local_batch_size, sampler=sampler, num_workers=workers,
-        pin_memory=device.type == "cuda",         # page-locked buffers: faster, async H2D copies
-        persistent_workers=workers > 0,           # no worker restart (and re-open) every epoch
-        prefetch_factor=2 if workers > 0 else None,
-        worker_init_fn=ignore_stop_signals if workers > 0 else None,
-        drop_last=False,
-    )
+    dataset, sampler, workers = RandomCropDataset(spec), build_sampler(spec), spec.num_workers
+    loader = DataLoader(dataset, batch_size=sampler.local_batch_size, sampler=sampler, num_workers=workers,
+                        pin_memory=device.type == "cuda",  # page-locked buffers: faster, async H2D copies
+                        persistent_workers=workers > 0,    # no worker restart (and re-open) every epoch
+                        prefetch_factor=2 if workers > 0 else None,
+                        worker_init_fn=ignore_stop_signals if workers > 0 else None, drop_last=False)
     return loader, sampler
