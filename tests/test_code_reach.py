@@ -37,3 +37,10 @@ def test_importing_train_loads_no_extra():
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                             check=True).stdout.split()
     assert not [name for name in loaded if name.startswith(EXTRAS)]
+
+
+def test_the_default_runs_code_stays_within_its_budget():
+    """A ratchet on what a reader of the default run meets (README section 18): about today's size, so it can only
+    shrink towards the readability goal of 2,500 lines in at most 12 files, never grow by accident."""
+    reached = code_reach.reach(REPO_ROOT / "train.py")
+    assert len(reached) <= 12 and sum(reached.values()) <= 2900, {p.name: n for p, n in reached.items()}
