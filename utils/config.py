@@ -184,7 +184,7 @@ def _validate(name, value, key):
     return float(value) if key.type is float else value
 
 
-def _check_keys(values, schema, where, hint=""):
+def _check_keys(values, schema, where, hint=lambda missing: ""):
     """A one-line ConfigError naming the keys of ``values`` that ``schema`` lacks, else those it has and they lack."""
     unknown, missing = sorted(set(values) - set(schema)), sorted(set(schema) - set(values))
     if unknown:
@@ -192,21 +192,19 @@ def _check_keys(values, schema, where, hint=""):
                           f"valid keys: {', '.join(sorted(schema))}")
     if missing:
         raise ConfigError(f"missing config key{'s' * (len(missing) > 1)} {', '.join(missing)}{where}"
-                          + (hint and hint(missing)))
+                          + hint(missing))
 
 
-def _missing_hint(yaml_path):
+def _missing_hint(missing, yaml_path):
     """A YAML written for older code lacks a few keys added since: say what to add (the shipped base's values).
     One that lacks many, or keys the shipped base lacks too, forgot to inherit them."""
-    def hint(missing):
-        shipped = read_yaml(DEFAULT_YAML).get("base") or {}
-        if len(missing) > 3 or not all(key in shipped for key in missing):
-            return "; a config gets the keys it does not set from another with a YAML anchor, as config/UNet.yaml's " \
-                   "do (`<<: *base`)"
-        add = "; ".join(f"{key}: {yaml.safe_dump(shipped[key], default_flow_style=True)}".removesuffix("...\n")
-                        .strip() for key in missing)
-        return f" of {yaml_path}; add {add} (the default{'s' * (len(missing) > 1)} in config/UNet.yaml's base)"
-    return hint
+    shipped = read_yaml(DEFAULT_YAML).get("base") or {}
+    if len(missing) > 3 or not all(key in shipped for key in missing):
+        return "; a config gets the keys it does not set from another with a YAML anchor, as config/UNet.yaml's do " \
+               "(`<<: *base`)"
+    add = "; ".join(f"{key}: {yaml.safe_dump(shipped[key], default_flow_style=True, width=1e9)}"
+                    .removesuffix("...\n").strip() for key in missing)
+    return f" of {yaml_path}; add {add} (the default{'s' * (len(missing) > 1)} in config/UNet.yaml's base)"
 
 
 class Params(dict):
@@ -246,7 +244,7 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
         raise ConfigError(f"config '{name}' in {yaml_path} must be a mapping of keys to values, got a "
                           f"{type(configs[name]).__name__}")
     values = dict(configs[name] or {})
-    _check_keys(values, SCHEMA, f" in config '{name}'", _missing_hint(yaml_path))
+    _check_keys(values, SCHEMA, f" in config '{name}'", lambda missing: _missing_hint(missing, yaml_path))
     for key, value in (overrides or {}).items():
         section, _, sub = key.partition(".")
         if value is None:
