@@ -1,16 +1,14 @@
-"""Run safety in one place: the checkpoint files, the background writer, stop signals, the ranks' agreement
-and the manager train.py's loop calls.
+"""Run safety in one place: checkpoint files, the background writer, stop signals, the ranks' agreement, the manager.
 
 - A checkpoint ``ckpt_step{step:08d}.pt`` is complete or absent (temporary file, fsync, rename) and carries the
-  SHA-256 of its bytes: torch.load checks no CRC-32, so bit rot or an overwrite would load silently. A truncated
-  or changed one is skipped with a warning on resume. Weights are stored without DDP's and torch.compile's
-  prefixes; payloads are tensors and plain data (``dict(params)``), read with ``weights_only=True``.
+  SHA-256 of its bytes (torch.load checks no CRC-32: bit rot would load silently); a truncated or changed one is
+  skipped on resume. Payloads are tensors and plain data (``dict(params)``, weights without DDP's and torch.compile's
+  prefixes), read with ``weights_only=True``.
 - ``RunControl`` is the run's one SIGTERM/SIGUSR1 handler and its one agreement: a single small all-reduce of
   {stop signal, checkpoint due by rank 0's clock, rank 0's failed write, first non-finite step}.
 - Exit codes (utils/__init__.py): 2 a failed write, 3 a stop signal (submit_pm.sh requeues), 4 a non-finite loss.
-  torchrun ends the other ranks when one fails, but submit_pm.sh runs srun with --kill-on-bad-exit=0 (exit code 3
-  must reach the requeue): so no rank stops alone, which would leave the others in their next collective (NCCL:
-  10 minutes, then SIGABRT).
+  torchrun ends the other ranks when one fails, but submit_pm.sh's srun has --kill-on-bad-exit=0 (exit code 3 must
+  reach the requeue): no rank may stop alone, or the others hang in their next collective (NCCL: 10 min, SIGABRT).
 """
 import copy
 import errno
@@ -49,17 +47,15 @@ _COMPARED_AS = {"train_path": resolve_path, "val_path": resolve_path,
                 "data_loader_config": lambda loader: "synthetic" if loader == "synthetic" else "files"}
 
 # --- 1. the file format -------------------------------------------------------------------------------------------
-# The digest is the zip archive's comment, the file's last bytes (comment length, tag, hex SHA-256 of the archive as
-# torch.save wrote it with its empty comment). Inside the file, it is fsynced and renamed with the checkpoint: no
-# crash can leave the two disagreeing, as a sidecar file could (a step's checkpoint may be written twice).
+# The digest is the zip comment, the file's last bytes (length, tag, hex SHA-256 of torch.save's archive): fsynced and
+# renamed with the checkpoint, no crash can leave the two disagreeing, as a sidecar file could (steps get rewritten).
 DIGEST_TAG = b"sha256:"
 DIGEST_TRAILER_BYTES = 2 + len(DIGEST_TAG) + 64
 END_RECORD = b"PK\x05\x06"  # signature of the zip's end record, 22 bytes, the last in torch.save's files
 
 
 def _sha256(f, size):
-    """The SHA-256 of the first ``size`` bytes of open file ``f`` plus an empty zip comment's length (hashlib
-    frees the GIL: on the writer thread, training goes on)."""
+    """SHA-256 of ``f``'s first ``size`` bytes plus an empty comment's length (hashlib frees the GIL for training)."""
     sha256 = hashlib.sha256()
     f.seek(0)
     while size > 0 and (chunk := f.read(min(size, 1 << 24))):
@@ -70,8 +66,7 @@ def _sha256(f, size):
 
 
 def _check_digest(f, path):
-    """True if checkpoint file ``f`` matches its digest, False if it has none (torch.save's own archive ends with
-    the end record and an empty comment); CheckpointError if its bytes changed since."""
+    """True if file ``f`` matches its digest, False if it has none; CheckpointError if its bytes changed since."""
     size = f.seek(0, os.SEEK_END)
     f.seek(max(size - DIGEST_TRAILER_BYTES, 0))
     tail = f.read()
@@ -125,9 +120,8 @@ def _check_payload(payload, step, keep_last):
 
 
 def save_checkpoint(directory, payload, step, keep_last, any_error=False):
-    """Write ``payload`` as ``directory/ckpt_step{step:08d}.pt`` atomically; keep the newest ``keep_last``, and drop
-    any with a higher step: an abandoned timeline (the run went back), which a resume must never jump into. A write
-    failing with an OSError (with ``any_error``, the writer thread's: with anything) raises one CheckpointError."""
+    """Write ``payload`` atomically; keep the newest ``keep_last`` and drop higher steps (an abandoned timeline a
+    resume must never jump into). A failed write (OSError; with ``any_error``, anything) is one CheckpointError."""
     _check_payload(payload, step, keep_last)
     directory, path = Path(directory), checkpoint_path(directory, step)
     tmp, existing = path.with_name(f"{path.name}.{os.getpid()}.tmp"), []
@@ -171,8 +165,7 @@ def _remove(paths, context):
 
 
 def load_checkpoint(path, map_location="cpu", log=print_warning):
-    """The payload of checkpoint ``path``; CheckpointError if it is unreadable, truncated, changed since it was
-    written or incomplete. One without a digest (older code) loads with a warning through ``log``."""
+    """Payload of ``path``; CheckpointError if unreadable, truncated, changed or incomplete (no digest: a warning)."""
     try:
         f = open(path, "rb")
     except OSError as err:
@@ -189,8 +182,7 @@ def load_checkpoint(path, map_location="cpu", log=print_warning):
             if reason.startswith("Weights only load failed"):
                 raise CheckpointError(f"{path} holds Python objects other than tensors and plain data, which a safe "
                                       f"load refuses; save plain dicts (e.g. dict(params)) in checkpoints") from None
-            raise CheckpointError(f"{path} is truncated or not a checkpoint ({type(err).__name__}: "
-                                  f"{reason})") from None
+            raise CheckpointError(f"{path} is truncated or not a checkpoint ({type(err).__name__}: {reason})") from None
     missing = [key for key in REQUIRED_KEYS if not isinstance(payload, dict) or key not in payload]
     if missing:
         raise CheckpointError(f"{path} is not a training checkpoint of this code (missing {', '.join(missing)})")
@@ -201,8 +193,7 @@ def load_checkpoint(path, map_location="cpu", log=print_warning):
 
 
 def latest_valid_checkpoint(directory, log=print_warning, map_location="cpu"):
-    """(path, payload) of the newest checkpoint in ``directory`` that loads (a damaged one is skipped with a
-    warning through ``log``), or None if there is none."""
+    """(path, payload) of the newest checkpoint in ``directory`` that loads (others: a warning), or None."""
     for path in list_checkpoints(directory):
         try:
             return path, load_checkpoint(path, map_location, log)
@@ -250,12 +241,10 @@ def load_model_state(module, state_dict, source="the checkpoint"):
 
 
 def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
-    """Restore the optimizer's moments and hyperparameters but keep its implementation (fused, foreach, ...) and
-    its lr object (the schedule sets it every step; a CUDA-graph-captured optimizer must keep its lr tensor).
-
-    ``Optimizer.load_state_dict`` alone would restore the saved implementation, silently undoing a changed
-    ``enable_fused``, and keep the moments' saved memory layout, which after a switch of ``channels_last`` CUDA's
-    fused Adam refuses and the CPU's silently pairs up by memory position: every moment takes its parameter's."""
+    """Restore moments and hyperparameters but keep the implementation (fused, foreach, ...) and lr object (the
+    schedule sets it every step; a CUDA-graph-captured optimizer must keep its lr tensor). Plain ``load_state_dict``
+    would silently undo a changed ``enable_fused`` and keep the moments' memory layout, which after a ``channels_last``
+    switch fused Adam refuses and the CPU's pairs up by memory position (each moment takes its parameter's)."""
     saved_groups, groups = state_dict["param_groups"], optimizer.param_groups
     if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
         raise CheckpointError(f"{source} holds optimizer state for {[len(g['params']) for g in saved_groups]} "
@@ -282,14 +271,13 @@ def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
 
 
 def rng_state(device=None):
-    """Generator states of python ``random``, numpy, torch CPU and the current CUDA device (not for a CPU run,
-    ``device: cpu``, on a GPU machine)."""
+    """States of python ``random``, numpy, torch CPU and this rank's CUDA device (not for ``device`` cpu)."""
     numpy_state = np.random.get_state(legacy=False)
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              # numpy arrays are not plain data for a weights-only load: the key as a list of ints
              "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()}}}
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
-        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device, whatever else is visible
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -331,28 +319,25 @@ def check_compatible(saved, current, source="the checkpoint"):
 
 
 # --- 3. the background writer ----------------------------------------------------------------------------------------
-# A finished write; seconds: from the hand-over to the thread until the file was in place (fsync and rename too).
+# A finished write; seconds: from the hand-over to the thread until the file was in place.
 WrittenCheckpoint = namedtuple("WrittenCheckpoint", "path step reason seconds size_bytes")
 
 
 class AsyncCheckpointer:
-    """Rank 0's writer: ``save`` copies the payload to host memory (a CUDA run's into pinned buffers, ``reserve``)
-    and returns, so nothing done to the live tensors reaches the file; one thread writes it, one write in flight.
-    A failed write raises its CheckpointError at the next ``save``, ``poll``, ``wait`` or ``close``, once. For
-    benchmarks: ``stall_seconds`` (the caller blocked), ``wait_seconds`` (of it, for the previous write) per save,
-    ``write_seconds`` per write."""
+    """Rank 0's writer: ``save`` copies the payload to host memory (a CUDA run's into ``reserve``'s pinned buffers), so
+    later changes to the live tensors miss the file, and returns; one thread writes. A failed write raises once, at the
+    next ``save``, ``poll``, ``wait`` or ``close``. Per save ``stall_seconds`` (the caller blocked) and ``wait_seconds``
+    (of it, for the previous write); ``write_seconds`` per write."""
 
     def __init__(self, directory, every_minutes=0.0, log=None, clock=None):
         self.directory, self.every_minutes = Path(directory), every_minutes
         self.log, self.clock = log or (lambda message: None), clock or monotonic
         self.last_save, self.saves = self.clock(), 0
         self.stall_seconds, self.wait_seconds, self.write_seconds = [], [], []
-        self._pinned = None  # a CUDA run's utils.pinned_copy.PinnedBuffers, from reserve() on
-        self._executor = None  # the writer thread, from the first save until close
-        self._pending = None  # (future, step, reason) of the write in flight
+        self._pinned = self._executor = self._pending = None  # reserve()'s buffers, the thread, (future, step, reason)
 
     def due(self):
-        """Whether ``every_minutes`` (> 0) have passed on ``clock`` since the last save started (no sync)."""
+        """Whether ``every_minutes`` (> 0) have passed since the last save started (no sync)."""
         return self.every_minutes > 0 and self.clock() - self.last_save >= 60 * self.every_minutes
 
     @property
@@ -365,15 +350,13 @@ class AsyncCheckpointer:
         return self._executor
 
     def reserve(self, payload):
-        """A CUDA run's first call: from now on the payload's CUDA tensors are copied into pinned host buffers kept
-        from one save to the next (utils/pinned_copy.py), pinned now on the thread so that no save stalls for it."""
+        """A CUDA run's first call: saves copy CUDA tensors into host buffers pinned now, on the thread (no stall)."""
         from utils.pinned_copy import PinnedBuffers
         self._pinned = PinnedBuffers()
         return self._pinned.reserve(payload, self._thread())  # its future
 
     def save(self, payload, step, keep_last, reason="checkpoint", started=None):
-        """Copy ``payload`` to host memory and start writing it; the seconds the caller was blocked since
-        ``started`` (a ``time.perf_counter()``; default now), building the payload included."""
+        """Copy ``payload`` to host and start writing it; seconds blocked since ``started`` (perf_counter, or now)."""
         started = perf_counter() if started is None else started
         waiting = perf_counter()
         self.wait()  # raises the previous write's error
@@ -413,7 +396,7 @@ class AsyncCheckpointer:
 
 
 def _write_in_background(directory, snapshot, step, keep_last):
-    """save_checkpoint on the writer thread: (path, seconds, bytes); every failure is one CheckpointError."""
+    """save_checkpoint on the writer thread: (path, seconds, bytes); any failure is one CheckpointError."""
     start = perf_counter()
     path = save_checkpoint(directory, snapshot, step, keep_last, any_error=True)
     return path, perf_counter() - start, path.stat().st_size
@@ -426,25 +409,20 @@ PEER_FAILED = {1: (CheckpointError, "rank 0 could not write a checkpoint"),  # w
 
 
 class RunControl:
-    """The run's one stop-signal handler, from main's first line to its end, and the ranks' agreement.
-
-    Outside the training loop (start-up, the final validation) a signal raises Preempted at once: nothing new was
-    trained, so nothing is lost. In the loop (``in_loop``) it only sets ``signal_name``: the step ends, and the next
-    agreement checkpoints and stops every rank at the same step.
-    """
+    """The run's one stop-signal handler, from main's first line to its end, and the ranks' agreement. Outside the
+    training loop a signal raises Preempted at once (nothing new was trained); in it (``in_loop``) it only sets
+    ``signal_name``, and the next agreement checkpoints and stops every rank at the same step."""
 
     def __init__(self, info=None):
         self.checkpoints, self.in_loop, self.signal_name = None, False, None
-        self.failed_write = None  # rank 0's first failed write under DDP, until the ranks agree on it
-        self.info = self.first_bad_step = None
+        self.info = self.first_bad_step = self.failed_write = None  # failed_write: rank 0's, held for the agreement
         if info is not None:
             self.attach(info)
         self._previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
 
     def attach(self, info):
-        """The process group's ``info`` (DistInfo), once it exists."""
+        """The process group's ``info`` (DistInfo), once it exists; the first bad step lives on its device (no sync)."""
         self.info = info
-        # The first step whose loss was not finite, tracked on the device so no step waits for the host.
         self.first_bad_step = torch.full((), -1, dtype=torch.long, device=info.device)
 
     def _on_signal(self, signum, frame):
@@ -467,22 +445,20 @@ class RunControl:
         self.first_bad_step = torch.where(bad, step, self.first_bad_step)
 
     def write_failed(self, error):
-        """Rank 0's failed write (checkpoint, out.log, events: utils/run_dir.py reports here). A single process
-        raises it now; under DDP it is held until the next agreement, where every rank stops with it."""
+        """Rank 0's failed write (checkpoint, out.log, events). A single process raises it now; under DDP it is held
+        for the next agreement, so that every rank stops with it (alone, rank 0 would leave the others hanging)."""
         if self.info is None or not self.info.enabled:
             raise error
         self.failed_write = self.failed_write or error
 
     def agree(self, checkpoint_due=False):
-        """(stop, first non-finite step or None, checkpoint due), the same on every rank, from one MAX all-reduce:
-        any rank's signal, rank 0's clock (only rank 0 looks at it), and minus the first bad step (MAX finds the
-        earliest). Rank 0's held failed write is raised here on every rank: rank 0's own error, the others one
-        naming it (a non-finite loss at the same time is logged, not lost). A host sync."""
+        """(stop, first non-finite step or None, checkpoint due), alike on every rank from one MAX all-reduce (a host
+        sync). Rank 0's held failed write is raised on every rank (a non-finite loss meanwhile is logged, not lost)."""
         none = -(2 ** 62)
         failed = self.failed_write and (1 if isinstance(self.failed_write, CheckpointError) else 2)
         flags = torch.tensor([self.signal_name is not None, checkpoint_due, failed or 0, none], dtype=torch.long,
                              device=self.info.device)
-        flags[3] = torch.where(self.first_bad_step >= 0, -self.first_bad_step, none)
+        flags[3] = torch.where(self.first_bad_step >= 0, -self.first_bad_step, none)  # MAX finds the earliest
         if self.info.enabled:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop, due, failed, negated = flags.tolist()
@@ -513,25 +489,18 @@ class CheckpointManager:
             if checkpoints.end_of_epoch():                 # before validation; True: a stop signal arrived,
                 checkpoints.save_epoch(epoch)              # so save and raise Preempted (the rerun validates first)
             checkpoints.save_epoch(epoch, last=...)        # else after validation
-
-    Between epoch ends a checkpoint is written when rank 0's clock or the step interval says so, or at once after a
-    stop signal. Under DDP the ranks agree at log steps (a collective); a single process checks every step.
     """
 
     def __init__(self, state, run_dir, control):
         self.state, self.control = state, control
         self.directory = Path(run_dir) / "checkpoints"
-        self.writer = None       # rank 0's AsyncCheckpointer, made on first use (that starts its clock)
-        self.tensorboard = None  # where the stall statistics go at the end
-        self.stop = False        # a stop signal agreed on at the end of an epoch
-        # The resumed checkpoint was saved at an epoch's end on a stop signal, before that epoch's validation,
-        # which this run does first (the grace period before SIGKILL is for the checkpoint).
-        self.validation_pending = False
+        self.writer = self.tensorboard = None  # rank 0's AsyncCheckpointer (see _writer); running()'s TensorBoard
+        self.stop = False  # a stop signal agreed on at an epoch's end
+        self.validation_pending = False  # resumed from a stop saved before its epoch's validation: that comes first
 
     def resume(self, resume_from="auto", fallback=None):
-        """Load the newest valid checkpoint (or the path ``resume_from``; nothing for "never") into the training
-        state; returns the epoch's saved loss sum (rank 0; 0 elsewhere or when starting fresh). ``fallback``: the
-        path when "auto" finds none (a restart of a ``--resume PATH`` run killed before its first checkpoint)."""
+        """Load the newest valid checkpoint (or ``resume_from``; nothing for "never"); returns the epoch's saved loss
+        sum on rank 0, else 0. ``fallback``: the path if "auto" finds none (a ``--resume PATH`` run's restart)."""
         state, info, params = self.state, self.state.info, self.state.params
         if resume_from == "never":
             return 0.0
@@ -568,9 +537,8 @@ class CheckpointManager:
 
     @contextmanager
     def running(self, tensorboard=None):
-        """``with checkpoints.running(writer):`` around the training loop. However it ends, a write in flight lands
-        (or fails) before signals raise again (a signal meanwhile only sets a flag, and cannot turn a failed write
-        into a stop); a failed write is raised then, or logged if another exception is under way."""
+        """Around the training loop. However it ends, a write in flight lands before signals raise again (so none can
+        turn a failed write into a stop); a failed one is raised then, or logged if another exception is under way."""
         self.tensorboard, self.control.in_loop, failed = tensorboard, True, None
         try:
             yield self
@@ -584,8 +552,8 @@ class CheckpointManager:
             raise failed
 
     def _close_writer(self, ending):
-        """Close rank 0's writer and log its stall statistics (to TensorBoard: the longest); returns a failed write's
-        error, logged too if another exception is ``ending`` the loop (that one goes on; this must not get lost)."""
+        """Close rank 0's writer, log its stall statistics; a failed write's error, logged too if another exception is
+        ``ending`` the loop (that one goes on; this must not get lost)."""
         writer, failed = self.writer, None
         try:
             writer.close()
@@ -602,8 +570,7 @@ class CheckpointManager:
         return failed
 
     def after_step(self, loss, loss_sum, last_in_epoch):
-        """After each step (global_step counts it): track the loss; between epoch ends, agree, then checkpoint when
-        due or after a stop signal (and raise Preempted), or stop on a non-finite loss."""
+        """After each step: track the loss; between epoch ends agree, checkpoint if due, stop on a signal or NaN."""
         state, params, control = self.state, self.state.params, self.control
         control.track(loss, state.global_step - 1)
         writer = self._writer()  # rank 0's; None elsewhere
@@ -629,23 +596,21 @@ class CheckpointManager:
                             f"{state.global_step}; rerun the same command to continue")
 
     def end_of_epoch(self):
-        """Before validation: stop on a non-finite loss; returns whether a stop signal arrived (then the caller
-        skips validation, and save_epoch checkpoints and raises Preempted)."""
+        """Before validation: stop on a non-finite loss; whether a stop signal arrived (the caller skips validation)."""
         self.stop, bad_step, _ = self.control.agree()
         if bad_step is not None:
             self._raise_nonfinite(bad_step)
         return self.stop
 
     def validated(self, wait=False):
-        """After the validation a stop at an epoch's end left to this run: the same step's checkpoint again, without
-        the flag, so a later rerun neither validates nor logs it twice (``wait``: no steps left)."""
+        """After a stopped run's pending validation: its checkpoint again, unflagged, so that no rerun repeats it."""
         if self.validation_pending:
             self.validation_pending = False
             self.save(0.0, "validated", wait=wait)
 
     def save_epoch(self, epoch, last=False):
-        """The end-of-epoch checkpoint: in the background, except before exiting (``last`` epoch, stop signal), where
-        every rank waits for the file. After a stop signal it comes before the epoch's validation, and says so."""
+        """The end-of-epoch checkpoint; before exiting (``last`` epoch, stop signal) every rank waits for the file. A
+        stop's comes before validation, flagged: the grace period before SIGKILL is for the checkpoint."""
         self.save(0.0, f"end of epoch {epoch + 1}", wait=self.stop or last, validation_pending=self.stop)
         if self.stop:
             raise Preempted(f"stopped by {self.control.signal_name or 'a signal on another rank'} after epoch "
@@ -653,10 +618,9 @@ class CheckpointManager:
                             f"command to continue")
 
     def save(self, epoch_loss_sum, reason, wait=False, validation_pending=False):
-        """Checkpoint at this step boundary, after an agreement that every loss so far was finite: rank 0 copies
-        the state to host memory and writes it in the background (``wait``: also until the file is complete)."""
+        """Checkpoint this step (losses agreed finite), written by rank 0 in the background (``wait``: till done)."""
         state, started = self.state, perf_counter()  # the stall: everything the training loop waits for here
-        # The epoch's loss so far, summed over ranks: the resumed rank 0 carries it for everyone.
+        # summed over ranks: the resumed rank 0 carries the epoch's loss for everyone
         loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
         writer = self._writer()
         if writer is not None:  # waits for the previous write first, and reports its error
@@ -670,8 +634,7 @@ class CheckpointManager:
             self.wait()
 
     def wait(self):
-        """Rank 0's write in flight lands and is logged; under DDP no rank goes on (exits, reads) before that, and
-        a failed write stops every rank (the agreement is the barrier)."""
+        """Rank 0's write in flight lands; under DDP the agreement is the barrier: a failed write stops every rank."""
         if self.writer is not None:
             self._reported(self.writer.wait)
         if self.state.info.enabled:
@@ -685,7 +648,7 @@ class CheckpointManager:
                 "validation_pending": validation_pending}
 
     def _writer(self):
-        """Rank 0's background writer (made on first use, which starts its wall-clock interval); None elsewhere."""
+        """Rank 0's background writer (first use starts its clock); None elsewhere."""
         if self.state.info.is_main and self.writer is None:
             self.writer = AsyncCheckpointer(self.directory, self.state.params.checkpoint_every_minutes, log=logger.info)
             if self.state.info.device.type == "cuda":  # pin the host buffers now, on the writer thread
@@ -693,8 +656,7 @@ class CheckpointManager:
         return self.writer
 
     def _reported(self, call, *args):
-        """``call(*args)``, or None after its CheckpointError went to ``control.write_failed`` (which raises it in a
-        single process and holds it for the agreement under DDP)."""
+        """``call(*args)``, or None after its CheckpointError went to ``control.write_failed``."""
         try:
             return call(*args)
         except CheckpointError as err:
