@@ -41,51 +41,6 @@ from utils.run_dir import EventWriter, make_run_dir, resume_on_restart, save_con
 logger = logging.getLogger("train")
 
 
-# The reference tutorial's flag names: aliases of config keys (key, the value the flag sets).
-FLAG_ALIASES = {
-    "enable_amp": ("amp_mode", "fp16"),                # SC21's mixed-precision flag
-    "disable_tf32": ("enable_tf32", False),
-    "disable_broadcast_buffers": ("broadcast_buffers", False),
-    "benchy_continue": ("benchy.continue_training", True),
-}
-
-
-def parse_args(argv=None):
-    """The run's own arguments, plus one flag per config key generated from the schema (utils/config.py).
-
-    No abbreviations: a misspelt flag stops the run instead of silently matching another.
-    """
-    parser = OneLineParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--yaml_config", default=str(DEFAULT_YAML), help="YAML file of named configs "
-                        "(default: config/UNet.yaml)")
-    parser.add_argument("--config", default="base", help="named config in the YAML file (default: base)")
-    parser.add_argument("--run_num", help="run folder inside expdir/<config>/<N>GPU/; default: the run this same "
-                                          "command started before (it continues), else the next free number")
-    parser.add_argument("--resume", default="auto",
-                        help="auto (default): continue from the newest valid checkpoint in the run directory; "
-                             "never: start over (in a new run folder unless --run_num names one); or a "
-                             "checkpoint path")
-    parser.add_argument("--local_batch_size", type=int, metavar="N",
-                        help="per-rank batch (crops per data rank); sets global_batch_size = N x world size "
-                             "(/ --spatial_parallel)")
-    add_config_arguments(parser, FLAG_ALIASES)
-    return parser.parse_args(argv)
-
-
-def config_overrides(args, world_size):
-    """The config keys the given flags override; $EXPDIR sits between the named config and --expdir."""
-    overrides = config_overrides_from_args(args, FLAG_ALIASES)
-    if args.local_batch_size is not None:
-        if "global_batch_size" in overrides:
-            raise ConfigError("give --local_batch_size or --global_batch_size, not both")
-        data_ranks = world_size // (overrides.get("spatial_parallel") or 1)  # the flag's: the config is not read yet
-        overrides["global_batch_size"] = args.local_batch_size * data_ranks
-    expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
-    if expdir:  # given on the command line or in the environment: relative to where you are
-        overrides["expdir"] = str(Path(expdir).expanduser().resolve())
-    return overrides
-
-
 # --- the model, the optimiser and the step ---------------------------------------------------------------------
 
 @dataclass
@@ -487,6 +442,52 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                     lock.release()
     finally:
         control.close()
+
+
+# --- the command line -------------------------------------------------------------------------------------------
+# The reference tutorial's flag names: aliases of config keys (key, the value the flag sets).
+FLAG_ALIASES = {
+    "enable_amp": ("amp_mode", "fp16"),                # SC21's mixed-precision flag
+    "disable_tf32": ("enable_tf32", False),
+    "disable_broadcast_buffers": ("broadcast_buffers", False),
+    "benchy_continue": ("benchy.continue_training", True),
+}
+
+
+def parse_args(argv=None):
+    """The run's own arguments, plus one flag per config key generated from the schema (utils/config.py).
+
+    No abbreviations: a misspelt flag stops the run instead of silently matching another.
+    """
+    parser = OneLineParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--yaml_config", default=str(DEFAULT_YAML), help="YAML file of named configs "
+                        "(default: config/UNet.yaml)")
+    parser.add_argument("--config", default="base", help="named config in the YAML file (default: base)")
+    parser.add_argument("--run_num", help="run folder inside expdir/<config>/<N>GPU/; default: the run this same "
+                                          "command started before (it continues), else the next free number")
+    parser.add_argument("--resume", default="auto",
+                        help="auto (default): continue from the newest valid checkpoint in the run directory; "
+                             "never: start over (in a new run folder unless --run_num names one); or a "
+                             "checkpoint path")
+    parser.add_argument("--local_batch_size", type=int, metavar="N",
+                        help="per-rank batch (crops per data rank); sets global_batch_size = N x world size "
+                             "(/ --spatial_parallel)")
+    add_config_arguments(parser, FLAG_ALIASES)
+    return parser.parse_args(argv)
+
+
+def config_overrides(args, world_size):
+    """The config keys the given flags override; $EXPDIR sits between the named config and --expdir."""
+    overrides = config_overrides_from_args(args, FLAG_ALIASES)
+    if args.local_batch_size is not None:
+        if "global_batch_size" in overrides:
+            raise ConfigError("give --local_batch_size or --global_batch_size, not both")
+        data_ranks = world_size // (overrides.get("spatial_parallel") or 1)  # the flag's: the config is not read yet
+        overrides["global_batch_size"] = args.local_batch_size * data_ranks
+    expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
+    if expdir:  # given on the command line or in the environment: relative to where you are
+        overrides["expdir"] = str(Path(expdir).expanduser().resolve())
+    return overrides
 
 
 def check_world_size(params, world_size):
