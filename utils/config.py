@@ -285,7 +285,8 @@ def add_config_arguments(parser, aliases=None):
             nargs=(key.length or "+") if key.type is list else None)
         group.add_argument(f"--{name}", dest=name, default=None, help=key.doc, **form)
     for alias, (key, value) in (aliases or {}).items():
-        group.add_argument(f"--{alias}", dest=f"alias:{alias}", action="store_true", help=f"= {_as_flag(key, value)}")
+        group.add_argument(f"--{alias}", dest=f"alias:{alias}", action="store_true",
+                           help=f"same as {_as_flag(key, value)}")
 
 
 def _as_flag(key, value):
