@@ -108,13 +108,13 @@ def test_a_checkpoint_without_a_digest_loads_with_a_warning(tmp_path, capsys):
 
 def test_the_digest_is_the_archives_comment_and_hashed_on_the_writer_thread(tmp_path, monkeypatch):
     threads = set()
-    real_sha256 = checkpoint._sha256
+    real_write = checkpoint._HashingFile.write
 
-    def watched_sha256(f, size):
+    def watched_write(self, data):
         threads.add(threading.current_thread().name)
-        return real_sha256(f, size)
+        return real_write(self, data)
 
-    monkeypatch.setattr(checkpoint, "_sha256", watched_sha256)
+    monkeypatch.setattr(checkpoint._HashingFile, "write", watched_write)
     saved = payload(3)
     writer = AsyncCheckpointer(tmp_path)
     writer.save(saved, 3, keep_last=1)

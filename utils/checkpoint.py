@@ -54,14 +54,23 @@ DIGEST_TRAILER_BYTES = 2 + len(DIGEST_TAG) + 64
 END_RECORD = b"PK\x05\x06"  # signature of the zip's end record, 22 bytes, the last in torch.save's files
 
 
-def _sha256(f, size):
-    """SHA-256 of ``f``'s first ``size`` bytes plus an empty comment's length (hashlib frees the GIL for training)."""
-    sha256 = hashlib.sha256()
-    f.seek(0)
-    while size > 0 and (chunk := f.read(min(size, 1 << 24))):
-        sha256.update(chunk)
-        size -= len(chunk)
-    sha256.update(b"\0\0")
+class _HashingFile:
+    """Binary file ``file``, hashing what is written through it: the digest costs no second read of the archive
+    (hashlib frees the GIL, so training goes on beside the writer thread)."""
+
+    def __init__(self, file):
+        self.file, self.sha256 = file, hashlib.sha256()
+
+    def write(self, data):
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):  # flush, name, ...
+        return getattr(self.file, name)
+
+
+def _digest(sha256):
+    """The zip comment holding ``sha256`` (of the archive as torch.save wrote it, its empty comment's length last)."""
     return DIGEST_TAG + sha256.hexdigest().encode()
 
 
@@ -72,7 +81,13 @@ def _check_digest(f, path):
     tail = f.read()
     if tail[-22:-18] == END_RECORD and tail[-2:] == b"\0\0":
         return False
-    if tail[2:] != _sha256(f, size - DIGEST_TRAILER_BYTES):
+    sha256, remaining = hashlib.sha256(), size - DIGEST_TRAILER_BYTES
+    f.seek(0)
+    while remaining > 0 and (chunk := f.read(min(remaining, 1 << 24))):
+        sha256.update(chunk)
+        remaining -= len(chunk)
+    sha256.update(b"\0\0")  # the empty comment's length, as hashed when written
+    if tail[2:] != _digest(sha256):
         raise CheckpointError(f"{path} changed after it was written (its bytes do not match the SHA-256 digest saved "
                               f"with it: bit rot or an overwrite); use an earlier checkpoint")
     return True
@@ -130,12 +145,11 @@ def save_checkpoint(directory, payload, step, keep_last, any_error=False):
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("ckpt_step*.pt.*.tmp"):  # one writer per folder: a crashed save's leftover,
             stale.unlink()                                     # and removing it may make room for this one
-        with open(tmp, "w+b") as f:
-            torch.save(payload, f)
-            size = f.seek(0, os.SEEK_END) - 2  # up to the end record's comment length, 0 as torch.save wrote it
-            f.flush()
-            digest = _sha256(f, size)  # read back from the page cache
-            f.seek(size)
+        with open(tmp, "wb") as f:
+            hashing = _HashingFile(f)
+            torch.save(payload, hashing)
+            digest = _digest(hashing.sha256)
+            f.seek(-2, os.SEEK_END)  # the end record's comment length, 0 as torch.save wrote it
             f.write(len(digest).to_bytes(2, "little") + digest)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the name points at it
@@ -223,8 +237,9 @@ def load_model_state(module, state_dict, source="the checkpoint"):
     """Load plain (or wrapped: prefixes stripped) weights into ``module``, whether plain, DDP-wrapped or compiled."""
     target = unwrap_model(module)
     expected = target.state_dict()
-    metadata, state_dict = getattr(state_dict, "_metadata", {}), OrderedDict(state_dict)  # the helper below
-    state_dict._metadata = OrderedDict(metadata)                                          # edits in place
+    # A copy, module versions included: torch's helper below renames keys in place
+    metadata, state_dict = getattr(state_dict, "_metadata", {}), OrderedDict(state_dict)
+    state_dict._metadata = OrderedDict(metadata)
     for prefix in ("module.", "_orig_mod.", "module."):  # DDP's and torch.compile's prefixes, nested either way
         if state_dict and all(key.startswith(prefix) for key in state_dict):
             consume_prefix_in_state_dict_if_present(state_dict, prefix)

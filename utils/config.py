@@ -174,14 +174,15 @@ def _validate(name, value, key):
     if isinstance(key.type, dict) and isinstance(value, dict):
         _check_keys(value, key.type, f" in {name}")
         return {sub: _validate(f"{name}.{sub}", value[sub], key.type[sub]) for sub in key.type}
+    checked = value
     if key.type is float and isinstance(value, str):  # PyYAML (YAML 1.1) reads `2e-4` as a string
         try:
-            value = float(value)
+            checked = float(value)
         except ValueError:
             pass
-    if isinstance(key.type, dict) or not _allowed(value, key):
-        raise ConfigError(f"config key '{name}' must be {_expected(key)}, got {value!r}")
-    return float(value) if key.type is float else value
+    if isinstance(key.type, dict) or not _allowed(checked, key):
+        raise ConfigError(f"config key '{name}' must be {_expected(key)}, got {value!r}")  # as the user wrote it
+    return float(checked) if key.type is float else checked
 
 
 def _check_keys(values, schema, where, hint=lambda missing: ""):
@@ -246,9 +247,9 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
     values = dict(configs[name] or {})
     _check_keys(values, SCHEMA, f" in config '{name}'", lambda missing: _missing_hint(missing, yaml_path))
     for key, value in (overrides or {}).items():
-        section, _, sub = key.partition(".")
         if value is None:
             continue
+        section, _, sub = key.partition(".")
         if section not in SCHEMA:
             raise ConfigError(f"unknown override '{key}'; valid keys: {', '.join(sorted(SCHEMA))}")
         value = None if value is NULL else value
