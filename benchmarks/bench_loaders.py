@@ -29,10 +29,9 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from utils import symmetry  # noqa: E402
 from utils.config import load_config, resolve_path  # noqa: E402
 from utils.data import RandomCropDataset, ShardedSampler, get_data_loader  # noqa: E402
-from utils.data.fast import crop_reader, get_fast_loader  # noqa: E402
+from utils.data.fast import crop_reader, get_fast_loader, transform_staged  # noqa: E402
 from utils.data.gpu import get_gpu_loader  # noqa: E402
 from utils.make_dataset import ensure_dataset  # noqa: E402
 
@@ -75,7 +74,7 @@ def make_params(args, path, mode):
 class SharedMemoryBatches(Dataset):
     """The alternative to the fast loader's threads, for comparison: worker processes fill whole batches.
 
-    The same per-sample work as ``FastLoader`` (``crop_reader`` + ``symmetry.transform``), written into a
+    The same per-sample work as ``FastLoader`` (``crop_reader`` + ``transform_staged``), written into a
     fresh shared-memory batch per item, which the DataLoader hands to the main process uncopied.
     """
 
@@ -95,7 +94,7 @@ class SharedMemoryBatches(Dataset):
                  for volume in (self.read_crops.inp, self.read_crops.tar)]
         for slot, (_, index) in enumerate(keys):
             for volume, out in zip(self.read_crops(*corners[index]), batch):
-                symmetry.transform(volume, int(elements[index]), out=out[slot].numpy(), scratch=self.scratch)
+                transform_staged(volume, int(elements[index]), out[slot].numpy(), self.scratch)
         return batch
 
 

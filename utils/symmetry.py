@@ -20,7 +20,6 @@ from itertools import permutations
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 VECTOR_CHANNELS = (1, 2, 3)  # the velocity components of both volumes, Nbody (4 channels) and Hydro (5)
 NUM_ELEMENTS = 48
@@ -65,57 +64,24 @@ def transform_view(volume, g):
     return np.flip(view, flip_axes) if flip_axes else view
 
 
-def transform(volume, g, vector_channels=VECTOR_CHANNELS, out=None, scratch=None, planes=None):
+def transform(volume, g, vector_channels=VECTOR_CHANNELS, out=None, planes=None):
     """Apply element ``g`` to a (C, X, Y, Z) numpy array, vector channels included, into ``out`` (e.g. a slot of a
-    pinned batch buffer) or a new array; ``planes`` (start, stop): only those planes of the result's first spatial axis
-    (a spatial-parallel rank's slab). Every path only copies and negates values, so all give the same bits.
-
-    ``scratch``, a (2, S, S, S) float32 buffer (cubic crops; one per thread), saves about 40% of the time: a strided
-    copy is fast only while it reads the volume's rows (last axis) forward, which the hardware prefetcher streams.
-    Elements that keep rows as unreversed rows take one strided copy per channel; for the others each channel is
-    first streamed into a compact copy and moved from there, in cache (:func:`_staged_move`)."""
+    batch buffer) or a new array; ``planes`` (start, stop): only those planes of the result's first spatial axis (a
+    spatial-parallel rank's slab). One strided copy per channel: values are only copied and negated, so every loader
+    gives the same bits (utils/data/fast.py's ``transform_staged`` is the same copy, reordered for the cache)."""
     source, sign = channel_map(g, volume.shape[0], vector_channels)
     moved = transform_view(volume, g)                          # (C, X', Y', Z') strided view
     if planes is not None:
         moved = moved[:, planes[0]:planes[1]]
     if out is None:
         out = np.empty(moved.shape, dtype=volume.dtype)
-    perm, flips = element(g)
-    # a slab takes the strided copy: the staged move writes whole crops
-    if scratch is None or planes is not None or (perm[2] == 2 and not flips[2]):
-        for c in range(volume.shape[0]):
-            _signed_copy(moved[source[c]], out[c], sign[c])
-        return out
-    compact, move = _staged_move(g, scratch)
     for c in range(volume.shape[0]):
-        _signed_copy(volume[source[c]], compact, sign[c])      # rows read forward: streamed from memory
-        move(out[c])
+        signed_copy(moved[source[c]], out[c], sign[c])
     return out
 
 
-def _signed_copy(source, destination, sign):
+def signed_copy(source, destination, sign):
     if sign < 0:
         np.negative(source, out=destination)
     else:
         np.copyto(destination, source)
-
-
-def _staged_move(g, scratch):
-    """``(compact, move)``: ``move(destination)`` writes ``compact`` (S, S, S), moved by ``g``, to ``destination``: by
-    numpy, or for the 3 axis orders that turn rows into columns, (1,2,0), (2,0,1), (2,1,0), by one 2D transpose,
-    which torch's copy does in cache-sized blocks after numpy has applied the flips."""
-    perm, flips = element(g)
-    compact, staged = scratch
-    if perm[0] == 0 or perm[2] == 2:
-        moved = transform_view(compact[None], g)[0]
-        return compact, lambda destination: np.copyto(destination, moved)
-    s = compact.shape[0]
-    # axes ordered so that moving the last to the front (perm[0] == 2) or the first to the back gives the output's
-    order = (perm[1], perm[2], 2) if perm[0] == 2 else (perm[2], perm[0], 2)
-    flipped = np.flip(compact, [perm[k] for k in range(3) if flips[k]]).transpose(order)
-    transposed = torch.from_numpy(staged).view((s * s, s) if perm[0] == 2 else (s, s * s)).t()
-
-    def move(destination):
-        np.copyto(staged, flipped)
-        torch.from_numpy(destination).view(transposed.shape).copy_(transposed)
-    return compact, move

@@ -8,8 +8,8 @@ copies differ. Per sample, the straightforward path does
     worker process through shared memory -> pin-memory copy (CUDA only)
 
 and the fast path writes each sample from the volume straight into its slot of a (pinned, for
-CUDA) batch buffer with ``symmetry.transform(..., out=slot, scratch=...)``, whose per-thread scratch
-buffer lets it read memory the way the hardware likes.
+CUDA) batch buffer with ``transform_staged``, whose per-thread scratch buffer lets it read memory the
+way the hardware likes.
 
 Why threads, not worker processes: numpy releases the GIL in its copy loops, so threads copy in
 parallel with no pickling, no shared-memory hand-over and no per-batch allocation, and can write
@@ -52,6 +52,43 @@ def memory_map(dataset):
         return None
     return np.memmap(dataset.file.filename, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
 
+
+
+def transform_staged(volume, g, out, scratch, planes=None):
+    """``symmetry.transform(volume, g, out=out, planes=planes)``, the same bits, about 40% faster with ``scratch``, a
+    (2, S, S, S) float32 buffer per thread: a strided copy is fast only while it reads the volume's rows (last axis)
+    forward, which the hardware prefetcher streams. Elements that keep rows as unreversed rows (and slabs) take the
+    strided copy; for the others each channel is first streamed into a compact copy and moved from there, in cache."""
+    perm, flips = symmetry.element(g)
+    if planes is not None or (perm[2] == 2 and not flips[2]):
+        return symmetry.transform(volume, g, out=out, planes=planes)
+    source, sign = symmetry.channel_map(g, volume.shape[0])
+    compact, move = _staged_move(g, scratch)
+    for c in range(volume.shape[0]):
+        symmetry.signed_copy(volume[source[c]], compact, sign[c])  # rows read forward: streamed from memory
+        move(out[c])
+    return out
+
+
+def _staged_move(g, scratch):
+    """``(compact, move)``: ``move(destination)`` writes ``compact`` (S, S, S), moved by ``g``, to ``destination``: by
+    numpy, or for the 3 axis orders that turn rows into columns, (1,2,0), (2,0,1), (2,1,0), by one 2D transpose,
+    which torch's copy does in cache-sized blocks after numpy has applied the flips."""
+    perm, flips = symmetry.element(g)
+    compact, staged = scratch
+    if perm[0] == 0 or perm[2] == 2:
+        moved = symmetry.transform_view(compact[None], g)[0]
+        return compact, lambda destination: np.copyto(destination, moved)
+    s = compact.shape[0]
+    # axes ordered so that moving the last to the front (perm[0] == 2) or the first to the back gives the output's
+    order = (perm[1], perm[2], 2) if perm[0] == 2 else (perm[2], perm[0], 2)
+    flipped = np.flip(compact, [perm[k] for k in range(3) if flips[k]]).transpose(order)
+    transposed = torch.from_numpy(staged).view((s * s, s) if perm[0] == 2 else (s, s * s)).t()
+
+    def move(destination):
+        np.copyto(staged, flipped)
+        torch.from_numpy(destination).view(transposed.shape).copy_(transposed)
+    return compact, move
 
 class ArrayCrops:
     """Crops as views of (C, N, N, N) arrays: in-memory volumes or memory maps of the file."""
@@ -140,7 +177,7 @@ class FastLoader(PlannedLoader):
         super().__init__(sampler)
         self.dataset, self.num_workers = dataset, num_workers
         self.read_crops = crop_reader(dataset)
-        self.local = threading.local()  # each thread's scratch crop for symmetry.transform
+        self.local = threading.local()  # each thread's scratch crop for transform_staged
         size, crop = sampler.local_batch_size, dataset.crop
         self.planes = dataset.spec.planes  # under spatial parallelism: this rank's slab of each crop's depth
         depth = crop if self.planes is None else self.planes[1] - self.planes[0]
@@ -180,8 +217,8 @@ class FastLoader(PlannedLoader):
         """Sample ``slot`` of a batch: the crop at ``corner`` (3,) under symmetry ``element``."""
         inp, tar = self.read_crops(*corner)
         element, scratch = int(element), self._scratch()
-        symmetry.transform(inp, element, out=views[0][slot], scratch=scratch, planes=self.planes)
-        symmetry.transform(tar, element, out=views[1][slot], scratch=scratch, planes=self.planes)
+        transform_staged(inp, element, views[0][slot], scratch, self.planes)
+        transform_staged(tar, element, views[1][slot], scratch, self.planes)
 
     def _scratch(self):
         if not hasattr(self.local, "scratch"):
