@@ -170,7 +170,6 @@ def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu
     """
     spec = SplitSpec.from_params(params, split, rank, world_size, mode="gpu")
     check_data_file(spec.path, spec.box, spec.in_channels, spec.out_channels)
-    spec.check_crop_fits()
     sampler = build_sampler(spec)
     storage_dtype = storage_dtype or params.gpu_storage_dtype
     prefetch = params.gpu_prefetch if prefetch is None else prefetch

@@ -135,10 +135,6 @@ class SplitSpec:
     def plan(self, epoch):
         return sample_plan(self.seed, self.split, epoch, self.num_samples, self.box, self.crop, self.augment)
 
-    def check_crop_fits(self):
-        if self.crop > self.box:
-            raise DataError(f"crop size {self.crop} is larger than the {self.split} box ({self.box})")
-
 
 class ShardedSampler(Sampler):
     """Yields this rank's ``(epoch, index)`` keys after ``set_epoch(epoch, start_step=0)`` (a resumed run starts
@@ -204,7 +200,6 @@ class RandomCropDataset(Dataset):
                     self.inp, self.tar = (f[key][...].astype(np.float32, copy=False) for key in ("Nbody", "Hydro"))
             elif self.mode != "lowmem":
                 raise DataError(f"unknown data_loader_config '{self.mode}'")
-        spec.check_crop_fits()
 
     def __len__(self):
         return self.spec.num_samples
@@ -220,20 +215,17 @@ class RandomCropDataset(Dataset):
             self._file, self._file_pid = h5py.File(self.path, "r"), os.getpid()
         return self._file["Nbody"], self._file["Hydro"]
 
-    def read_crop(self, epoch, index):
-        """The untransformed crop and the symmetry element of sample (epoch, index)."""
+    def __getitem__(self, key):
+        """Sample ``key`` = (epoch, index): its crop, moved by its symmetry element."""
+        epoch, index = key
         corners, elements = self.plan(epoch)
         (x, y, z), s = corners[index], self.crop
-        inp, tar = self._volumes()
-        return (inp[:, x:x + s, y:y + s, z:z + s], tar[:, x:x + s, y:y + s, z:z + s]), int(elements[index])
-
-    def __getitem__(self, key):
-        (inp, tar), element = self.read_crop(*key)
         # One strided copy per channel moves the grid and rotates the velocity components together; under
         # spatial parallelism it copies only this rank's planes of the moved crop (lowmem still reads it whole).
-        return tuple(torch.from_numpy(np.asarray(symmetry.transform(volume, element, planes=self.spec.planes),
+        return tuple(torch.from_numpy(np.asarray(symmetry.transform(volume[:, x:x + s, y:y + s, z:z + s],
+                                                                    int(elements[index]), planes=self.spec.planes),
                                                  dtype=np.float32))
-                     for volume in (inp, tar))
+                     for volume in self._volumes())
 
     def __getstate__(self):
         return {**self.__dict__, "_file": None, "_file_pid": None}
