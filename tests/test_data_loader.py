@@ -35,6 +35,7 @@ def test_plan_is_a_pure_function_of_seed_epoch_index():
     assert len(np.unique(sample_plan(0, "train", 3, 1000, 24, 8)[1])) == 48  # every symmetry is used
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # on purpose, on 2 cores
 def test_same_stream_for_1_and_3_workers(tiny_params):
     # the straightforward loader's worker processes (tiny_params is quickstart's config: fast loader by default)
     serial = collect(tiny_params(num_data_workers=0, fast_loader=False), epoch=1)
