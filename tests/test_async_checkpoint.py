@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import train
 from networks.UNet import UNet, loss_func
 from utils import Preempted, checkpoint
-from utils.checkpoint import (AsyncCheckpointer, CheckpointError, RunControl, load_checkpoint, plain_state_dict,
+from utils.checkpoint import (AsyncCheckpointer, CheckpointError, RunControl, load_checkpoint,
                               rng_state, save_checkpoint)
 from utils.config import load_config
 from conftest import REPO_ROOT, free_port, rank_env
@@ -36,7 +36,7 @@ def trained_model_and_optimizer(steps=2):
 
 
 def payload(step, model, optimizer):
-    return {"step": step, "config": dict(load_config("quickstart")), "model": plain_state_dict(model),
+    return {"step": step, "config": dict(load_config("quickstart")), "model": model.state_dict(),
             "optimizer": optimizer.state_dict(), "rng": rng_state(), "epoch_loss_sum": 1.5}
 
 
@@ -77,7 +77,7 @@ def held_writes(monkeypatch):
 
 def test_snapshot_is_taken_when_save_returns(tmp_path, held_writes):
     model, optimizer = trained_model_and_optimizer()
-    expected_weights = {key: value.clone() for key, value in plain_state_dict(model).items()}
+    expected_weights = {key: value.clone() for key, value in model.state_dict().items()}
     first = model.conv_last.weight
     expected_moment = optimizer.state[first]["exp_avg"].clone()
     writer = AsyncCheckpointer(tmp_path)
@@ -92,7 +92,7 @@ def test_snapshot_is_taken_when_save_returns(tmp_path, held_writes):
     loaded = load_checkpoint(tmp_path / "ckpt_step00000002.pt")
     for key, value in expected_weights.items():
         assert torch.equal(loaded["model"][key], value), key
-        assert not torch.equal(plain_state_dict(model)[key], value) or value.numel() == 0, key
+        assert not torch.equal(model.state_dict()[key], value) or value.numel() == 0, key
     first_index = next(index for index, parameter in enumerate(model.parameters()) if parameter is first)
     assert torch.equal(loaded["optimizer"]["state"][first_index]["exp_avg"], expected_moment)
 
@@ -340,7 +340,7 @@ def test_cuda_snapshot_uses_reused_pinned_buffers_and_ignores_later_steps(tmp_pa
     reserved = sorted(id(buffer) for buffer in writer._pinned.buffers.values())
     buffers = []
     for number in (1, 2):
-        expected = {key: value.cpu() for key, value in plain_state_dict(model).items()}
+        expected = {key: value.cpu() for key, value in model.state_dict().items()}
         writer.save(payload(number, model, optimizer), number, keep_last=2)
         buffers.append(sorted(id(buffer) for buffer in writer._pinned.buffers.values()))
         for _ in range(3):  # queued right after save() returned, while the file is written

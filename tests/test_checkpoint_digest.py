@@ -20,7 +20,7 @@ from networks.UNet import build_model
 from science import report as science_report
 from utils import checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, latest_valid_checkpoint, load_checkpoint,
-                              plain_state_dict, save_checkpoint)
+                              save_checkpoint)
 from utils.config import DEFAULT_YAML, load_config
 
 CHANGED = "changed after it was written (its bytes do not match the SHA-256 digest saved with it"
@@ -33,7 +33,7 @@ def payload(step, seed=0):
     torch.manual_seed(seed)
     params = load_config("quickstart", overrides=TINY_MODEL)
     model = build_model(params)
-    return {"step": step, "config": dict(params), "model": plain_state_dict(model),
+    return {"step": step, "config": dict(params), "model": model.state_dict(),
             "optimizer": torch.optim.Adam(model.parameters()).state_dict()}
 
 

@@ -132,7 +132,9 @@ def all_gone(launch, timeout=10):
 def reference(tiny_yaml, tmp_path_factory):
     expdir = tmp_path_factory.mktemp("ddp_reference")
     run_to_the_end(command(tiny_yaml, expdir), "the uninterrupted run")
-    return final_weights(expdir)
+    weights = final_weights(expdir)
+    assert not [key for key in weights if key.startswith("module.")]  # the plain module's keys, not DDP's
+    return weights
 
 
 @pytest.mark.parametrize("victims, seed", [("all", 0), ("all", 1), ("rank 0", 2), ("rank 1", 3)])

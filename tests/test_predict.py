@@ -18,7 +18,7 @@ from utils import inference
 from conftest import REPO_ROOT
 from networks.UNet import UNet, build_model
 from utils import DataError
-from utils.checkpoint import plain_state_dict, save_checkpoint
+from utils.checkpoint import save_checkpoint
 from utils.config import load_config
 from utils.make_dataset import make_dataset
 from utils.units import physical_attrs
@@ -67,7 +67,7 @@ def run_dir(tmp_path_factory, model):
     run = tmp_path_factory.mktemp("run")
     config = dict(load_config("quickstart", overrides=TINY))
     for step, weights in ((3, tiny_model(seed=1)), (7, model)):
-        payload = {"step": step, "config": config, "model": plain_state_dict(weights),
+        payload = {"step": step, "config": config, "model": weights.state_dict(),
                    "optimizer": torch.optim.Adam(weights.parameters()).state_dict()}
         save_checkpoint(run / "checkpoints", payload, step, keep_last=2)
     return run
@@ -224,7 +224,7 @@ def test_without_a_truth_only_the_predictions_own_flux_statistics(run_dir, tmp_p
 def test_lyman_alpha_follows_the_checkpoints_config_unless_the_flag_says_otherwise(model, tmp_path, capsys):
     """A run trained with lyman_alpha.enabled false (data without a cell size, say) predicts without them."""
     config = dict(load_config("quickstart", overrides={**TINY, "lyman_alpha.enabled": False}))
-    payload = {"step": 7, "config": config, "model": plain_state_dict(model),
+    payload = {"step": 7, "config": config, "model": model.state_dict(),
                "optimizer": torch.optim.Adam(model.parameters()).state_dict()}
     save_checkpoint(tmp_path / "off" / "checkpoints", payload, 7, keep_last=1)
     foreign = write_nbody(tmp_path / "foreign.h5", nbody(16), attrs={})  # no cell size
@@ -242,7 +242,7 @@ def test_a_checkpoint_from_before_the_slope_and_upsample_keys_is_the_old_model(t
     config = dict(load_config("quickstart", overrides=TINY))
     del config["leaky_relu_slope"], config["upsample"], config["lyman_alpha"]
     old = UNet([4, 8], leaky_relu_slope=0.2)
-    payload = {"step": 1, "config": config, "model": plain_state_dict(old),
+    payload = {"step": 1, "config": config, "model": old.state_dict(),
                "optimizer": torch.optim.Adam(old.parameters()).state_dict()}
     save_checkpoint(tmp_path / "old" / "checkpoints", payload, 1, keep_last=1)
     model, params, _, _ = inference.load_trained_model(tmp_path / "old", "cpu")

@@ -19,7 +19,7 @@ from networks.UNet import build_model
 from test_predict import TINY, forward, nbody, tiny_model, write_nbody
 from utils import inference
 from utils import ConfigError
-from utils.checkpoint import plain_state_dict, save_checkpoint
+from utils.checkpoint import save_checkpoint
 from utils.config import load_config
 
 
@@ -30,7 +30,7 @@ def model():
 
 def save_run(folder, model, config):
     """A run directory with one checkpoint of ``model`` at step 5."""
-    payload = {"step": 5, "config": dict(config), "model": plain_state_dict(model),
+    payload = {"step": 5, "config": dict(config), "model": model.state_dict(),
                "optimizer": torch.optim.Adam(model.parameters()).state_dict()}
     save_checkpoint(folder / "checkpoints", payload, 5, keep_last=1)
     return folder

@@ -7,7 +7,7 @@ from matplotlib.image import imread
 
 from networks.UNet import build_model
 from science import report as science_report
-from utils.checkpoint import plain_state_dict, save_checkpoint
+from utils.checkpoint import save_checkpoint
 from utils.config import load_config
 from utils.make_dataset import make_dataset
 from utils.units import physical_attrs
@@ -57,7 +57,7 @@ def test_page_from_a_run_directory(pair, tmp_path):
     torch.manual_seed(0)
     params = load_config("quickstart", overrides=TINY)
     model = build_model(params)
-    payload = {"step": 5, "config": dict(params), "model": plain_state_dict(model),
+    payload = {"step": 5, "config": dict(params), "model": model.state_dict(),
                "optimizer": torch.optim.Adam(model.parameters()).state_dict()}
     save_checkpoint(tmp_path / "run" / "checkpoints", payload, 5, keep_last=1)
     output = science_report.main([str(tmp_path / "run"), "--input", str(truth_path), "--dpi", str(DPI),

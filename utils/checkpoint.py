@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
-from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from utils import CheckpointError, NonFiniteLoss, Preempted, StorageError, first_line, os_error_in, storage_cause
 from utils.config import SCHEMA, resolve_path
@@ -217,26 +216,10 @@ def latest_valid_checkpoint(directory, log=print_warning, map_location="cpu"):
 
 
 # --- 2. what a checkpoint holds: weights, optimizer, random generators, config ----------------------------------
-def unwrap_model(module):
-    """The plain module inside any nesting of DDP / DataParallel and torch.compile wrappers."""
-    while True:
-        if isinstance(module, (DistributedDataParallel, DataParallel)):
-            module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
-            module = module._orig_mod
-        else:
-            return module
-
-
-def plain_state_dict(module):
-    """The state dict of the plain module: keys without ``module.`` or ``_orig_mod.`` prefixes."""
-    return unwrap_model(module).state_dict()
-
-
-def load_model_state(module, state_dict, source="the checkpoint"):
-    """Load plain (or wrapped: prefixes stripped) weights into ``module``, whether plain, DDP-wrapped or compiled."""
-    target = unwrap_model(module)
-    expected = target.state_dict()
+def load_model_state(model, state_dict, source="the checkpoint"):
+    """Load weights into the plain ``model`` (DDP and torch.compile wrap it and share its parameters); a wrapped
+    model's state dict (``module.``, ``_orig_mod.`` prefixes) loads too."""
+    expected = model.state_dict()
     # A copy, module versions included: torch's helper below renames keys in place
     metadata, state_dict = getattr(state_dict, "_metadata", {}), OrderedDict(state_dict)
     state_dict._metadata = OrderedDict(metadata)
@@ -252,7 +235,7 @@ def load_model_state(module, state_dict, source="the checkpoint"):
     if listed:
         raise CheckpointError(f"{source} holds weights of a different model ({'; '.join(listed)}); it comes from "
                               f"a different model config (model_channels, full_scale, N_in/N_out_channels)")
-    target.load_state_dict(state_dict)
+    model.load_state_dict(state_dict)
 
 
 def load_optimizer_state(optimizer, state_dict, source="the checkpoint"):
@@ -533,7 +516,7 @@ class CheckpointManager:
         source = f"checkpoint {path}"
         check_compatible(payload["config"], params, source)
         changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
-        load_model_state(state.train_model, payload["model"], source)
+        load_model_state(state.model, payload["model"], source)
         load_optimizer_state(state.optimizer, payload["optimizer"], source)
         if params.amp_mode == "fp16" and payload["config"].get("amp_mode") == "fp16":
             state.scaler.load_state_dict(payload["scaler"])
@@ -657,7 +640,7 @@ class CheckpointManager:
 
     def _payload(self, epoch_loss_sum, validation_pending=False):
         state = self.state
-        return {"step": state.global_step, "config": dict(state.params), "model": plain_state_dict(state.model),
+        return {"step": state.global_step, "config": dict(state.params), "model": state.model.state_dict(),
                 "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(),
                 "rng": rng_state(state.info.device), "epoch_loss_sum": epoch_loss_sum,
                 "validation_pending": validation_pending}
