@@ -53,7 +53,6 @@ def memory_map(dataset):
     return np.memmap(dataset.file.filename, dtype=dataset.dtype, mode="r", offset=offset, shape=dataset.shape)
 
 
-
 def transform_staged(volume, g, out, scratch, planes=None):
     """``symmetry.transform(volume, g, out=out, planes=planes)``, the same bits, about 40% faster with ``scratch``, a
     (2, S, S, S) float32 buffer per thread: a strided copy is fast only while it reads the volume's rows (last axis)
@@ -89,6 +88,7 @@ def _staged_move(g, scratch):
         np.copyto(staged, flipped)
         torch.from_numpy(destination).view(transposed.shape).copy_(transposed)
     return compact, move
+
 
 class ArrayCrops:
     """Crops as views of (C, N, N, N) arrays: in-memory volumes or memory maps of the file."""
