@@ -86,6 +86,25 @@ def check_unet(spatial, crop, lambda_rho=0.0, channels=QUICKSTART_CHANNELS, batc
         assert gathered_layers(sharded, crop) == expected, f"gathered {gathered_layers(sharded, crop)}"
 
 
+def check_shared_crops(spatial, batch):
+    """The layers that run whole split the batch's crops between the ranks when S divides it (else each runs all),
+    with the same outputs and gradients as the unsharded model."""
+    from utils.spatial import SpatialConv
+    seen, run = [], SpatialConv.run
+
+    def recording_run(layer, x):
+        if not x.is_meta and layer.plans[layer.context.crop_depth].mode == "gather":
+            seen.append(x.shape[0])
+        return run(layer, x)
+    SpatialConv.run = recording_run
+    try:
+        check_unet(spatial, 16, batch=batch, expected=EXPECTED_GATHERS[(16, spatial.size)])
+    finally:
+        SpatialConv.run = run
+    each = batch // spatial.size if batch % spatial.size == 0 else batch
+    assert seen and set(seen) == {each}, f"whole layers ran on {seen} crops, expected {each}"
+
+
 def check_layers(spatial, layers=FULL_MODEL_LAYERS, periodic=False):
     """Each layer alone (3 -> 2 channels, H = W = 4): output, input gradient and parameter gradients."""
     failures = []
@@ -157,6 +176,8 @@ def rank_checks(spatial):
     checks = {f"unet_{crop}": (lambda crop=crop: check_unet(spatial, crop, expected=EXPECTED_GATHERS.get(
         (crop, spatial.size)))) for crop in (16, 32)}
     checks["unet_16_lambda_rho"] = lambda: check_unet(spatial, 16, lambda_rho=0.05)
+    checks["unet_16_crops_shared"] = lambda: check_shared_crops(spatial, batch=2 * spatial.size)
+    checks["unet_16_crops_not_shared"] = lambda: check_shared_crops(spatial, batch=spatial.size + 1)
     checks["layers_full_model"] = lambda: check_layers(spatial)
     checks["layers_periodic"] = lambda: check_layers(spatial, [(False, 16), (True, 8), (False, 4), (True, 2)], True)
     checks["halo_zero"] = lambda: check_halo(spatial, False)

@@ -17,10 +17,11 @@ At the crop's own faces the halo is zeros, exactly what the unsharded layer's ze
 
 Deep in the U-Net a slab becomes thinner than the halo, or a level has fewer planes than ranks. There a layer
 gathers the activation whole (all-gather), runs whole, and keeps its slab of the output; an output with a depth
-S does not divide stays whole (replicated) on every rank. The layout of an activation is therefore a function
-of its depth T: sharded when S divides T, replicated otherwise. A replicated tensor's gradient is partial on
-each rank (each rank's share of the loss); every reduction below sums them, so parameter gradients summed over
-the spatial group equal the unsharded ones.
+S does not divide stays whole (replicated) on every rank. When S divides the batch, each rank runs the whole layer
+on only its B / S crops and an all-gather shares the outputs: S times less work than every rank running them all.
+The layout of an activation is therefore a function of its depth T: sharded when S divides T, replicated
+otherwise. A replicated tensor's gradient is partial on each rank (each rank's share of the loss); every
+reduction below sums them, so parameter gradients summed over the spatial group equal the unsharded ones.
 
 Usage (the pieces ``train.py`` wires together)::
 
@@ -168,32 +169,31 @@ def halo_exchange(x, lo, hi, spatial, periodic=False):
 
 
 # --- whole activations: gather and split ----------------------------------------------------------------------
-class GatherDepth(torch.autograd.Function):
-    """(B, C, n, H, W) slabs of the group -> the whole (B, C, S n, H, W) on every rank.
+class Gather(torch.autograd.Function):
+    """Each rank's part of a tensor along ``dim`` (depth: its slab; batch: its crops) -> the whole, on every rank.
 
-    Backward: each rank's gradient of the whole is its partial share; their sum, sliced to the slab, is the
-    slab's gradient (an all-reduce, then the own slice)."""
+    Backward: each rank's gradient of the whole is its partial share; their sum, sliced to the rank's part, is the
+    part's gradient (an all-reduce, then the own slice)."""
 
     @staticmethod
-    def forward(ctx, x, spatial):
-        ctx.spatial = spatial
+    def forward(ctx, x, spatial, dim):
+        ctx.spatial, ctx.dim = spatial, dim
+        x = x.contiguous()
         pieces = [torch.empty_like(x) for _ in range(spatial.size)]
-        dist.all_gather(pieces, x.contiguous(), group=spatial.group)
-        return torch.cat(pieces, DEPTH)
+        dist.all_gather(pieces, x, group=spatial.group)
+        return torch.cat(pieces, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        spatial = ctx.spatial
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=spatial.group)
-        n = grad.shape[DEPTH] // spatial.size
-        return grad.narrow(DEPTH, spatial.index * n, n), None
+        dist.all_reduce(grad, group=ctx.spatial.group)
+        return own_part(grad, ctx.spatial, ctx.dim), None, None
 
 
-def own_slab(x, spatial):
-    """This rank's slab of a whole (B, C, D, ...) tensor (D divisible by S)."""
-    n = x.shape[DEPTH] // spatial.size
-    return x.narrow(DEPTH, spatial.index * n, n)
+def own_part(x, spatial, dim=DEPTH):
+    """This rank's part of a whole tensor along ``dim`` (default: its slab of depth; size divisible by S)."""
+    n = x.shape[dim] // spatial.size
+    return x.narrow(dim, spatial.index * n, n)
 
 
 def split_depth(x, spatial):
@@ -202,12 +202,12 @@ def split_depth(x, spatial):
     if depth % spatial.size:
         raise ConfigError(f"crop depth {depth} is not divisible by spatial_parallel {spatial.size}; use a crop size "
                           f"(data_size) that is a multiple of {spatial.size} or a spatial_parallel dividing {depth}")
-    return own_slab(x, spatial).contiguous()
+    return own_part(x, spatial).contiguous()
 
 
 def gather_depth(x, spatial):
     """The whole crop batch from every rank's slab (differentiable)."""
-    return x if spatial.size == 1 else GatherDepth.apply(x, spatial)
+    return x if spatial.size == 1 else Gather.apply(x, spatial, DEPTH)
 
 
 # --- convolutions ---------------------------------------------------------------------------------------------
@@ -218,6 +218,12 @@ class LayerPlan:
     depth_in: int
     depth_out: int
     reason: str = ""
+
+
+def shares_crops(batch, size):
+    """Whether a layer run whole shares the work of a batch: each of the S ranks runs ``batch / S`` crops (S times
+    less work than all of them on every rank) and an all-gather gives every rank every crop's output."""
+    return batch % size == 0
 
 
 class _Context:
@@ -331,8 +337,11 @@ class SpatialConv(nn.Module):
                                       f"supports each convolution once")
         plan = self.plans[crop_depth] = self.plan(x.shape[DEPTH])
         if plan.mode == "gather" and size > 1:
+            batch = x.shape[0]
+            crops = f"{batch // size} of the {batch} crops on each rank" if shares_crops(batch, size) else \
+                f"all {batch} crops on every rank (S does not divide them)"
             logger.info(f"spatial parallel: {self.name} gathers its input whole ({plan.depth_in} planes at S={size}) "
-                        f"and runs unsharded: {plan.reason}")
+                        f"and runs unsharded, {crops}: {plan.reason}")
         return self.run(pad_depth(x, *self.halo(0)))
 
     def forward(self, x):  # x: this rank's slab (B, C_in, n, H, W), or the whole input where S does not divide it
@@ -343,8 +352,12 @@ class SpatialConv(nn.Module):
         if plan.mode == "halo":
             return self.run(halo_exchange(x, *self.halo(0), spatial, context.periodic))
         whole = gather_depth(x, spatial) if plan.depth_in % spatial.size == 0 else x
-        y = self.run(pad_depth(whole, *self.halo(0), context.periodic))
-        return own_slab(y, spatial) if plan.depth_out % spatial.size == 0 else y
+        if shares_crops(whole.shape[0], spatial.size):  # each rank runs its share of the crops; all get every result
+            mine = pad_depth(own_part(whole, spatial, dim=0), *self.halo(0), context.periodic)
+            y = Gather.apply(self.run(mine), spatial, 0)
+        else:
+            y = self.run(pad_depth(whole, *self.halo(0), context.periodic))
+        return own_part(y, spatial) if plan.depth_out % spatial.size == 0 else y
 
     def extra_repr(self):
         kind = "ConvTranspose3d" if self.transposed else "Conv3d"
