@@ -8,8 +8,9 @@ One rank's training step, layer by layer, with utils/spatial.py's own plan (run 
 layers exchange halos and which run whole:
 - compute = the H100's measured kernel ms of the layer (native form, batch 64, 64^3, bf16, channels-last; read by
   roofline.py) x the shard's FLOPs / the measured FLOPs. A transposed layer computes only its own output planes
-  (utils/spatial.py's two depth phases); a layer run whole costs its whole FLOPs on every rank. Plus the Adam update of all
-  parameters on every rank (HBM roofline). Elementwise work is left out.
+  (utils/spatial.py's two depth phases); a layer run whole costs its whole FLOPs, or 1/S of them where S divides
+  the batch (each rank runs B / S crops; its output all-gathered, its gradient all-reduced). Plus the Adam update
+  of all parameters on every rank (HBM roofline). Elementwise work is left out.
 - halo: forward sends ``hi`` planes to the previous slab and ``lo`` to the next, backward the same volume back:
   alpha + bytes / bandwidth per exchange. A layer whose sharded input it must gather whole all-gathers it and
   all-reduces its gradient (ring collectives). exposed = comm - min(overlap x comm, the layer's compute).
@@ -32,7 +33,7 @@ from benchmarks.comm_model import Network, exposed_comm_time, ring_allreduce_tim
 from benchmarks.roofline import (DEFAULT_CHANNELS, DTYPE_BYTES, GPUS, RESULTS, ConvLayer, measured_kernel_ms,  # noqa
                                  parameter_bytes)
 from networks.UNet import UNet  # noqa: E402
-from utils.spatial import SpatialGroup, shard_model  # noqa: E402
+from utils.spatial import SpatialGroup, shard_model, shares_crops  # noqa: E402
 
 MEASURED = dict(path=RESULTS / "h100.json", batch=64, crop=64, dtype="bf16")  # the kernel times' setup
 # An H100 SXM node: NVLink4 450 GB/s per direction, at comm_model's ~2/3 of peak; 8 x 400 Gb/s NICs per node.
@@ -55,6 +56,7 @@ class ShardLayer:
     halo: tuple  # (planes before, planes after) its own slab reads
     spatial: int
     reason: str = ""
+    crops_shared: bool = False  # run whole, on B / S crops per rank (utils/spatial.py: S divides the batch)
 
     def planes(self):
         """(input planes this rank keeps, with its halo, and output planes it makes): a transposed layer makes only
@@ -67,6 +69,9 @@ class ShardLayer:
     def shard_flops(self, recompute=False):
         """FLOPs of one pass on this rank; ``recompute``: as if transposed layers also computed the output planes their
         halo gives (a plain padding-free transposed convolution of the extended slab: utils/spatial.py avoids it)."""
+        if self.crops_shared:
+            return ConvLayer(self.name, self.transposed, self.input_shape, self.output_shape,
+                             self.weight_shape).flops() // self.spatial
         depth_in = self.planes()[0]
         if self.transposed:  # FLOPs per input voxel
             if not recompute and self.mode != "plain":  # its own input planes, whole where it runs whole
@@ -85,18 +90,20 @@ class ShardLayer:
 
     def gather_bytes(self, dtype_bytes):
         """Bytes a rank sends per step: ring all-gather of the input, (S - 1) / S of it, and ring all-reduce of
-        its gradient, 2 (S - 1) / S of it."""
-        whole = math.prod(self.input_shape) * dtype_bytes
-        return 3 * (self.spatial - 1) * whole // self.spatial if self.mode == "gather" else 0
+        its gradient, 2 (S - 1) / S of it; the same for the output when the ranks share the crops."""
+        gathered = (self.mode == "gather", self.crops_shared)
+        whole = math.prod(self.input_shape) * gathered[0] + math.prod(self.output_shape) * gathered[1]
+        return 3 * (self.spatial - 1) * whole * dtype_bytes // self.spatial
 
     def kept_elements(self):
         """(input, output) elements kept for backward: the input with its halo (or padded whole) the convolution
         keeps, the output of its activation (for the last layer only its own planes, which tanh copies)."""
         (b, c_in, _, h, w), (_, c_out, depth_out, h_out, w_out) = self.input_shape, self.output_shape
         depth_in, kept_out = self.planes()
+        b_in = b // self.spatial if self.crops_shared else b
         if self.name == "last":
             kept_out = depth_out // (1 if self.mode == "plain" else self.spatial)
-        return b * c_in * depth_in * h * w, b * c_out * kept_out * h_out * w_out
+        return b_in * c_in * depth_in * h * w, b * c_out * kept_out * h_out * w_out
 
     def saved_bytes(self, dtype_bytes):
         return sum(self.kept_elements()) * dtype_bytes
@@ -128,7 +135,8 @@ def plan_layers(crop, spatial, batch, channels=tuple(DEFAULT_CHANNELS)):
             continue
         plan = layer.plans[crop]
         mode = plan.mode if plan.mode == "halo" else ("gather" if x[2] % spatial == 0 else "whole")
-        layers.append(ShardLayer(name, layer.transposed, x, y, weight, mode, layer.halo(0), spatial, plan.reason))
+        layers.append(ShardLayer(name, layer.transposed, x, y, weight, mode, layer.halo(0), spatial, plan.reason,
+                                 mode != "halo" and shares_crops(batch, spatial)))
     return tuple(layers)
 
 
@@ -150,8 +158,9 @@ def measured_peak_gb():
 
 @dataclass
 class Setup:
-    """What one projection assumes: batch of crops per data rank (one spatial group), dtype, network, overlap."""
-    batch: int = 8
+    """What one projection assumes: batch of crops per data rank (one spatial group), dtype, network, overlap. 32
+    crops of 128³ per 4 ranks give each GPU the voxels of the tutorial's single-GPU batch, 64 crops of 64³."""
+    batch: int = 32
     dtype: str = "bf16"
     network: Network = H100_NODE
     overlap: float = 0.0
@@ -168,8 +177,10 @@ def layer_times(layer, setup, measured):
     if layer.mode == "halo":
         p2p_bw = network.intra_bw if spatial <= network.gpus_per_node else network.node_bw / network.gpus_per_node
         comm = 2 * network.alpha + layer.halo_bytes(dtype_bytes) / p2p_bw  # one exchange forward, one backward
-    elif layer.mode == "gather":  # 3 (S - 1) ring steps, as ring_allreduce_time counts them
-        comm = 3 * (spatial - 1) * network.alpha + layer.gather_bytes(dtype_bytes) / network.bandwidth(spatial)
+    elif layer.mode == "gather" or layer.crops_shared:  # 3 (S - 1) ring steps each, as ring_allreduce_time counts
+        collectives = (layer.mode == "gather") + layer.crops_shared
+        comm = (3 * collectives * (spatial - 1) * network.alpha
+                + layer.gather_bytes(dtype_bytes) / network.bandwidth(spatial))
     else:
         comm = 0.0
     return compute, comm
@@ -255,7 +266,7 @@ def layer_table(crop, spatial, setup, measured):
     return lines
 
 
-def efficiency_tables(setup, measured, batches=(1, 8, 64)):
+def efficiency_tables(setup, measured, batches=(1, 8, 32, 64)):
     batches = sorted({*batches, setup.batch})
     node = [row("crop", "S", "compute ms", "halo + gather ms", "DDP all-reduce ms", "step ms",
                 *(f"efficiency, batch {b}" for b in batches), f"vs data parallel on S GPUs, batch {setup.batch}"),
@@ -284,12 +295,11 @@ def losses(crop, spatial, setup, measured):
     adam = parameter_bytes(num_parameters(), DTYPE_BYTES[setup.dtype]) / setup.hbm_bw
     t = step_time(crop, spatial, setup, measured)
     parts = {"ideal: 1/S of one GPU's step": step_time(crop, 1, setup, measured)["step"] / spatial,
-             "halo layers beyond 1/S of their work": 0.0, "deep layers run whole on every rank": 0.0,
+             "halo layers beyond 1/S of their work": 0.0, "deep layers run whole": 0.0,
              "Adam update of all parameters on every rank": adam * (1 - 1 / spatial),
              "halo exchanges and gathers (exposed)": t["halo"], "DDP gradient all-reduce (exposed)": t["ddp"]}
     for layer in plan_layers(crop, spatial, setup.batch):
-        key = "halo layers beyond 1/S of their work" if layer.mode == "halo" else \
-            "deep layers run whole on every rank"
+        key = "halo layers beyond 1/S of their work" if layer.mode == "halo" else "deep layers run whole"
         parts[key] += layer_times(layer, setup, measured)[0] - whole[layer.name] / spatial
     return parts
 
@@ -337,7 +347,8 @@ def report(setup, measured):
         f"{'met' if eff >= target else 'not met'} ({100 * eff:.1f}%)", "", *goal_lines(setup, measured), "",
         f"## One rank's layers at {crop}³, S = {spatial}, batch {setup.batch}", "",
         "Halo and gather MB: sent per step by the busiest rank, forward + backward. x 1/S: the shard's compute over "
-        "1/S of the unsharded layer's (1: no waste; layers that run whole cost S).", "", *layer_table(crop, spatial, setup, measured), "",
+        "1/S of the unsharded layer's (1: no waste; layers that run whole cost S, or 1 when the ranks share the "
+        "batch's crops).", "", *layer_table(crop, spatial, setup, measured), "",
         "## Inside one node (NVLink): efficiency = t(1 GPU, whole crop) / (S x t(slab))", "",
         f"Times for batch {setup.batch}.", "", *node, "",
         "## S x D across nodes: efficiency against one GPU (in brackets: against data parallelism on the same "

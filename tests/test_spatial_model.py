@@ -55,6 +55,18 @@ def test_transposed_layers_compute_only_their_own_planes():
     assert shard.shard_flops(recompute=True) == whole.shard_flops() * 18 // 64  # the plain padding-free form
 
 
+def test_layers_run_whole_share_the_crops_when_s_divides_the_batch():
+    # down5 at 128^3, S = 4 gathers its (B, 512, 4, 4, 4) input; up0's (B, 512, 2, 2, 2) input is whole already
+    for name in ("down5", "up0"):
+        alone, shared, whole = layer(128, 4, 6, name), layer(128, 4, 8, name), layer(128, 1, 8, name)
+        assert not alone.crops_shared and shared.crops_shared  # 4 ranks divide 8 crops, not 6
+        assert shared.shard_flops() == whole.shard_flops() // 4 and alone.shard_flops() * 8 == whole.shard_flops() * 6
+    # bytes: ring all-gather (3/4 of the whole) and all-reduce of the gradient (2 x 3/4) of down5's input and output
+    down5 = layer(128, 4, 8, "down5")
+    assert down5.gather_bytes(2) == 3 * 3 * (8 * 512 * 4 ** 3 + 8 * 512 * 2 ** 3) * 2 // 4
+    assert layer(128, 4, 8, "up0").gather_bytes(2) == 3 * 3 * 8 * 512 * 4 ** 3 * 2 // 4  # its output only
+
+
 def test_compute_at_the_measured_setup_is_the_measured_kernel_time(measured):
     t = step_time(64, 1, Setup(batch=64), measured)
     adam = num_parameters() * (28 + 12) / 3.35e12  # roofline.parameter_bytes at bf16, over H100 HBM
