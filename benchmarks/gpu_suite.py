@@ -17,7 +17,7 @@ f. a profiler trace of training and the prefetcher's copy overlap (part_f_profil
 g. the CUDA tests, tests/test_gpu.py (part_g_tests.py);
 h. each convolution in each form of networks/conv_forms.py (part_h_conv_forms.py);
 i. torch.compile with channels-last, and every cuDNN engine, in fresh processes; only when named (part_i_levers.py).
-j. spatial parallelism: memory per crop, one rank's slabs, two gloo ranks on the GPU; only when named
+j. spatial parallelism: 128^3 slabs at batch 32, memory per crop, one rank's slabs, two gloo ranks; only when named
    (part_j_spatial.py).
 
 ``--conv_forms FORMS`` (default native) trains parts c-f and i with train.py's ``--conv_forms``, e.g.

@@ -4,9 +4,9 @@
     python benchmarks/spatial_gpu.py check --out spatial_check.json     # two gloo ranks sharing the one GPU
     python benchmarks/spatial_gpu.py memory --tiny                       # CPU smoke test of the same code
 
-``memory`` trains the reference U-Net (116,977,029 parameters) for a few steps at batch 1, bf16 autocast, fused
-Adam (on a GPU), the contiguous layout the sharded layers use, and reports each case's peak memory and median
-step time:
+``memory`` trains the reference U-Net (116,977,029 parameters) for a few steps at batch 1 (``--batch``), bf16
+autocast, fused Adam (on a GPU), the contiguous layout the sharded layers use, and reports each case's peak memory
+and median step time:
 - S = 1: whole crops of growing edge (64, 128, 192, ...) until one does not fit: the memory wall;
 - one rank's slab of a crop shared by S ranks (``--slabs 128:2,...``: crop edge and S). It runs in this one
   process: utils/spatial.py's collectives are swapped for ``Loopback``, which gives every received halo and
@@ -94,8 +94,8 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def step_case(channels, crop, size, device, steps):
-    """{peak memory, step ms, ...} of one rank training its (1, C, crop / size, crop, crop) slab."""
+def step_case(channels, crop, size, device, steps, batch=1):
+    """{peak memory, step ms, ...} of one rank training its (batch, C, crop / size, crop, crop) slabs."""
     params = load_config("base", overrides={"model_channels": channels, "data_size": crop,
                                             "box_size": [max(1024, crop), max(512, crop)]})
     torch.manual_seed(0)
@@ -104,8 +104,8 @@ def step_case(channels, crop, size, device, steps):
     if spatial:
         shard_model(model, spatial)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    inp = torch.randn(1, params.N_in_channels, crop // size, crop, crop, device=device)
-    tar = torch.randn(1, params.N_out_channels, crop // size, crop, crop, device=device)
+    inp = torch.randn(batch, params.N_in_channels, crop // size, crop, crop, device=device)
+    tar = torch.randn(batch, params.N_out_channels, crop // size, crop, crop, device=device)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -126,7 +126,7 @@ def step_case(channels, crop, size, device, steps):
         step()
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    row = {"crop": crop, "spatial_parallel": size, "slab": [crop // size, crop, crop], "status": "ok",
+    row = {"crop": crop, "spatial_parallel": size, "batch": batch, "slab": [crop // size, crop, crop], "status": "ok",
            "step_ms": round(statistics.median(times), 2),
            "parameters": sum(p.numel() for p in model.parameters())}
     if device.type == "cuda":
@@ -138,11 +138,11 @@ def step_case(channels, crop, size, device, steps):
     return row
 
 
-def run_case(channels, crop, size, device, steps):
+def run_case(channels, crop, size, device, steps, batch=1):
     """step_case, or {"status": "out of memory"}; frees the device either way."""
     try:
         with loopback():
-            return step_case(channels, crop, size, device, steps)
+            return step_case(channels, crop, size, device, steps, batch)
     except torch.OutOfMemoryError as error:
         return {"crop": crop, "spatial_parallel": size, "status": "out of memory", "error": str(error).split("\n")[0]}
     finally:
@@ -151,18 +151,18 @@ def run_case(channels, crop, size, device, steps):
             torch.cuda.empty_cache()
 
 
-def measure_memory(channels, crops, slabs, device, steps, log=print, finished=lambda results: None):
-    """The whole crops, then the slabs; ``finished(results)`` after each case, so a run stopped at a time limit
-    keeps the cases it finished."""
+def measure_memory(channels, crops, slabs, device, steps, log=print, finished=lambda results: None, batch=1):
+    """The whole crops, then the slabs, ``batch`` crops per step; ``finished(results)`` after each case, so a run
+    stopped at a time limit keeps the cases it finished."""
     torch.backends.cudnn.benchmark = False
-    results = {"setup": {"model_channels": channels, "batch": 1, "precision": "bf16 autocast, fused Adam",
+    results = {"setup": {"model_channels": channels, "batch": batch, "precision": "bf16 autocast, fused Adam",
                          "layout": "contiguous", "cudnn_benchmark": False, "steps_timed": steps,
                          "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                          "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
                          if device.type == "cuda" else None},
                "whole": [], "slabs": []}
     for crop in crops:  # S = 1 up the crop sizes, until one does not fit
-        row = run_case(channels, crop, 1, device, steps)
+        row = run_case(channels, crop, 1, device, steps, batch)
         results["whole"].append(row)
         fits = [row["crop"] for row in results["whole"] if row["status"] == "ok"]
         results["largest_whole_crop"] = max(fits) if fits else None
@@ -173,7 +173,7 @@ def measure_memory(channels, crops, slabs, device, steps, log=print, finished=la
             break
     whole_ms = {row["crop"]: row["step_ms"] for row in results["whole"] if row["status"] == "ok"}
     for crop, size in slabs:
-        row = run_case(channels, crop, size, device, steps)
+        row = run_case(channels, crop, size, device, steps, batch)
         if row["status"] == "ok" and crop in whole_ms:
             row["compute_efficiency"] = round(whole_ms[crop] / (size * row["step_ms"]), 3)
         results["slabs"].append(row)
@@ -323,6 +323,8 @@ def main(argv=None):
                                         f"not fit (default {','.join(map(str, WHOLE_CROPS))})")
     parser.add_argument("--slabs", help=f"memory: comma-separated crop:S (default {SLABS})")
     parser.add_argument("--steps", type=int, default=5, help="memory: timed steps per case (median)")
+    parser.add_argument("--batch", type=int, default=1, help="memory: crops per step (the layers a slab runs whole "
+                                                             "share them between the S ranks when S divides it)")
     parser.add_argument("--parts", default="spatial,ddp_compile", help="check: spatial, ddp_compile")
     parser.add_argument("--out", type=Path, help="JSON file to write")
     args = parser.parse_args(argv)
@@ -337,7 +339,7 @@ def main(argv=None):
         def save(results):
             if args.out:
                 args.out.write_text(json.dumps(results, indent=1))
-        results = measure_memory(channels, crops, slabs, device, args.steps, finished=save)
+        results = measure_memory(channels, crops, slabs, device, args.steps, finished=save, batch=args.batch)
         ok = results["largest_whole_crop"] is not None
     else:
         import tempfile

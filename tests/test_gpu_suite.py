@@ -375,8 +375,8 @@ def test_compile_trains_parts_c_to_f_as_the_opt_configs_do(tmp_path):
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_part_j_runs_the_spatial_sweep_and_the_two_rank_check(tmp_path):
-    """Part j in the smoke mode: benchmarks/spatial_gpu.py's tiny sweep and its two-rank S = 2 check, each a fresh
-    process, judged from their JSON; named only (not among the default parts)."""
+    """Part j in the smoke mode: benchmarks/spatial_gpu.py's tiny batch of slabs, tiny sweep and two-rank S = 2 check,
+    each a fresh process, judged from their JSON; named only (not among the default parts)."""
     assert "j" not in settings.DEFAULT_PARTS
     assert gpu_suite.main([str(tmp_path), "--small", "--parts", "j"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -385,7 +385,9 @@ def test_part_j_runs_the_spatial_sweep_and_the_two_rank_check(tmp_path):
     assert checks["spatial: a training step's memory per crop"]["detail"].startswith("largest crop trained at S = 1: 16^3")
     assert checks["spatial: one rank's slabs train"]["detail"].count("S=") == 2
     assert checks["two gloo ranks: S = 2 equals the unsharded model (fp32)"]["status"] == "PASS"
-    assert set(summary["spatial"]) == {"memory", "check"}
+    batch = checks["spatial: slabs at batch 4 (the projection's setup)"]
+    assert batch["status"] == "PASS" and batch["detail"].startswith("8^3 S=4: compute-only efficiency ")
+    assert set(summary["spatial"]) == {"batch", "memory", "check"}
 
 
 def test_part_j_judges_a_stopped_sweep_and_a_failed_check(tmp_path):

@@ -40,6 +40,17 @@ def test_memory_sweep_on_the_cpu_writes_every_case(tmp_path):
     assert slabs[(16, 4)]["gathered_layers"] == []  # the tiny 2-level model: every slab holds its halos
 
 
+def test_a_batch_of_slabs_whose_deep_layers_share_the_crops(tmp_path):
+    # 8^3 at S = 4 on the tiny 2-level model: down.1's 1-plane slab gathers, up.0's 2 planes are whole; 4 crops
+    out = tmp_path / "memory.json"
+    assert spatial_gpu.main(["memory", "--tiny", "--steps", "1", "--batch", "4", "--crops", "8", "--slabs", "8:4",
+                             "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    (row,) = results["slabs"]
+    assert results["setup"]["batch"] == row["batch"] == 4 and row["status"] == "ok"
+    assert row["gathered_layers"] == ["down.1.0", "up.0.0"]
+
+
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_two_rank_checks_pass_on_the_cpu(tmp_path):
     out = tmp_path / "check.json"
@@ -54,10 +65,10 @@ def test_two_rank_checks_pass_on_the_cpu(tmp_path):
 def test_the_sweep_stops_at_the_first_crop_that_does_not_fit(monkeypatch):
     real = spatial_gpu.step_case
 
-    def step_case(channels, crop, size, device, steps):
+    def step_case(channels, crop, size, device, steps, batch=1):
         if size == 1 and crop >= 16:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
-        return real(channels, crop, size, device, steps)
+        return real(channels, crop, size, device, steps, batch)
 
     monkeypatch.setattr(spatial_gpu, "step_case", step_case)
     lines = []

@@ -1,4 +1,6 @@
 """Part j: spatial parallelism on the GPU (benchmarks/spatial_gpu.py), each run a fresh process within the budget left:
+- ``batch``: one rank's slab of a 128^3 crop at S = 2, 4 and 8 against the whole crop, 32 crops per step: the
+  compute-only efficiency at the setup benchmarks/spatial_model.py projects;
 - ``memory``: a training step's memory per crop edge (batch 1) until one does not fit, then one rank's slab of a
   128^3 and a 256^3 crop at S = 2, 4 and 8 and of a 512^3 crop at S = 8 (its JSON is written after every case, so
   a run stopped at its limit keeps what it measured);
@@ -18,7 +20,9 @@ from utils.config import REPO_ROOT
 
 class SpatialPart:
     def spatial(self):
-        runs = {"memory": ["memory", "--tiny"] if self.small else ["memory"],
+        runs = {"batch": ["memory", "--tiny", "--batch", "4", "--crops", "8", "--slabs", "8:4"] if self.small else
+                ["memory", "--batch", "32", "--crops", "128", "--slabs", "128:2,128:4,128:8", "--steps", "3"],
+                "memory": ["memory", "--tiny"] if self.small else ["memory"],
                 "check": ["check", "--parts", "spatial"] if self.small else ["check"]}
         results = {}
         for index, (name, flags) in enumerate(runs.items()):
@@ -36,6 +40,12 @@ class SpatialPart:
                 ended = f"killed after {timeout:.0f} s"
             results[name] = json.loads(out.read_text()) if out.exists() else {"ended": ended}
         self.results["spatial"] = results
+        batch = results["batch"]
+        slabs = [row for row in batch.get("slabs", []) if row.get("compute_efficiency")]
+        self.check(f"spatial: slabs at batch {batch.get('setup', {}).get('batch')} (the projection's setup)",
+                   bool(slabs), "; ".join(f"{row['crop']}^3 S={row['spatial_parallel']}: compute-only efficiency "
+                                          f"{row['compute_efficiency']:.2f}" for row in slabs)
+                   or batch.get("ended", "no slab measured"))
         self.judge_memory(results["memory"])
         self.judge_check(results["check"])
 

@@ -22,7 +22,7 @@ DEFAULT_PARTS = "abcdefgh"  # i answered its questions on the H100, j has its ow
 # Seconds per part on an H100 after cuDNN's autotuning (a, the environment and probe, is in CALL_START_S). g runs
 # its tests on TEST_WORKERS pytest-xdist workers.
 # j: on an H200 the memory sweep to 448^3 and the slabs took about 130 s, the two-rank check with its compile 150 s.
-PART_SECONDS = {"b": 370, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 60, "i": 240, "j": 330}
+PART_SECONDS = {"b": 370, "c": 130, "d": 70, "e": 40, "f": 55, "g": 120, "h": 60, "i": 240, "j": 390}
 TEST_TIMEOUT_S = 240  # part g's limit per test where pytest-timeout is installed (the GPU image has it)
 TEST_WORKERS = 4  # part g's pytest-xdist workers: each compiles and autotunes its tests in a CUDA context of its own
 FIRST_TRAINING_PART_S = 50  # cuDNN's autotuning in a fresh process, paid by its first training part unless b ran
