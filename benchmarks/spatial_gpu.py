@@ -18,9 +18,10 @@ autotuning every new shape would take most of a device call, and it is the same 
 
 ``check`` runs two ranks on the one GPU through gloo, which takes CUDA tensors (NCCL refuses two ranks on one
 device), and compares, each within its tolerance:
-- ``spatial``: the quickstart model at S = 2 (1 data x 2 spatial ranks, DDP over the mesh, as train.py builds it)
-  against the same model unsharded, fp32 with TF32 off: the first step's gradients and the per-step losses
-  (relative 1e-5 of each tensor's largest value), the final weights (1e-4);
+- ``spatial``: the quickstart model on 16³ crops at S = 2 (1 data x 2 spatial ranks, DDP over the mesh, as train.py
+  builds it; its two deepest layers run whole, sharing the crops) against the same model unsharded, fp32 with TF32
+  off: the first step's gradients and the per-step losses (relative 1e-5 of each tensor's largest value), the
+  final weights (1e-4);
 - ``ddp_compile``: the ``bs64_opt`` step (bf16, fused Adam, channels-last, torch.compile, the tuned conv forms)
   as 2 data-parallel ranks against one eager process on the same global batch: per-step losses (bf16 rounding,
   relative 2e-2) and the two ranks' weights identical.
@@ -223,11 +224,12 @@ def check_spatial(info, device, steps=4):
     import train
     from utils.distributed import DistInfo
     from utils.spatial import split_depth
-    overrides = {"device": device.type, "data_size": 32, "global_batch_size": 2, "amp_mode": "none",
+    # 16^3 crops: down3's 1-plane slab and up0's 1-plane input run whole, each rank on 1 of the 2 crops
+    overrides = {"device": device.type, "data_size": 16, "global_batch_size": 2, "amp_mode": "none",
                  "enable_tf32": False}
     state = train.build_training(load_config("quickstart", overrides={**overrides, "spatial_parallel": 2}), info)
     single = train.build_training(load_config("quickstart", overrides=overrides), DistInfo(device=device))
-    batches = fixed_batches(steps, 2, 32, device)
+    batches = fixed_batches(steps, 2, 16, device)
     sharded, whole, gradient_difference = [], [], None
     for inp, tar in batches:
         sharded.append(train.eager_step(state, split_depth(inp, state.spatial), split_depth(tar, state.spatial)).item())
