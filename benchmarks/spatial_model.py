@@ -88,11 +88,14 @@ class ShardLayer:
         planes = sum(self.halo) if self.spatial > 2 else max(self.halo)
         return 2 * planes * b * c * h * w * dtype_bytes if self.mode == "halo" else 0
 
+    def gathered(self):
+        """Shapes of the whole tensors it all-gathers: its sharded input ("gather"), its output (crops shared)."""
+        return [self.input_shape] * (self.mode == "gather") + [self.output_shape] * self.crops_shared
+
     def gather_bytes(self, dtype_bytes):
-        """Bytes a rank sends per step: ring all-gather of the input, (S - 1) / S of it, and ring all-reduce of
-        its gradient, 2 (S - 1) / S of it; the same for the output when the ranks share the crops."""
-        gathered = (self.mode == "gather", self.crops_shared)
-        whole = math.prod(self.input_shape) * gathered[0] + math.prod(self.output_shape) * gathered[1]
+        """Bytes a rank sends per step: for each gathered tensor a ring all-gather, (S - 1) / S of it, and a ring
+        all-reduce of its gradient, 2 (S - 1) / S of it."""
+        whole = sum(math.prod(shape) for shape in self.gathered())
         return 3 * (self.spatial - 1) * whole * dtype_bytes // self.spatial
 
     def kept_elements(self):
@@ -177,9 +180,8 @@ def layer_times(layer, setup, measured):
     if layer.mode == "halo":
         p2p_bw = network.intra_bw if spatial <= network.gpus_per_node else network.node_bw / network.gpus_per_node
         comm = 2 * network.alpha + layer.halo_bytes(dtype_bytes) / p2p_bw  # one exchange forward, one backward
-    elif layer.mode == "gather" or layer.crops_shared:  # 3 (S - 1) ring steps each, as ring_allreduce_time counts
-        collectives = (layer.mode == "gather") + layer.crops_shared
-        comm = (3 * collectives * (spatial - 1) * network.alpha
+    elif layer.gathered():  # 3 (S - 1) ring steps per gathered tensor, as ring_allreduce_time counts them
+        comm = (3 * len(layer.gathered()) * (spatial - 1) * network.alpha
                 + layer.gather_bytes(dtype_bytes) / network.bandwidth(spatial))
     else:
         comm = 0.0

@@ -40,9 +40,9 @@ class SpatialPart:
                 ended = f"killed after {timeout:.0f} s"
             results[name] = json.loads(out.read_text()) if out.exists() else {"ended": ended}
         self.results["spatial"] = results
-        batch = results["batch"]
+        batch, flags = results["batch"], runs["batch"]
         slabs = [row for row in batch.get("slabs", []) if row.get("compute_efficiency")]
-        self.check(f"spatial: slabs at batch {batch.get('setup', {}).get('batch')} (the projection's setup)",
+        self.check(f"spatial: slabs at batch {flags[flags.index('--batch') + 1]} (the projection's setup)",
                    bool(slabs), "; ".join(f"{row['crop']}^3 S={row['spatial_parallel']}: compute-only efficiency "
                                           f"{row['compute_efficiency']:.2f}" for row in slabs)
                    or batch.get("ended", "no slab measured"))
