@@ -330,6 +330,8 @@ def main(argv=None):
     parser.add_argument("--parts", default="spatial,ddp_compile", help="check: spatial, ddp_compile")
     parser.add_argument("--out", type=Path, help="JSON file to write")
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch is a number of crops, at least 1; got {args.batch}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.mode == "memory":
         channels = TINY["channels"] if args.tiny else None
