@@ -162,40 +162,52 @@ def collect(run_dir, out):
     return copied
 
 
-def full_run(args, out, work, log):
+def full_run(args, out, work, log, record):
+    """Generate, train, report; fills ``record`` as it goes, so that a failure keeps what was done."""
     deadline = STARTED + args.budget_s
     config, boxes = (SMALL["config"], SMALL["box_size"]) if args.small else (args.config, args.box_size)
-    train_path, val_path, generation = generate(boxes, Path(args.data_dir) if args.data_dir else work / "data",
-                                                log, deadline)
+    record.update(config=config, boxes=boxes)
+    train_path, val_path, record["generation_s"] = generate(
+        boxes, Path(args.data_dir) if args.data_dir else work / "data", log, deadline)
     expdir = work / "runs"
     argv = ([sys.executable, "train.py", f"--config={config}", "--train_path", str(train_path), "--val_path",
              str(val_path), "--box_size", *map(str, boxes), "--expdir", str(expdir), "--run_num", "full"]
             + (SMALL["flags"] if args.small else []) + args.train_args)
+    record["command"] = shlex.join(["python"] + argv[1:])
     if remaining(deadline) < args.grace_s:
         raise Failure(f"data generation left {remaining(deadline):.0f} s of the {args.budget_s:.0f} s budget; raise "
                       f"--budget_s or give smaller --box_size")
     code, output, seconds = run_streamed(argv, log, stop_at=deadline - args.grace_s, kill_at=deadline)
     run_dir = expdir / config / "1GPU" / "full"
+    record["files"] = collect(run_dir, out)
     out_log = (run_dir / "out.log").read_text() if (run_dir / "out.log").exists() else output
-    record = {"config": config, "boxes": boxes, "script": shlex.join(["python"] + sys.argv),
-              "command": shlex.join(["python"] + argv[1:]),
-              "generation_s": generation, **summarise(out_log, output, code, seconds)}
-    files = collect(run_dir, out)
+    record.update(summarise(out_log, output, code, seconds))
     if record["finished"] and not args.no_report:
         report = out / "science_report.png"
         code, text, took = run_streamed([sys.executable, "-m", "science.report", str(run_dir), "--output",
                                          str(report)], log, kill_at=deadline)
         record["report_s"] = round(took, 1)
         if code == 0:
-            files.append(report.name)
+            record["files"].append(report.name)
         else:
             record["report_error"] = last_line(text)
-    record["files"] = files
-    return record
+
+
+def print_summary(record, small):
+    print(f"full_run: {record['config']} on {record['device']}: {record['epochs_done']}/{record['epochs']} epochs in "
+          f"{record['wall_minutes']:.1f} min, {record['samples_per_s']} samples/s while training, final val loss "
+          f"{record['final_val_loss']}" + ("" if record["finished"] else
+                                           f" (not finished: exit {record['exit_code']}; "
+                                           f"{record['stopped'] or 'see out.log'})"))
+    if record["config"] == "bs64_opt" and not small:
+        met = record["finished"] and record["wall_minutes"] <= GOAL_MINUTES
+        print(f"GOAL bs64_opt end to end <= {GOAL_MINUTES} min on one H100: {'met' if met else 'not met'} "
+              f"({record['wall_minutes']:.1f} min on {record['device']})")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage="%(prog)s OUT [options] [-- train.py flags]")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     usage="%(prog)s OUT [options] [-- train.py flags]")
     parser.add_argument("out", help="folder for the record and the run's files (created)")
     parser.add_argument("--config", default="bs64_opt", help="named config of config/UNet.yaml (default %(default)s)")
     parser.add_argument("--box_size", type=int, nargs=2, default=[512, 256], metavar=("TRAIN", "VAL"),
@@ -210,7 +222,7 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)  # after --: more train.py flags
     args = parser.parse_args(argv[:split])
-    args.train_args = argv[split + 1:]
+    args.train_args, args.argv = argv[split + 1:], argv
     return args
 
 
@@ -220,11 +232,12 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="full_run_"))
     import torch  # versions only: CUDA stays uninitialised here, the GPU's memory is train.py's
-    record = {"versions": {"python": platform.python_version(), "torch": torch.__version__,
+    record = {"script": shlex.join(["python", "benchmarks/full_run.py", *args.argv]),
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "cuda": torch.version.cuda}}
     try:
         with open(out / "full_run.log", "w") as log:
-            record.update(full_run(args, out, work, log))
+            full_run(args, out, work, log, record)
     except Failure as err:
         record["error"] = str(err)
         print(f"full_run: error: {err}", file=sys.stderr)
@@ -235,14 +248,7 @@ def main(argv=None):
         else:
             shutil.rmtree(work, ignore_errors=True)
     if "wall_minutes" in record:
-        print(f"full_run: {record['config']} on {record['device']}: {record['epochs_done']}/{record['epochs']} epochs "
-              f"in {record['wall_minutes']:.1f} min, {record['samples_per_s']} samples/s while training, final val "
-              f"loss {record['final_val_loss']}" + ("" if record["finished"] else f" (not finished: exit "
-                                                        f"{record['exit_code']}; {record['stopped'] or 'see out.log'})"))
-        if record["config"] == "bs64_opt" and not args.small:
-            met = record["finished"] and record["wall_minutes"] <= GOAL_MINUTES
-            print(f"GOAL bs64_opt end to end <= {GOAL_MINUTES} min on one H100: {'met' if met else 'not met'} "
-                  f"({record['wall_minutes']:.1f} min on {record['device']})")
+        print_summary(record, args.small)
     print(f"full_run: wrote {out / 'full_run.json'}")
     return 0 if record.get("finished") else 1
 

@@ -14,7 +14,8 @@ import full_run  # noqa: E402
 
 SCRIPT = REPO_ROOT / "benchmarks" / "full_run.py"
 LOG = """\
-10:00:00 Config 'bs64_opt': 1 rank(s) on cuda (NVIDIA H100 80GB HBM3), global batch 64 (64 per rank), 1024 steps/epoch x 2 epochs
+10:00:00 Config 'bs64_opt': 1 rank(s) on cuda (NVIDIA H100 80GB HBM3), global batch 64 (64 per rank), \
+1024 steps/epoch x 2 epochs
 10:00:40 epoch 1 step 1024/1024 (global 1024/2048) | loss 0.01 | lr 1e-4 | 2000.0 samples/s | data wait 1% | ETA 0:00:30
 10:00:40 Time taken for epoch 1 is 40.0 sec, avg 1638.40 samples/sec (2500.00 after the first log interval)
 10:00:40   data wait 1.0% of step time, MFU 20.1%, peak memory 30.00 GB (GPU allocated, 31.00 GB reserved)
