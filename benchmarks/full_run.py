@@ -228,10 +228,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    import torch  # versions and the device check only: no CUDA context here, the GPU's memory is train.py's
+    if not (args.small or torch.cuda.is_available()):
+        print("full_run: error: no CUDA GPU visible; the full run needs one (--small checks the mechanics on a CPU)",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="full_run_"))
-    import torch  # versions only: CUDA stays uninitialised here, the GPU's memory is train.py's
     record = {"script": shlex.join(["python", "benchmarks/full_run.py", *args.argv]),
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "cuda": torch.version.cuda}}

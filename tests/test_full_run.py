@@ -51,6 +51,14 @@ def test_a_stopped_run_is_not_finished_and_says_where_it_stopped():
         full_run.summarise("Traceback ...", "", 1, 1.0)
 
 
+def test_without_a_gpu_only_small_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert full_run.main([str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == ("full_run: error: no CUDA GPU visible; the full run needs one (--small checks "
+                                       "the mechanics on a CPU)\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_flags_after_a_double_dash_go_to_train_py():
     args = full_run.parse_args(["OUT", "--small", "--", "--num_epochs", "3", "--amp_mode", "bf16"])
     assert args.out == "OUT" and args.small and args.train_args == ["--num_epochs", "3", "--amp_mode", "bf16"]
