@@ -72,17 +72,10 @@ class TrainState:
                 group["lr"] = lr
 
 
-def build_optimizer(model, params, device, capturable=False):
-    """Adam; fused (one kernel for all parameters) when asked for, else PyTorch's default implementation."""
+def build_optimizer(model, params, device):
+    """Adam; fused (one kernel for all parameters) when asked for, else PyTorch's default implementation
+    (train_graph.py passes its own, ``capturable_adam``)."""
     lr = params.lr_schedule["start_lr"]
-    if capturable:  # train_graph.py captures step(): the lr must live in a device tensor that set_lr fills
-        # Name the implementation: fused=False alone selects the single-tensor Adam, not foreach; its capturable
-        # update divides 0 by -0.0 at lr 0 (the first warm-up step), writing NaN into weights whose gradient is
-        # always 0 (most taps of the layers next to the 1^3 level).
-        implementation = "fused" if params.enable_fused else "foreach"
-        lr = torch.tensor(lr, dtype=torch.float32, device=device)
-        return (torch.optim.Adam(model.parameters(), lr=lr, capturable=True, **{implementation: True}),
-                f"torch Adam ({implementation}, capturable, lr on device)")
     if params.enable_apex:
         try:
             from apex.optimizers import FusedAdam  # in NVIDIA's containers; never pip-install "apex"
@@ -139,7 +132,7 @@ def set_backend_flags(params, device):
         torch.backends.cudnn.allow_tf32 = params.enable_tf32
 
 
-def build_training(params, info, capturable=False, run_dir=None):
+def build_training(params, info, make_optimizer=build_optimizer, run_dir=None):
     """The model (channels-last, DDP-wrapped and compiled as configured), Adam, autocast and GradScaler."""
     device = info.device
     torch.manual_seed(params.seed)  # identical initial weights on every rank (DDP also broadcasts them)
@@ -158,7 +151,7 @@ def build_training(params, info, capturable=False, run_dir=None):
         from utils.spatial import shard_model, spatial_mesh
         _, spatial = spatial_mesh(params.spatial_parallel, device.type)
         shard_model(model, spatial)  # same parameters and state-dict keys; before DDP registers its hooks
-    optimizer, optimizer_name = build_optimizer(model, params, device, capturable)
+    optimizer, optimizer_name = make_optimizer(model, params, device)
 
     train_model, ddp_note = model, "single process"
     if info.enabled and not params.noddp:
@@ -388,11 +381,11 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
     return val_loss
 
 
-def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=None):
+def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_optimizer, check=None):
     """Parse, load the config, set up the run folder, data and model, and train.
 
-    train_graph.py passes its step (``make_step``), a capturable optimizer and ``check(params, world_size)``,
-    which refuses what it cannot run before any work is done."""
+    train_graph.py passes its step (``make_step``), its optimizer (``make_optimizer``) and ``check(params,
+    world_size)``, which refuses what it cannot run before any work is done."""
     control = RunControl()  # one stop-signal handler from the first second on: exit code 3 outside the loop
     try:
         args = parse_args(argv)
@@ -420,7 +413,7 @@ def main(argv=None, make_step=lambda state: eager_step, capturable=False, check=
                 save_config(params, run_dir / "config.yaml")
             prepare_data(params, info, logger.info)
             with training_stream(info.device, params.stream_priority):  # DDP's gradient hooks are made here too
-                state = build_training(params, info, capturable, run_dir)
+                state = build_training(params, info, make_optimizer, run_dir)
                 result = train(params, state, run_dir, control, make_step, resume, resume_fallback)
             control.agree()  # a log write that failed on rank 0 after the loop's last agreement stops every rank
             finished = True

@@ -21,8 +21,8 @@ the warm-up, before capture, and the graph replays Inductor's kernels. The compi
 alternative, ``torch.compile(mode="reduce-overhead")``, graphs forward and backward but not the
 optimizer step.
 
-The optimizer is Adam with ``capturable=True`` and a learning rate held in a device tensor, so the
-LR schedule (``TrainState.set_lr`` fills that tensor) needs no re-capture.
+The optimizer (``capturable_adam``) is Adam with ``capturable=True`` and a learning rate held in a device tensor,
+so the LR schedule (``TrainState.set_lr`` fills that tensor) needs no re-capture.
 """
 import warnings
 
@@ -54,6 +54,17 @@ def check_graph_support(params, world_size):
                           "(PyTorch's fused Adam)")
 
 
+def capturable_adam(model, params, device):
+    """Adam whose step a graph can record: ``capturable=True``, its lr in a device tensor that TrainState.set_lr
+    fills. Fused with ``--enable_fused``, else foreach, named: ``fused=False`` alone selects the single-tensor Adam,
+    whose capturable update divides 0 by -0.0 at lr 0 (the first warm-up step), writing NaN into weights whose
+    gradient is always 0 (most taps of the layers next to the 1^3 level)."""
+    implementation = "fused" if params.enable_fused else "foreach"
+    lr = torch.tensor(params.lr_schedule["start_lr"], dtype=torch.float32, device=device)
+    return (torch.optim.Adam(model.parameters(), lr=lr, capturable=True, **{implementation: True}),
+            f"torch Adam ({implementation}, capturable, lr on device)")
+
+
 def train_step_body(state, inp, tar):
     """eager_step without zero_grad and GradScaler (disabled for none/bf16): what the graph records."""
     _, loss = train.forward_loss(state, state.train_model, inp, tar)
@@ -66,12 +77,12 @@ def check_capturable(optimizer, device):
     for group in optimizer.param_groups:
         if not group.get("capturable"):
             raise RuntimeError("the optimizer was not built with capturable=True; "
-                               "build it with train.build_training(params, info, capturable=True)")
+                               "build it with train.build_training(params, info, capturable_adam)")
         lr = group["lr"]
         if not (torch.is_tensor(lr) and lr.device == device):
             # A Python float would be baked into the graph: the LR schedule would silently stop.
             raise RuntimeError(f"the optimizer's lr must be a tensor on {device} for a CUDA graph, got {lr!r}; "
-                               f"build it with train.build_training(params, info, capturable=True) and keep it a "
+                               f"build it with train.build_training(params, info, capturable_adam) and keep it a "
                                f"tensor when loading optimizer state")
 
 
@@ -151,7 +162,7 @@ def make_graph_step(state):
 
 def main(argv=None):
     """train.main with the captured step; its checks run on train.main's config, before any work."""
-    return train.main(argv, make_step=make_graph_step, capturable=True, check=check_graph_support)
+    return train.main(argv, make_step=make_graph_step, make_optimizer=capturable_adam, check=check_graph_support)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import train  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
-from train_graph import capture_train_step  # noqa: E402
+from train_graph import capturable_adam, capture_train_step  # noqa: E402
 from utils import metrics  # noqa: E402
 from utils import ConfigError  # noqa: E402
 from utils.config import REPO_ROOT, load_config  # noqa: E402
@@ -219,7 +219,7 @@ def synchronize(device):
 def run_rung(rung, params, device, batch, args):
     """Loss check, then timed windows, for one rung; returns its numbers."""
     info = DistInfo(device=device)
-    state = (train.build_training(params, info, capturable=True) if rung.graph
+    state = (train.build_training(params, info, capturable_adam) if rung.graph
              else train.build_training(params, info))
     # One batch, cached on the device in the rung's memory format: the steps measure compute alone.
     inp, tar = (tensor.to(device, memory_format=state.memory_format) for tensor in batch)

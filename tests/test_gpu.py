@@ -92,7 +92,7 @@ def test_graph_replay_trains_like_eager_steps(tiny_params, compiled):
     info = init_distributed("cuda")
     assert info.device == CUDA
     eager = train.build_training(params, info)
-    graphed = train.build_training(params, info, capturable=True)
+    graphed = train.build_training(params, info, train_graph.capturable_adam)
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     assert (graphed.train_model is not graphed.model) == compiled
     initial = flat_weights(eager.model)
@@ -143,7 +143,7 @@ def test_rewritten_convolutions_capture_in_a_graph_and_give_the_native_gradients
     settings = {**TINY_CUDA, "amp_mode": "bf16", "enable_fused": True, "channels_last": True, "Nsamples": 4 * NUM_STEPS}
     info = init_distributed("cuda")
     native = train.build_training(tiny_params(**settings), info)
-    forms = train.build_training(tiny_params(**settings, conv_forms=spec), info, capturable=True)
+    forms = train.build_training(tiny_params(**settings, conv_forms=spec), info, train_graph.capturable_adam)
     assert [getattr(module, "form", "native") for _, module in forms.model.conv_layers()] == expected
     assert torch.equal(flat_weights(native.model), flat_weights(forms.model))
     batches = [tuple(t.contiguous(memory_format=torch.channels_last_3d) for t in batch)
@@ -237,7 +237,7 @@ def test_pytorch_171622_still_breaks_a_native_transposed_conv_on_one_voxel():
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_set_lr_after_capture_drives_the_replayed_adam_step(tiny_params, fused):
     params = tiny_params(**TINY_CUDA, enable_fused=fused)
-    state = train.build_training(params, init_distributed("cuda"), capturable=True)
+    state = train.build_training(params, init_distributed("cuda"), train_graph.capturable_adam)
     lr = state.optimizer.param_groups[0]["lr"]
     assert torch.is_tensor(lr) and lr.device == CUDA and all(g["lr"] is lr for g in state.optimizer.param_groups)
     address = lr.data_ptr()
@@ -275,7 +275,7 @@ def test_a_replay_at_lr_0_leaves_never_updated_weights_finite(tiny_params, fused
     # Adam's second moment stay exactly 0. Warm-up starts at lr 0, and torch's single-tensor capturable Adam
     # (what fused=False alone selects) divides 0 by -0.0 there: NaN weights from the first step.
     params = tiny_params(**{**TINY_CUDA, "model_channels": [8, 16, 16, 16]}, enable_fused=fused)
-    state = train.build_training(params, init_distributed("cuda"), capturable=True)
+    state = train.build_training(params, init_distributed("cuda"), train_graph.capturable_adam)
     (inp, tar), = device_batches(tiny_params, count=1)
     step = train_graph.capture_train_step(state, inp, tar)
     before = flat_weights(state.model)
@@ -315,7 +315,8 @@ def test_a_graph_run_stopped_after_epoch_1_resumes_to_the_same_weights(graph_arg
 
     whole = train_graph.main(graph_argv + ["--run_num", "whole"])
     with pytest.raises(Preempted, match="after epoch 1"):
-        train.main(graph_argv + ["--run_num", "split"], make_step=stop_at_the_end_of_epoch_1, capturable=True)
+        train.main(graph_argv + ["--run_num", "split"], make_step=stop_at_the_end_of_epoch_1,
+                   make_optimizer=train_graph.capturable_adam)
     assert sorted(p.name for p in (runs / "split" / "checkpoints").glob("*.pt")) == ["ckpt_step00000008.pt"]
     resumed = train_graph.main(graph_argv + ["--run_num", "split"])
 
@@ -356,7 +357,8 @@ def test_a_high_priority_stream_runs_every_step_there_and_trains_the_same(graph_
         seen = set()
         make_step = recording(train_graph.make_graph_step if graph else lambda state: train.eager_step, seen)
         loss = train.main(argv + ["--stream_priority", priority, "--run_num", priority], make_step=make_step,
-                          capturable=graph, check=train_graph.check_graph_support if graph else None)
+                          make_optimizer=train_graph.capturable_adam if graph else train.build_optimizer,
+                          check=train_graph.check_graph_support if graph else None)
         runs[priority] = loss, seen
     assert runs["normal"][1] == {0} and len(runs["high"][1]) == 1 and min(runs["high"][1]) < 0, runs
     assert 0 < runs["high"][0] == runs["normal"][0]

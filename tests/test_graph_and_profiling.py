@@ -135,9 +135,8 @@ def test_a_float_learning_rate_is_refused_for_capture():
 def test_the_capturable_optimizer_is_foreach_or_fused_never_single_tensor(tiny_params, fused):
     """fused=False alone would pick torch's single-tensor Adam, whose capturable update writes NaN into weights
     with an always-zero gradient when lr is 0 (the first warm-up step); tests/test_gpu.py checks that on a GPU."""
-    from train import build_optimizer
     params = tiny_params(enable_fused=fused)
-    optimizer, name = build_optimizer(UNet([4, 8]), params, torch.device("cpu"), capturable=True)
+    optimizer, name = train_graph.capturable_adam(UNet([4, 8]), params, torch.device("cpu"))
     implementation = "fused" if fused else "foreach"
     assert optimizer.defaults[implementation] is True and not optimizer.defaults["fused" if not fused else "foreach"]
     assert optimizer.defaults["capturable"] and torch.is_tensor(optimizer.param_groups[0]["lr"])
