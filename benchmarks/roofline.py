@@ -15,8 +15,9 @@ has two passes):
 - roofline time: max(FLOPs / peak, bytes / bandwidth) per pass, summed over the passes.
 
 The shapes come from the model itself, built on the meta device: no memory, seconds on a CPU. Beside each
-layer stand the kernel times that a results file measured (the GPU suite's part h, ``conv_forms``: GPU time
-of forward + backward with fresh gradients, native form and fastest form), when it measured the same setup.
+layer stand the kernel times that a results file measured (``conv_variants.py``, as the GPU suite's part h or
+a session ran it: ``conv_forms``, GPU time of forward + backward with fresh gradients, native form and fastest
+form), when it measured the same setup.
 
 The ceiling adds, to the convolutions' roofline, memory traffic they do not do (see ``elementwise_bytes`` and
 ``parameter_bytes``): samples/s = batch / step time.
@@ -131,6 +132,18 @@ def parameter_bytes(num_params, dtype_bytes):
     return num_params * (28 + casts)
 
 
+def _kernel_table(node):
+    """{layer: {form: kernel ms}} and {layer: fastest form} of a ``conv_forms`` table, or None. Two shapes:
+    conv_variants.py's own (``layers``: rows with ``kernel_ms`` and ``best``, as the GPU suite's part h stores
+    them) and the condensed one a session's write-up keeps (``kernel_ms``: {layer: {form: ms}}, ``fastest``)."""
+    layers = node.get("layers")
+    if isinstance(layers, list) and layers and isinstance(layers[0], dict) and "kernel_ms" in layers[0]:
+        return {row["layer"]: row["kernel_ms"] for row in layers}, {row["layer"]: row["best"] for row in layers}
+    if isinstance(node.get("kernel_ms"), dict) and isinstance(node.get("fastest"), dict):
+        return node["kernel_ms"], node["fastest"]
+    return None
+
+
 def measured_kernel_ms(path, channels, batch, crop, dtype="bf16"):
     """{layer: {'native', 'best', 'best_form'}} kernel ms from a results file's latest ``conv_forms`` table with
     kernel times, when it measured these widths, batch, crop and dtype; {} otherwise."""
@@ -141,8 +154,7 @@ def measured_kernel_ms(path, channels, batch, crop, dtype="bf16"):
 
     def collect(node):
         if isinstance(node, dict):
-            layers = node.get("layers")
-            if isinstance(layers, list) and layers and isinstance(layers[0], dict) and "kernel_ms" in layers[0]:
+            if _kernel_table(node):
                 tables.append(node)
             for value in node.values():
                 collect(value)
@@ -156,8 +168,9 @@ def measured_kernel_ms(path, channels, batch, crop, dtype="bf16"):
         same_shapes = (setup.get("batch"), setup.get("crop"), list(setup.get("model_channels", []))) == (
             batch, crop, channels)
         if same_shapes and dtype in setup.get("precision", ""):
-            return {row["layer"]: {"native": row["kernel_ms"].get("native"), "best_form": row["best"],
-                                   "best": row["kernel_ms"].get(row["best"])} for row in table["layers"]}
+            kernel_ms, fastest = _kernel_table(table)
+            return {layer: {"native": ms.get("native"), "best_form": fastest[layer], "best": ms.get(fastest[layer])}
+                    for layer, ms in kernel_ms.items()}
     return {}
 
 
@@ -209,7 +222,7 @@ def markdown(result):
              f"{s['bandwidth_tbs']:g} --batch {s['batch']} --crop {s['crop']} --dtype {s['dtype']}`", "",
              "GFLOP per pass (forward = input gradient = weight gradient; down0 has no input gradient), minimum "
              "MB per pass, roofline ms summed over the passes, intensity in FLOP/byte. Measured: kernel ms of "
-             "forward + backward" + (f" from `{s['measured_from']}` (part h), native and fastest form"
+             "forward + backward" + (f" from `{s['measured_from']}` (`conv_variants.py`), native and fastest form"
                                      if s["measured_from"] else ": none for this setup") + ".", "",
              "| layer | input | GFLOP/pass | MB fwd | MB dgrad | MB wgrad | roofline ms | FLOP/B | bound "
              "| native ms | best ms (form) | best / roofline |",

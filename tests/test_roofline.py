@@ -107,6 +107,18 @@ def test_measured_kernel_times_come_from_h100_json():
     assert result["measured_best_kernel_ms"] == pytest.approx(20.56, abs=0.01)  # issue #39: 20.6
 
 
+def test_measured_kernel_times_come_from_h200_jsons_condensed_table():
+    """A session's write-up keeps conv_variants.py's table condensed ({layer: {form: ms}}, fastest): read it too."""
+    result = main(["--gpu", "h200"])
+    measured = {row["layer"]: row["measured"] for row in result["layers"]}
+    assert result["setup"]["measured_from"] == "h200.json"
+    assert measured["last"] == {"native": 10.767, "best_form": "fused", "best": 2.734,
+                                "best_over_roofline": pytest.approx(2.734 / result["layers"][-1]["total_roofline_ms"])}
+    assert measured["down1"]["best"] == measured["down1"]["native"] == 2.666
+    assert result["measured_best_kernel_ms"] == pytest.approx(15.58, abs=0.01)  # roofline_h200.md
+    assert measured_kernel_ms("benchmarks/results/h200.json", CHANNELS, 32, 64) == {}
+
+
 def test_no_measured_times_for_another_setup(tmp_path):
     assert measured_kernel_ms("benchmarks/results/h100.json", CHANNELS, 32, 64) == {}
     assert measured_kernel_ms(tmp_path / "missing.json", CHANNELS, 64, 64) == {}
