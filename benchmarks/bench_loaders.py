@@ -29,6 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from benchmarks.results_file import write_keeping_notes  # noqa: E402
 from utils.config import load_config, resolve_path  # noqa: E402
 from utils.data import RandomCropDataset, ShardedSampler, get_data_loader  # noqa: E402
 from utils.data.fast import crop_reader, get_fast_loader, transform_staged  # noqa: E402
@@ -255,8 +256,7 @@ def main(argv=None):
     report = "\n".join(lines) + "\n"
     print(report)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(report)
+        write_keeping_notes(args.output, report)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.results_file import write_keeping_notes  # noqa: E402
 from benchmarks.science_compare import THREADS, final_scalars, logged_times, table  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from science import report as science_report  # noqa: E402
@@ -125,7 +126,6 @@ def budget_rows(arms, flops_of):
 def write_markdown(out, saved, flops_of):
     arms, results = [Arm(**a) for a in saved["arms"]], saved["results"]
     names = [arm.name for arm in arms]
-    reading = out.read_text().partition("## Reading")[2] if out.exists() else "\n\n(to be written)\n"
     lines = ["# Crop size and science at equal training FLOPs, on the CPU", "",
              f"Command: `python benchmarks/crop_science.py --seeds {' '.join(map(str, saved['seeds']))}`", "",
              f"Hardware: {saved['cpu']}, {os.cpu_count()} cores (shared), torch {saved['torch']}, one thread per "
@@ -148,8 +148,8 @@ def write_markdown(out, saved, flops_of):
     lines += ["Each run's own validation at the end (TensorBoard): 32^3 crops for the first arm, the whole box as "
               "one zero-padded 64^3 crop for the others; Hann-windowed spectra, so not comparable across crop "
               "sizes:", ""]
-    lines += table(results, names, "val", "logged validation") + ["", "## Reading" + reading.rstrip("\n"), ""]
-    out.write_text("\n".join(lines))
+    lines += table(results, names, "val", "logged validation")
+    write_keeping_notes(out, "\n".join(lines))  # the reading below it is written by hand
     print(f"wrote {out}")
 
 

@@ -49,6 +49,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.results_file import write_keeping_notes  # noqa: E402
 from benchmarks.scaling_study import machine_description  # noqa: E402
 from train import initial_lr, warmup_steps  # noqa: E402
 from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks, run_label  # noqa: E402
@@ -307,7 +308,7 @@ def main(argv=None):
     text = markdown(rows, arms, target, machine, command_line, note)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text)
+    write_keeping_notes(args.out.with_suffix(".md"), text)
     plot(rows, target, "validation loss by batch size" + (f" ({machine.split(';')[0]})" if args.arm else ""),
          args.out.with_suffix(".png"))
     args.out.with_suffix(".json").write_text(json.dumps(

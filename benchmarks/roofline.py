@@ -1,6 +1,7 @@
 """How fast could a training step of the U-Net be? A roofline of its twelve stride-2 convolutions.
 
     python benchmarks/roofline.py                          # H100 SXM, batch 64, 64^3 crops, bf16
+    python benchmarks/roofline.py --gpu h200 --out benchmarks/results/roofline_h200.md   # keeps its notes
     python benchmarks/roofline.py --gpu h200 --batch 128 --json roofline.json
     python benchmarks/roofline.py --peak_tflops 312 --bandwidth_tbs 2.0 --gpu a100   # any other GPU
 
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_file import write_keeping_notes  # noqa: E402
 from networks.UNet import UNet  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -268,11 +270,16 @@ def main(argv=None):
     parser.add_argument("--measured", type=Path, help="results JSON with part h's kernel times "
                                                        "(default: benchmarks/results/<gpu>.json)")
     parser.add_argument("--json", type=Path, help="also write the table and ceilings here")
+    parser.add_argument("--out", type=Path, help="also write the report here, keeping the notes written by hand "
+                                                 "below its marker (benchmarks/results_file.py)")
     args = parser.parse_args(argv)
     if args.crop % 2 ** len(args.channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(args.channels)} (one halving per level)")
     result = analyse(args)
-    print(markdown(result), end="")
+    report = markdown(result)
+    print(report, end="")
+    if args.out:
+        write_keeping_notes(args.out, report)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
+from benchmarks.results_file import write_keeping_notes  # noqa: E402
 from networks.UNet import build_model, loss_func  # noqa: E402
 from science import report as science_report  # noqa: E402
 from utils.config import load_config  # noqa: E402
@@ -308,7 +309,7 @@ def write_markdown(out, args, costs, samples, results, options):
         lines += table(results, options, "box", "whole 64^3 box", long=True) + [""]
     stem = out.with_suffix("").name
     lines += [f"![options side by side]({stem}_compare.png)", "", f"![science report]({stem}_report.png)", ""]
-    out.write_text("\n".join(lines))
+    write_keeping_notes(out, "\n".join(lines))  # the reading below it is written by hand
     print(f"wrote {out}")
 
 
