@@ -475,8 +475,10 @@ def config_overrides(args, world_size):
     if args.local_batch_size is not None:
         if "global_batch_size" in overrides:
             raise ConfigError("give --local_batch_size or --global_batch_size, not both")
-        data_ranks = world_size // (overrides.get("spatial_parallel") or 1)  # the flag's: the config is not read yet
-        overrides["global_batch_size"] = args.local_batch_size * data_ranks
+        # crops per data rank: world size / spatial_parallel data ranks (the flag's, else the config's own)
+        spatial = overrides.get("spatial_parallel") or load_config(args.config, args.yaml_config,
+                                                                   overrides).spatial_parallel
+        overrides["global_batch_size"] = args.local_batch_size * (world_size // spatial)
     expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
     if expdir:  # given on the command line or in the environment: relative to where you are
         overrides["expdir"] = str(Path(expdir).expanduser().resolve())

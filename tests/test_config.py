@@ -69,6 +69,16 @@ def test_precedence_base_named_flags():
     assert load_config("base", overrides=overrides_from(["--local_batch_size", "16"], world_size=4)).global_batch_size == 64
 
 
+def test_local_batch_size_counts_the_data_ranks_of_the_flag_or_the_config(tmp_path):
+    """--local_batch_size N: N crops per data rank, whether spatial_parallel comes from the flag or the config."""
+    assert overrides_from(["--local_batch_size", "4", "--spatial_parallel", "2"], world_size=4)[
+        "global_batch_size"] == 8
+    path = write_yaml(tmp_path, lambda base: base.update(spatial_parallel=2))
+    overrides = overrides_from(["--yaml_config", str(path), "--local_batch_size", "4"], world_size=4)
+    assert overrides["global_batch_size"] == 8
+    assert load_config("base", path, overrides).global_batch_size == 8
+
+
 def test_contradicting_flags():
     with pytest.raises(ConfigError, match="contradicts"):
         overrides_from(["--enable_amp", "--amp_mode=bf16"])
