@@ -16,6 +16,7 @@ layers exchange halos and which run whole:
   all-reduces its gradient (ring collectives). exposed = comm - min(overlap x comm, the layer's compute).
 - DDP all-reduces the gradients over all D x S ranks (comm_model.ring_allreduce_time, exposed_comm_time).
 Efficiency = t(one GPU, whole crop) / (S x t(slab)). Memory: an analytic estimate (docstring of memory_bytes).
+Slabs against grids of blocks (g_d x g_h x g_w, which utils/spatial.py does not implement): grid_layer_times.
 """
 import argparse
 import functools
@@ -190,11 +191,15 @@ def layer_times(layer, setup, measured):
 
 def step_time(crop, spatial, setup, measured, data=1):
     """{compute, halo, ddp, step} seconds of one rank's training step (data x spatial ranks in all)."""
-    layers = plan_layers(crop, spatial, setup.batch)
+    costs = [layer_times(layer, setup, measured) for layer in plan_layers(crop, spatial, setup.batch)]
+    return _step(costs, spatial, setup, data)
+
+
+def _step(costs, spatial, setup, data):
+    """The step from its layers' (compute s, communication s): plus Adam, minus the overlap, plus DDP's all-reduce."""
     adam = parameter_bytes(num_parameters(), DTYPE_BYTES[setup.dtype]) / setup.hbm_bw
     compute, exposed = adam, 0.0
-    for layer in layers:
-        layer_compute, comm = layer_times(layer, setup, measured)
+    for layer_compute, comm in costs:
         compute += layer_compute
         exposed += comm - min(setup.overlap * comm, layer_compute)
     ranks = data * spatial
@@ -208,6 +213,79 @@ def efficiency(crop, spatial, setup, measured, data=1, baseline_data=1):
     """Crops per second per GPU of S x D ranks against ``baseline_data`` data-parallel GPUs (default: one GPU)."""
     slab = step_time(crop, spatial, setup, measured, data)["step"]
     return step_time(crop, 1, setup, measured, baseline_data)["step"] / (spatial * slab)
+
+
+# --- slabs or blocks? -------------------------------------------------------------------------------------------
+# utils/spatial.py cuts the crop along depth only. Cutting it into a grid of blocks (g_d, g_h, g_w), g_d g_h g_w = S,
+# sends less: a block's faces are smaller than a slab's whole planes. Modelled here with the same rules applied to
+# every cut axis; not implemented in utils/spatial.py.
+GRIDS = {4: ((4, 1, 1), (2, 2, 1)), 8: ((8, 1, 1), (4, 2, 1), (2, 2, 2))}
+
+
+def grid_layer_times(layer, grid, setup, measured):
+    """(compute s, communication s, mode, halo bytes) of one layer per step on the busiest rank of an S-way grid;
+    ``layer``: its ShardLayer at S = 2 (the whole shapes and SpatialConv's halo). utils/spatial.py's rules on each
+    cut axis: the input is sharded only where every cut divides its edge ("whole" otherwise); a sharded input is
+    gathered where a block is thinner than the halo or, for a convolution, not a multiple of its stride. Halos go
+    out one cut axis after another, each face including the halo planes of the axes before it (edges and corners
+    travel with them); compute is 1/S of the whole layer's, or the whole layer's where it runs whole on all the
+    crops (1/S of it where S divides the batch and the ranks share the crops)."""
+    spatial, dtype_bytes, network = math.prod(grid), DTYPE_BYTES[setup.dtype], setup.network
+    b, c, *edges = layer.input_shape
+    lo, hi = layer.halo
+    cut = [axis for axis in range(3) if grid[axis] > 1]
+    if any(edges[axis] % grid[axis] for axis in cut):
+        mode = "whole"
+    else:
+        local = [edges[axis] // grid[axis] for axis in range(3)]
+        thin = any(local[axis] < max(lo, hi) or (not layer.transposed and local[axis] % 2) for axis in cut)
+        mode = "gather" if thin else "halo"
+    plain = replace(layer, mode="plain", spatial=1, halo=(0, 0), crops_shared=False)
+    whole_compute = layer_times(plain, setup, measured)[0]
+    shared = mode != "halo" and shares_crops(setup.batch, spatial)
+    compute = whole_compute / spatial if mode == "halo" or shared else whole_compute
+    if mode != "halo":
+        sharded = replace(layer, mode=mode, spatial=spatial, crops_shared=shared)
+        return (compute, layer_times(sharded, setup, measured)[1] if sharded.gathered() else 0.0, mode, 0)
+    p2p_bw = network.intra_bw if spatial <= network.gpus_per_node else network.node_bw / network.gpus_per_node
+    comm, sent = 0.0, 0
+    for i, axis in enumerate(cut):
+        face = math.prod(local[other] + (lo + hi if other in cut[:i] else 0) for other in range(3) if other != axis)
+        planes = lo + hi if grid[axis] > 2 else max(lo, hi)
+        sent_axis = 2 * planes * b * c * face * dtype_bytes  # forward, and the gradients back
+        comm += 2 * network.alpha + sent_axis / p2p_bw
+        sent += sent_axis
+    return compute, comm, mode, sent
+
+
+def grid_step_time(crop, grid, setup, measured, data=1):
+    """step_time for the S ranks of a crop holding a grid of blocks: {compute, halo, ddp, step, halo_bytes}."""
+    times = [grid_layer_times(layer, grid, setup, measured) for layer in plan_layers(crop, 2, setup.batch)]
+    step = _step([(compute, comm) for compute, comm, _, _ in times], math.prod(grid), setup, data)
+    return {**step, "halo_bytes": sum(sent for *_, sent in times)}
+
+
+def grid_efficiency(crop, grid, setup, measured):
+    """efficiency (against one GPU) of the S ranks of a crop holding a grid of blocks."""
+    whole = step_time(crop, 1, setup, measured)["step"]
+    return whole / (math.prod(grid) * grid_step_time(crop, grid, setup, measured)["step"])
+
+
+def grid_lines(setup, measured, batches=(1, 32)):
+    """Markdown: slabs against 2D and 3D grids inside one node."""
+    batches = sorted({*batches, setup.batch})
+    lines = [row("crop", "S", "grid (D x H x W)", "halo MB", "halo + gather ms",
+                 *(f"efficiency, batch {b}" for b in batches)),
+             row("---:", "---:", "---", *["---:"] * (2 + len(batches)))]
+    for crop in CROPS:
+        for spatial, grids in GRIDS.items():
+            for grid in grids:
+                t = grid_step_time(crop, grid, setup, measured)
+                name = " x ".join(map(str, grid)) + (" (slabs)" if grid[1:] == (1, 1) else "")
+                effs = [grid_efficiency(crop, grid, replace(setup, batch=b), measured) for b in batches]
+                lines.append(row(f"{crop}³", spatial, name, f"{t['halo_bytes'] / 1e6:.1f}", f"{1e3 * t['halo']:.2f}",
+                                 *(f"{100 * e:.1f}%" for e in effs)))
+    return lines
 
 
 @functools.lru_cache(maxsize=None)
@@ -355,6 +433,11 @@ def report(setup, measured):
         f"Times for batch {setup.batch}.", "", *node, "",
         "## S x D across nodes: efficiency against one GPU (in brackets: against data parallelism on the same "
         "GPUs)", "", *across, "",
+        "## Slabs or blocks? (inside one node)", "",
+        "utils/spatial.py cuts each crop into S slabs along depth. A grid of blocks sends less (halo MB: the busiest "
+        "rank per step, forward + backward), in more messages, and keeps more of the deep layers sharded; modelled "
+        "with the same rules on every cut axis (`grid_layer_times`), **not implemented**. The slab rows are the "
+        "tables' above.", "", *grid_lines(setup, measured), "",
         "## Memory of one rank's training step (GB, batch 1): analytic estimate, not measured", "",
         f"Check: at {MEASURED['crop']}³, batch {MEASURED['batch']}, S = 1 the estimate is {check / 1e9:.2f} GB; "
         f"the H100 ladder's channels-last bf16 rung measured a peak of {measured_peak_gb()} GB allocated.", "",

@@ -3,8 +3,9 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.spatial_model import (H100_NODE, Setup, efficiency, layer_times, losses, main, measured_layer_ms,
-                                      memory_bytes, num_parameters, plan_layers, step_time)
+from benchmarks.spatial_model import (H100_NODE, Setup, efficiency, grid_efficiency, grid_layer_times, grid_step_time,
+                                      layer_times, losses, main, measured_layer_ms, memory_bytes, num_parameters,
+                                      plan_layers, step_time)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,39 @@ def test_the_losses_add_up_to_the_step(measured):
     parts = losses(128, 4, Setup(), measured)
     assert sum(parts.values()) == pytest.approx(step_time(128, 4, Setup(), measured)["step"], rel=1e-12)
     assert all(value >= 0 for value in parts.values())
+
+
+@pytest.mark.parametrize("crop, spatial", [(64, 2), (64, 8), (128, 4), (128, 8), (256, 8)])
+@pytest.mark.parametrize("batch", [1, 32])
+def test_a_grid_of_slabs_is_utils_spatials_own_plan(measured, crop, spatial, batch):
+    """The grid model's rules, on a (S, 1, 1) grid, give the modes, halo bytes and step of utils/spatial.py's plan."""
+    setup = Setup(batch=batch)
+    modes = [grid_layer_times(layer, (spatial, 1, 1), setup, measured)[2] for layer in plan_layers(crop, 2, batch)]
+    assert modes == [layer.mode for layer in plan_layers(crop, spatial, batch)]
+    grid, slabs = grid_step_time(crop, (spatial, 1, 1), setup, measured), step_time(crop, spatial, setup, measured)
+    assert grid["halo_bytes"] == sum(layer.halo_bytes(2) for layer in plan_layers(crop, spatial, batch))
+    assert {k: grid[k] for k in slabs} == pytest.approx(slabs, rel=1e-12)
+
+
+def test_block_halo_by_hand(measured):
+    # down1 at 128^3, batch 2, a 2 x 2 x 1 grid: blocks of 32 x 32 x 64 voxels of 64 bf16 channels. Depth first:
+    # one 32 x 64 face forward and back; then height: a face of (32 + 2) x 64, depth's halo planes included.
+    setup = Setup(batch=2)
+    compute, comm, mode, sent = grid_layer_times(layer(128, 2, 2, "down1"), (2, 2, 1), setup, measured)
+    assert mode == "halo" and sent == 2 * 2 * 64 * (32 * 64 + 34 * 64) * 2
+    assert comm == pytest.approx(4 * 5e-6 + sent / 300e9, rel=1e-12)  # two axes: two exchanges each
+    assert compute == pytest.approx(layer_times(layer(128, 1, 2, "down1"), setup, measured)[0] / 4, rel=1e-12)
+
+
+def test_blocks_keep_the_deep_layers_sharded_and_send_less(measured):
+    # 256^3, S = 8: slabs gather down5's 8-plane input and run up0 whole; 4^3 and 2^3 blocks still exchange halos
+    setup = Setup(batch=1)
+    modes = {layer.name: grid_layer_times(layer, (2, 2, 2), setup, measured)[2] for layer in plan_layers(256, 2, 1)}
+    assert set(modes.values()) == {"halo"}
+    assert grid_step_time(256, (2, 2, 2), setup, measured)["halo_bytes"] < \
+        grid_step_time(256, (8, 1, 1), setup, measured)["halo_bytes"] / 2
+    assert grid_efficiency(256, (2, 2, 2), setup, measured) > grid_efficiency(256, (8, 1, 1), setup, measured)
+    assert grid_efficiency(128, (4, 1, 1), Setup(), measured) == pytest.approx(efficiency(128, 4, Setup(), measured))
 
 
 def test_memory_by_hand():
