@@ -9,8 +9,11 @@ runtime files into the git-ignored .reference/ folder; the GPU run reads them fr
 
 The reference runs its synthetic loader (random volumes, host-side crops and rotations) with fp16 and its
 --enable_jit (again without it if that fails), never --enable_apex: apex is not on the image, and a stub
-package stands in for the module-level import. Ours runs --config=bs64_opt on the same synthetic mode, then
-benchmark mode for its compute-only SYNTHETIC rate. Each rate is the median epoch after the first.
+package stands in for the module-level import. Its --enable_jit scripts the loss (``loss_func_opt_final``) but
+not the model it trains: train.py at 21ea7dc scripts ``model_handle`` and then calls ``model``, so with or without
+jit its U-Net runs eagerly (fp16 autocast, cudnn.benchmark, torch's default Adam). Ours runs --config=bs64_opt on
+the same synthetic mode, then benchmark mode for its compute-only SYNTHETIC rate. Each rate is the median epoch
+after the first.
 """
 import argparse
 import importlib.util
