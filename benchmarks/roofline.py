@@ -192,6 +192,7 @@ def analyse(args):
         row["measured"] = measured.get(row["layer"])
         if row["measured"] and row["measured"]["best"]:
             row["measured"]["best_over_roofline"] = row["measured"]["best"] / row["total_roofline_ms"]
+            row["measured"]["best_tflops"] = row["total_gflop"] / row["measured"]["best"]  # GFLOP/ms = TFLOP/s
 
     conv_ms = sum(row["total_roofline_ms"] for row in rows)
     elementwise = elementwise_bytes(layers, dtype_bytes)
@@ -224,11 +225,12 @@ def markdown(result):
              f"{s['bandwidth_tbs']:g} --batch {s['batch']} --crop {s['crop']} --dtype {s['dtype']}`", "",
              "GFLOP per pass (forward = input gradient = weight gradient; down0 has no input gradient), minimum "
              "MB per pass, roofline ms summed over the passes, intensity in FLOP/byte. Measured: kernel ms of "
-             "forward + backward" + (f" from `{s['measured_from']}` (`conv_variants.py`), native and fastest form"
+             "forward + backward" + (f" from `{s['measured_from']}` (`conv_variants.py`), native and fastest form; "
+                                     "best TFLOP/s: the layer's FLOPs over the fastest form's kernel time"
                                      if s["measured_from"] else ": none for this setup") + ".", "",
              "| layer | input | GFLOP/pass | MB fwd | MB dgrad | MB wgrad | roofline ms | FLOP/B | bound "
-             "| native ms | best ms (form) | best / roofline |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+             "| native ms | best ms (form) | best / roofline | best TFLOP/s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for row in result["layers"]:
         m, mb = row["measured"] or {}, row["mbytes"]
         cells = [row["layer"], str(tuple(row["input_shape"][1:])), f"{row['gflop']['forward']:.1f}",
@@ -237,7 +239,8 @@ def markdown(result):
                  f"{row['intensity_flop_per_byte']:.0f}", row["bound"],
                  f"{m['native']:.3f}" if m.get("native") else "",
                  f"{m['best']:.3f} ({m['best_form']})" if m.get("best") else "",
-                 f"{m['best_over_roofline']:.1f}x" if m.get("best_over_roofline") else ""]
+                 f"{m['best_over_roofline']:.1f}x" if m.get("best_over_roofline") else "",
+                 f"{m['best_tflops']:.0f}" if m.get("best_tflops") else ""]
         lines.append("| " + " | ".join(cells) + " |")
     steps, realistic, rates = result["step_ms"], result["realistic_step_ms"], result["samples_per_s"]
     measured = result["measured_best_kernel_ms"]

@@ -112,8 +112,10 @@ def test_measured_kernel_times_come_from_h200_jsons_condensed_table():
     result = main(["--gpu", "h200"])
     measured = {row["layer"]: row["measured"] for row in result["layers"]}
     assert result["setup"]["measured_from"] == "h200.json"
+    last = result["layers"][-1]
     assert measured["last"] == {"native": 10.767, "best_form": "fused", "best": 2.734,
-                                "best_over_roofline": pytest.approx(2.734 / result["layers"][-1]["total_roofline_ms"])}
+                                "best_over_roofline": pytest.approx(2.734 / last["total_roofline_ms"]),
+                                "best_tflops": pytest.approx(3 * 171.8 / 2.734, rel=1e-3)}  # 3 passes of 171.8 GFLOP
     assert measured["down1"]["best"] == measured["down1"]["native"] == 2.666
     assert result["measured_best_kernel_ms"] == pytest.approx(15.58, abs=0.01)  # roofline_h200.md
     assert measured_kernel_ms("benchmarks/results/h200.json", CHANNELS, 32, 64) == {}
