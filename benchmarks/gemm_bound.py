@@ -17,15 +17,14 @@ roofline.py reads them), when it measured the same setup on this GPU kind.
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.conv_variants import timed  # noqa: E402
 from benchmarks.roofline import DEFAULT_CHANNELS, RESULTS, measured_kernel_ms, model_layers  # noqa: E402
 
 TINY = dict(channels=[4, 8], batch=2, crop=16)
@@ -41,37 +40,14 @@ def gemm_shape(layer):
     return batch * math.prod(grid_out), c_out, c_in * taps
 
 
-def timer(device):
-    """``time(fn, repeats)``: the median seconds of ``fn`` after warm-up; CUDA events on a GPU."""
-    def time_it(fn, repeats):
-        for _ in range(3):
-            fn()
-        samples = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            else:
-                start = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-    return time_it
-
-
 def gemm_times(layer, dtype, device, repeats):
-    """{pass: seconds} of the layer's three products (no input gradient for the first layer)."""
+    """{pass: median ms} of the layer's three products (no input gradient for the first layer)."""
     m, n, k = gemm_shape(layer)
     x, w, dy = (torch.randn(shape, device=device, dtype=dtype) for shape in ((m, k), (k, n), (m, n)))
     passes = {"forward": lambda: x @ w, "input_grad": lambda: dy @ w.T, "weight_grad": lambda: x.T @ dy}
     if not layer.needs_input_grad:
         del passes["input_grad"]
-    time_it = timer(device)
-    times = {name: time_it(fn, repeats) for name, fn in passes.items()}
+    times = {name: timed(fn, device, repeats) for name, fn in passes.items()}
     del x, w, dy
     return times
 
@@ -94,9 +70,9 @@ def analyse(args, device):
     for layer in layers:
         m, n, k = gemm_shape(layer)
         times = gemm_times(layer, DTYPES[args.dtype], device, args.repeats)
-        gemm_ms = sum(times.values()) * 1e3
+        gemm_ms = sum(times.values())
         conv = measured.get(layer.name) or {}
-        rows.append({"layer": layer.name, "mnk": [m, n, k], "gemm_ms": {p: t * 1e3 for p, t in times.items()},
+        rows.append({"layer": layer.name, "mnk": [m, n, k], "gemm_ms": times,
                      "total_gemm_ms": gemm_ms, "gemm_tflops": 2 * m * n * k * len(times) / gemm_ms / 1e9,
                      "conv_ms": conv.get("best"), "conv_form": conv.get("best_form"),
                      "at_most_saved_ms": None if conv.get("best") is None else max(conv["best"] - gemm_ms, 0.0)})
