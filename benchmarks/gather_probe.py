@@ -16,7 +16,10 @@ makes a whole batch (both volumes: the 4 input and 5 target channels) from the c
 - ``channels_last_order``: the same gather in (B, S, S, S, C) order, which is the memory of a channels-last
   batch, then the multiply with contiguous writes;
 - ``compiled``: ``make_crops`` through ``torch.compile`` (``gpu_gather: compiled``), where Inductor can compute
-  the positions and do the rest in one kernel (on the CPU it makes one kernel of all but the symmetry tables).
+  the positions and do the rest in one kernel (on the CPU it makes one kernel of all but the symmetry tables);
+- ``triton`` (CUDA only): utils/data/triton_gather.py (``gpu_gather: triton``), tiles read along the volume's
+  rows and transposed in registers, where the others read a rotated crop one scattered 2-byte value per 32-byte
+  memory sector.
 
 On CUDA, advanced indexing with index tensors of different (broadcast) strides first makes every index
 contiguous at the broadcast size (PyTorch's AdvancedIndex): ``two_index`` and ``channels_last_order`` write
@@ -135,11 +138,15 @@ def main(argv=None):
     def batch_of(candidate, corners, chosen):
         return candidate(*volumes, corners, chosen, *tables, args.crop, memory_format)
 
-    equal, times, errors = {name: True for name in CANDIDATES}, {name: [] for name in CANDIDATES}, {}
+    candidates = dict(CANDIDATES)
+    if device.type == "cuda":  # the tiled Triton kernel (gpu_gather: triton) compiles for CUDA only
+        from utils.data.triton_gather import make_crops_triton
+        candidates["triton"] = make_crops_triton
+    equal, times, errors = {name: True for name in candidates}, {name: [] for name in candidates}, {}
     for round_number in range(args.repeats + 1):  # round 0 warms up (allocations, kernels)
         corners, chosen = random_crops(args.batch, args.box, args.crop, device, generator)
         reference = batch_of(make_crops, corners, chosen)
-        for name, candidate in CANDIDATES.items():
+        for name, candidate in candidates.items():
             if name in errors:
                 continue
             try:  # a candidate this torch cannot run (say, mixed index dtypes on this device) is reported, not fatal

@@ -91,7 +91,7 @@ def test_the_compiled_gather_gives_the_eager_batches_bit_for_bit(tiny_params, st
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     loader, _ = get_gpu_loader(tiny_params(**settings, gpu_gather="compiled"), "train")
     assert "crops by a compiled gather" in loader.description
-    with pytest.raises(DataError, match="gpu_gather must be one of eager, compiled, got 'fused'"):
+    with pytest.raises(DataError, match="gpu_gather must be one of eager, compiled, triton, got 'fused'"):
         get_gpu_loader(tiny_params(**settings), "train", gather="fused")
 
 

@@ -367,11 +367,14 @@ def test_a_high_priority_stream_runs_every_step_there_and_trains_the_same(graph_
 
 
 # --- loaders -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("storage, gather", [("fp32", "eager"), ("fp16", "eager"), ("fp16", "compiled")])
+@pytest.mark.parametrize("storage, gather", [("fp32", "eager"), ("fp16", "eager"), ("fp16", "compiled"),
+                                            ("fp16", "triton"), ("fp32", "triton")])
 def test_gpu_resident_batches_are_the_cpu_batches_on_the_device(tiny_params, storage, gather):
     """Every batch on the device equals the CPU loader's, for every symmetry element; also with gpu_gather:
-    compiled (Triton kernels) in the *_opt configs' channels-last layout, on the side stream as in training."""
-    layout = torch.channels_last_3d if gather == "compiled" else torch.contiguous_format
+    compiled (Triton kernels) in the *_opt configs' channels-last layout, on the side stream as in training, and
+    with gpu_gather: triton (the tiled kernel) in both layouts."""
+    layout = torch.channels_last_3d if gather == "compiled" or storage == "fp16" and gather == "triton" else \
+        torch.contiguous_format
     params = tiny_params(Nsamples=256, fast_loader=False)  # the straightforward CPU loader is the reference
     epoch = 2
     assert len(set(sample_plan(params.seed, "train", epoch, 256, 24, 8)[1])) == 48  # all 48 rotations occur

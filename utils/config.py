@@ -111,8 +111,8 @@ SCHEMA = {  # every key of every named config
     "fast_loader": Key(bool, "threads fill crops straight into reusable (pinned) batches; synthetic/inmem/lowmem"),
     "gpu_storage_dtype": Key(str, "gpu loader: dtype of the volumes on the device", choices=("fp32", "fp16", "bf16")),
     "gpu_prefetch": Key(bool, "gpu loader: make the next batch on a side CUDA stream while the step runs"),
-    "gpu_gather": Key(str, "gpu loader: crops made by eager PyTorch or by one torch.compile kernel (compiled at the "
-                           "first batch)", choices=("eager", "compiled")),
+    "gpu_gather": Key(str, "gpu loader: crops made by eager PyTorch, by one torch.compile kernel (compiled at the "
+                           "first batch) or by a tiled Triton kernel (CUDA)", choices=("eager", "compiled", "triton")),
     "train_path": Key(str, "training HDF5 file", RUN),
     "val_path": Key(str, "validation HDF5 file", RUN),
     "box_size": Key(list, "edge of the training and validation boxes, cells", RUN, length=2),

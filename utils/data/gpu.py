@@ -27,7 +27,9 @@ loaders give them (under autocast too), and the cast is fused into the sign mult
 ``gather`` (``gpu_gather``) chooses how a batch is made: ``eager`` runs ``make_crops`` as PyTorch
 kernels (per volume: the positions, an index_select of them, an index_select of the rotated channel rows,
 then sign, cast and layout in one multiply: several passes over the batch); ``compiled`` runs it through
-``torch.compile``, which can compute the positions and do all of it in one kernel per volume. Both give the
+``torch.compile``, which can compute the positions and do all of it in one kernel per volume; ``triton``
+(utils/data/triton_gather.py, CUDA only) copies each crop in tiles read along the volume's rows and
+transposed in registers, where the other two read a rotated crop one scattered value at a time. All give the
 same batches bit for bit (only copies and multiplications by +-1). The compiled form compiles at its first
 batch, and once more for another batch size or box.
 """
@@ -46,7 +48,7 @@ from utils.data.symmetry_torch import element_table, transform_torch
 from utils.data.torch_loader import ShardedSampler, SplitSpec, build_sampler, check_data_file
 
 STORAGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-GATHERS = ("eager", "compiled")
+GATHERS = ("eager", "compiled", "triton")
 SLAB_BYTES = 256 * 2**20       # host staging buffer per read while loading a volume
 PROGRESS_BYTES = 2**30         # show a progress bar for volumes larger than this
 
@@ -99,6 +101,9 @@ class GPUResidentLoader(PlannedLoader):
             raise DataError(f"gpu_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage_dtype!r}")
         if gather not in GATHERS:
             raise DataError(f"gpu_gather must be one of {', '.join(GATHERS)}, got {gather!r}")
+        if gather == "triton" and torch.device(device).type != "cuda":
+            raise DataError(f"gpu_gather triton runs a Triton kernel on a CUDA GPU, and this loader is on {device}; "
+                            f"use gpu_gather eager or compiled")
         super().__init__(sampler)
         self.spec, self.device, self.memory_format = spec, torch.device(device), memory_format
         self.prefetch = prefetch and self.device.type == "cuda"
@@ -112,9 +117,13 @@ class GPUResidentLoader(PlannedLoader):
         # Each volume's symmetry tables, copied to the device once: every batch looks its elements up there.
         self.tables = tuple(element_table(volume.shape[0]).to(self.device)
                             for volume in (self.inp, self.tar))
-        self.make_crops = torch.compile(make_crops, dynamic=False) if gather == "compiled" else make_crops
+        if gather == "triton":  # imports Triton: only when asked for
+            from utils.data.triton_gather import make_crops_triton
+            self.make_crops = make_crops_triton
+        else:
+            self.make_crops = torch.compile(make_crops, dynamic=False) if gather == "compiled" else make_crops
         self.description = f"gpu-resident {storage_dtype} volumes on {self.device}" + (
-            ", crops by a compiled gather" if gather == "compiled" else "") + (
+            {"compiled": ", crops by a compiled gather", "triton": ", crops by a Triton kernel"}.get(gather, "")) + (
             ", next batch made on a side stream" if self.prefetch else "")
 
     def __iter__(self):
@@ -166,7 +175,7 @@ def get_gpu_loader(params, split, rank=0, world_size=1, device=torch.device("cpu
 
     ``storage_dtype``: 'fp32' | 'fp16' | 'bf16'; None takes ``params.gpu_storage_dtype``. ``memory_format``:
     the batches' layout. ``prefetch``: make the next batch on a side stream (CUDA only); None takes
-    ``params.gpu_prefetch``. ``gather``: 'eager' | 'compiled'; None takes ``params.gpu_gather``.
+    ``params.gpu_prefetch``. ``gather``: 'eager' | 'compiled' | 'triton'; None takes ``params.gpu_gather``.
     """
     spec = SplitSpec.from_params(params, split, rank, world_size, mode="gpu")
     check_data_file(spec.path, spec.box, spec.in_channels, spec.out_channels)

@@ -1,0 +1,80 @@
+"""``gpu_gather: triton`` (utils/data/triton_gather.py) makes the eager gather's batches bit for bit: every one of
+the 48 symmetry elements (so all six axis permutations, with and without flips), both batch layouts, 32- and
+16-bit storage, a crop that is not a multiple of the tile, and a spatial-parallel slab.
+
+The kernel runs on the CPU in Triton's interpreter, which reads TRITON_INTERPRET when a kernel is defined: the
+cases run in one subprocess with it set (this file run as a script). tests/test_gpu.py checks the compiled
+kernel through the loader on a GPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last_3d}
+# (channels, box edge, crop edge, storage dtype, layout, planes): the loader's 4 input and 5 target channels
+CASES = {
+    "inp-crop8-fp16-channels_last": (4, 12, 8, "float16", "channels_last", None),
+    "tar-crop12-fp32-contiguous": (5, 16, 12, "float32", "contiguous", None),       # 12: a partial tile
+    "tar-crop12-fp16-channels_last-slab": (5, 16, 12, "float16", "channels_last", (6, 12)),
+}
+
+
+def interpreter_results():
+    """{case: {"equal": ..., "same_strides": ...}}, every element once per case; run with TRITON_INTERPRET=1."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "the Triton kernel would need a GPU"
+    from utils.data.symmetry_torch import element_table, transform_torch
+    from utils.data.triton_gather import make_crops_triton, permutation_ids, transform_triton
+    results = {}
+    for name, (channels, box, crop, dtype, layout, planes) in CASES.items():
+        generator = torch.Generator().manual_seed(len(results))
+        volume = torch.randn((channels, box, box, box), generator=generator).to(getattr(torch, dtype))
+        table = element_table(channels).to("cpu")
+        elements = torch.randperm(48, generator=generator)
+        corners = torch.randint(0, box - crop + 1, (48, 3), generator=generator)
+        want = transform_torch(volume, elements, corners, crop, table, LAYOUTS[layout], planes)
+        got = transform_triton(volume, elements, corners, crop, table, LAYOUTS[layout], planes)
+        results[name] = {"equal": torch.equal(got, want), "same_strides": got.stride() == want.stride()}
+    table = element_table(4).to("cpu")
+    results["permutation_ids"] = sorted(set(permutation_ids(table.perm).tolist())) == list(range(6))
+    inp, tar = make_crops_triton(torch.randn(4, 8, 8, 8), torch.randn(5, 8, 8, 8), torch.zeros(0, 3, dtype=torch.long),
+                                 torch.zeros(0, dtype=torch.long), table, element_table(5).to("cpu"), 4,
+                                 torch.contiguous_format)
+    results["empty_batch"] = [list(inp.shape), list(tar.shape)]
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """interpreter_results() from a subprocess with TRITON_INTERPRET=1; skipped where Triton is not installed."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, __file__], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_gather_is_the_eager_gather_bit_for_bit(interpreted, case):
+    assert interpreted[case] == {"equal": True, "same_strides": True}
+
+
+def test_every_axis_permutation_has_its_branch_and_an_empty_batch_is_empty(interpreted):
+    assert interpreted["permutation_ids"] is True
+    assert interpreted["empty_batch"] == [[0, 4, 4, 4, 4], [0, 5, 4, 4, 4]]
+
+
+def test_the_loader_refuses_the_triton_gather_off_a_gpu(tiny_params):
+    from utils import DataError
+    from utils.data.gpu import get_gpu_loader
+    with pytest.raises(DataError, match="gpu_gather triton runs a Triton kernel on a CUDA GPU.*use gpu_gather eager"):
+        get_gpu_loader(tiny_params(), "train", device=torch.device("cpu"), gather="triton")
+
+
+if __name__ == "__main__":
+    print(json.dumps(interpreter_results()))

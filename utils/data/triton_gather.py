@@ -1,0 +1,159 @@
+"""The GPU-resident loader's crops as one tiled Triton kernel per volume (``gpu_gather: triton``).
+
+A crop moved by a symmetry element is a gather: output voxel (j0, j1, j2) of a sample reads the volume at
+old coordinate ``corner[perm[k]] + (S - 1 - j_k if flips[k] else j_k)`` along old axis ``perm[k]``
+(utils/data/symmetry_torch.py). Walked in output order, as the eager and compiled gathers walk it, a sample
+whose element moves the volume's contiguous axis elsewhere (32 of the 48) reads 2-byte values 2N or 2N^2
+bytes apart: each costs a whole 32-byte memory sector, so the reads move about ten times the crop's bytes.
+
+Here each program copies one T^3 tile of one sample, all its channels: it loads the tile in the *volume's*
+order (rows along the volume's contiguous axis, so the reads are whole sectors), multiplies by the channels'
+signs as float32, permutes the tile in registers to the *output's* order and stores it in the batch's
+memory order (contiguous or channels-last-3d): reads and writes both move about the bytes they need. The
+permutation must be known when the kernel compiles, so the kernel holds one tile copy per permutation of the
+axes (6) and each program takes the branch of its sample's.
+
+Same values as ``symmetry_torch.transform_torch``, bit for bit (copies and multiplications by +-1), in the
+same layout. CUDA tensors only in training (the loader refuses it elsewhere); tests run the kernel on the CPU
+under ``TRITON_INTERPRET=1``.
+"""
+import torch
+import triton
+import triton.language as tl
+
+TILE = 8  # voxels per tile edge: 8^3 x (channels padded to a power of two) values per program
+# The six axis permutations, in the order of their ids; perm[k] is the old axis that new axis k reads.
+PERMUTATIONS = ((0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0))
+
+
+@triton.jit
+def _axis(corner_ptr, flip_ptr, b, k: tl.constexpr, P: tl.constexpr, origin, start, extent,
+          S: tl.constexpr, T: tl.constexpr):
+    """(old coordinates, valid) of the tile's T voxels along new axis ``k``, which reads old axis ``P``: new
+    index origin + t (+ start, the first plane of a slab, along axis 0) of a crop of edge S, flipped or not."""
+    t = tl.arange(0, T)
+    j = start + origin + t
+    flip = tl.load(flip_ptr + b * 3 + k)
+    along = tl.where(flip != 0, S - 1 - j, j)
+    return tl.load(corner_ptr + b * 3 + P) + along, (origin + t) < extent
+
+
+@triton.jit
+def _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
+               stride_b, stride_c, stride_d, stride_h, stride_w,
+               P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
+               CP: tl.constexpr, T: tl.constexpr, CHANNELS_LAST: tl.constexpr):
+    """One T^3 tile of sample ``b`` at new-axis origin (o0, o1, o2), every channel, for the permutation
+    (P0, P1, P2): loaded in old-axis order, stored in the output's."""
+    x0, m0 = _axis(corner_ptr, flip_ptr, b, 0, P0, o0, start, depth, S, T)
+    x1, m1 = _axis(corner_ptr, flip_ptr, b, 1, P1, o1, 0, S, S, T)
+    x2, m2 = _axis(corner_ptr, flip_ptr, b, 2, P2, o2, 0, S, S, T)
+    # Old axis a is new axis k where P_k == a: its coordinates and mask, for the load in old-axis order.
+    if P0 == 0:
+        a0, v0 = x0, m0
+    elif P1 == 0:
+        a0, v0 = x1, m1
+    else:
+        a0, v0 = x2, m2
+    if P0 == 1:
+        a1, v1 = x0, m0
+    elif P1 == 1:
+        a1, v1 = x1, m1
+    else:
+        a1, v1 = x2, m2
+    if P0 == 2:
+        a2, v2 = x0, m0
+    elif P1 == 2:
+        a2, v2 = x1, m1
+    else:
+        a2, v2 = x2, m2
+    c = tl.arange(0, CP)
+    has_c = c < C
+    source = tl.load(source_ptr + b * C + c, mask=has_c, other=0)
+    sign = tl.load(sign_ptr + b * C + c, mask=has_c, other=0.0)
+    offsets = (source[:, None, None, None] * n * n * n + a0[None, :, None, None] * n * n
+               + a1[None, None, :, None] * n + a2[None, None, None, :])
+    valid = has_c[:, None, None, None] & v0[None, :, None, None] & v1[None, None, :, None] & v2[None, None, None, :]
+    tile = tl.load(vol_ptr + offsets, mask=valid, other=0.0).to(tl.float32) * sign[:, None, None, None]
+    t = tl.arange(0, T)
+    d, h, w = o0 + t, o1 + t, o2 + t
+    if CHANNELS_LAST:  # (d, h, w, c): the channels are the fastest axis of a channels-last batch
+        tile = tl.permute(tile, (1 + P0, 1 + P1, 1 + P2, 0))
+        where = (d[:, None, None, None] * stride_d + h[None, :, None, None] * stride_h
+                 + w[None, None, :, None] * stride_w + c[None, None, None, :] * stride_c)
+        keep = ((d < depth)[:, None, None, None] & (h < S)[None, :, None, None] & (w < S)[None, None, :, None]
+                & has_c[None, None, None, :])
+    else:  # (c, d, h, w)
+        tile = tl.permute(tile, (0, 1 + P0, 1 + P1, 1 + P2))
+        where = (c[:, None, None, None] * stride_c + d[None, :, None, None] * stride_d
+                 + h[None, None, :, None] * stride_h + w[None, None, None, :] * stride_w)
+        keep = (has_c[:, None, None, None] & (d < depth)[None, :, None, None] & (h < S)[None, None, :, None]
+                & (w < S)[None, None, None, :])
+    tl.store(out_ptr + b * stride_b + where, tile, mask=keep)
+
+
+@triton.jit
+def _crops_kernel(vol_ptr, out_ptr, corner_ptr, perm_ptr, flip_ptr, source_ptr, sign_ptr, n, start, depth,
+                  stride_b, stride_c, stride_d, stride_h, stride_w,
+                  S: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, T: tl.constexpr, CHANNELS_LAST: tl.constexpr):
+    """Program (b, tile): one tile of sample b; grid (B, tiles along depth x along S x along S)."""
+    b = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    across = tl.cdiv(S, T)
+    o0, o1, o2 = (tile // (across * across)) * T, ((tile // across) % across) * T, (tile % across) * T
+    perm = tl.load(perm_ptr + b)
+    if perm == 0:
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
+                   stride_b, stride_c, stride_d, stride_h, stride_w, 0, 1, 2, S, C, CP, T,
+                   CHANNELS_LAST)
+    elif perm == 1:
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
+                   stride_b, stride_c, stride_d, stride_h, stride_w, 0, 2, 1, S, C, CP, T,
+                   CHANNELS_LAST)
+    elif perm == 2:
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
+                   stride_b, stride_c, stride_d, stride_h, stride_w, 1, 0, 2, S, C, CP, T,
+                   CHANNELS_LAST)
+    elif perm == 3:
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
+                   stride_b, stride_c, stride_d, stride_h, stride_w, 1, 2, 0, S, C, CP, T,
+                   CHANNELS_LAST)
+    elif perm == 4:
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
+                   stride_b, stride_c, stride_d, stride_h, stride_w, 2, 0, 1, S, C, CP, T,
+                   CHANNELS_LAST)
+    else:
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
+                   stride_b, stride_c, stride_d, stride_h, stride_w, 2, 1, 0, S, C, CP, T,
+                   CHANNELS_LAST)
+
+
+def permutation_ids(perm):
+    """(B,) int32 ids (positions in PERMUTATIONS) of the (B, 3) permutations ``perm``, on their device."""
+    codes = torch.tensor([p[0] * 9 + p[1] * 3 + p[2] for p in PERMUTATIONS], device=perm.device)
+    return (perm[:, :1] * 9 + perm[:, 1:2] * 3 + perm[:, 2:] == codes).int().argmax(1).int()
+
+
+def transform_triton(volume, elements, corners, crop, table, memory_format=torch.contiguous_format, planes=None):
+    """``symmetry_torch.transform_torch`` (the same arguments, the same float32 batch) by ``_crops_kernel``."""
+    channels, n = volume.shape[0], volume.shape[1]
+    start, stop = planes or (0, crop)
+    batch = len(elements)
+    out = torch.empty((batch, channels, stop - start, crop, crop), dtype=torch.float32, device=volume.device,
+                      memory_format=memory_format)
+    if batch == 0:
+        return out
+    tiles = triton.cdiv(stop - start, TILE) * triton.cdiv(crop, TILE) ** 2
+    _crops_kernel[(batch, tiles)](
+        volume.contiguous(), out, corners.long().contiguous(), permutation_ids(table.perm[elements]),
+        table.flips[elements].int().contiguous(), table.source[elements].contiguous(),
+        table.sign[elements].float().contiguous(), n, start, stop - start, *out.stride(),
+        S=crop, C=channels, CP=triton.next_power_of_2(channels), T=TILE,
+        CHANNELS_LAST=memory_format == torch.channels_last_3d)
+    return out
+
+
+def make_crops_triton(inp, tar, corners, elements, inp_table, tar_table, crop, memory_format, planes=None):
+    """gpu.make_crops by the Triton kernel: (inp, tar) float32 crops of both volumes."""
+    return tuple(transform_triton(volume, elements, corners, crop, table, memory_format, planes)
+                 for volume, table in ((inp, inp_table), (tar, tar_table)))
