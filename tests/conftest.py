@@ -28,6 +28,20 @@ def write_random_box(path, box, seed=0, in_channels=4, out_channels=5, attrs=Tru
     return path
 
 
+def run_interpreted(test_file):
+    """Run ``test_file`` as a script with TRITON_INTERPRET=1 (Triton's interpreter reads it when a kernel is
+    defined, so its kernels run on the CPU there and nowhere else) and return the JSON of its last output line;
+    skipped where Triton is not installed."""
+    import json
+    import subprocess
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, str(test_file)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def free_port():
     """A TCP port free on this host now (for MASTER_PORT of a test's process group)."""
     with socket.socket() as s:

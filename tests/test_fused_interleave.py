@@ -7,19 +7,16 @@ of a later test, is interpreted by accident."""
 import copy
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import run_interpreted
 from networks.conv_forms import (CHANNELS_LAST, _InterleavePhases, _subpixel_weight, apply_conv_forms,
                                  conv3d_fused, conv_transpose3d_fused, stride2_conv)
 from networks.UNet import UNet
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": CHANNELS_LAST}
 BATCH, HALF = 3, 4  # an odd batch; the output is (2 HALF)^3, the phases (HALF + 1)^3
 
@@ -104,13 +101,8 @@ def interpreter_results():
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """interpreter_results() from a subprocess with TRITON_INTERPRET=1; skipped where Triton is not installed."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run([sys.executable, __file__], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    """interpreter_results() from a subprocess with TRITON_INTERPRET=1."""
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", INTERLEAVE_CASES)

@@ -7,14 +7,12 @@ cases run in one subprocess with it set (this file run as a script). tests/test_
 kernel through the loader on a GPU."""
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import run_interpreted
+
 LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last_3d}
 # (channels, box edge, crop edge, storage dtype, layout, planes): the loader's 4 input and 5 target channels
 CASES = {
@@ -50,13 +48,8 @@ def interpreter_results():
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """interpreter_results() from a subprocess with TRITON_INTERPRET=1; skipped where Triton is not installed."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run([sys.executable, __file__], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    """interpreter_results() from a subprocess with TRITON_INTERPRET=1."""
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", CASES)

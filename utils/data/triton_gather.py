@@ -39,6 +39,18 @@ def _axis(corner_ptr, flip_ptr, b, k: tl.constexpr, P: tl.constexpr, origin, sta
 
 
 @triton.jit
+def _old_axis(A: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, x0, m0, x1, m1, x2, m2):
+    """(coordinates, mask) of the new axis that reads old axis A: new axis 0 if P0 == A, 1 if P1 == A, else 2."""
+    if P0 == A:
+        x, m = x0, m0
+    elif P1 == A:
+        x, m = x1, m1
+    else:
+        x, m = x2, m2
+    return x, m
+
+
+@triton.jit
 def _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
                stride_b, stride_c, stride_d, stride_h, stride_w,
                P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
@@ -49,24 +61,9 @@ def _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, 
     x1, m1 = _axis(corner_ptr, flip_ptr, b, 1, P1, o1, 0, S, S, T)
     x2, m2 = _axis(corner_ptr, flip_ptr, b, 2, P2, o2, 0, S, S, T)
     # Old axis a is new axis k where P_k == a: its coordinates and mask, for the load in old-axis order.
-    if P0 == 0:
-        a0, v0 = x0, m0
-    elif P1 == 0:
-        a0, v0 = x1, m1
-    else:
-        a0, v0 = x2, m2
-    if P0 == 1:
-        a1, v1 = x0, m0
-    elif P1 == 1:
-        a1, v1 = x1, m1
-    else:
-        a1, v1 = x2, m2
-    if P0 == 2:
-        a2, v2 = x0, m0
-    elif P1 == 2:
-        a2, v2 = x1, m1
-    else:
-        a2, v2 = x2, m2
+    a0, v0 = _old_axis(0, P0, P1, x0, m0, x1, m1, x2, m2)
+    a1, v1 = _old_axis(1, P0, P1, x0, m0, x1, m1, x2, m2)
+    a2, v2 = _old_axis(2, P0, P1, x0, m0, x1, m1, x2, m2)
     c = tl.arange(0, CP)
     has_c = c < C
     source = tl.load(source_ptr + b * C + c, mask=has_c, other=0)
@@ -102,6 +99,7 @@ def _crops_kernel(vol_ptr, out_ptr, corner_ptr, perm_ptr, flip_ptr, source_ptr, 
     across = tl.cdiv(S, T)
     o0, o1, o2 = (tile // (across * across)) * T, ((tile // across) % across) * T, (tile % across) * T
     perm = tl.load(perm_ptr + b)
+    # One call per entry of PERMUTATIONS: the permutation is a compile-time constant of each tile copy.
     if perm == 0:
         _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
                    stride_b, stride_c, stride_d, stride_h, stride_w, 0, 1, 2, S, C, CP, T,
