@@ -1,9 +1,9 @@
 """Part c: benchmark mode (train.py --enable_benchy: IO, SYNTHETIC, FULL) on a generated 128^3 box for the fast
 CPU loader and the GPU-resident loader (fp32 and fp16 storage; fp16 also without its side stream,
-``--no-gpu_prefetch``, with its crops made by one compiled kernel, ``--gpu_gather compiled``, and with the step on
-a high-priority CUDA stream, ``--stream_priority high``), after an IO sweep of the fast loader's thread count; then
-benchmarks/gather_probe.py, that loader's batch-making against one-pass candidates (eager and compiled) on a
-1024^3 box.
+``--no-gpu_prefetch``, with its crops made by one compiled kernel, ``--gpu_gather compiled``, or by the tiled
+Triton kernel, ``--gpu_gather triton``, and with the step on a high-priority CUDA stream, ``--stream_priority
+high``), after an IO sweep of the fast loader's thread count; then benchmarks/gather_probe.py, that loader's
+batch-making against one-pass candidates (eager, compiled and Triton) on a 1024^3 box.
 
 The part holds the most runs, so it also starts each run only while its guess (``BENCHY_RUN_S``,
 ``GATHER_PROBE_S``, ``COMPILE_S`` with ``--compile``) fits what is left of the budget.
@@ -31,6 +31,8 @@ class BenchyPart:
             loaders["gpu fp16, no side stream"] = loaders["gpu fp16"] + ["--no-gpu_prefetch"]
             # the crops by one compiled kernel (gpu_gather: compiled) instead of eager PyTorch's several passes
             loaders["gpu fp16, compiled gather"] = loaders["gpu fp16"] + ["--gpu_gather", "compiled"]
+            # ... or by the tiled Triton kernel (gpu_gather: triton), which reads rotated crops along the box's rows
+            loaders["gpu fp16, Triton gather"] = loaders["gpu fp16"] + ["--gpu_gather", "triton"]
             # the step on a high-priority stream: the side stream's gathers get only the SMs the step leaves idle
             loaders["gpu fp16, high-priority step"] = loaders["gpu fp16"] + ["--stream_priority", "high"]
         else:
