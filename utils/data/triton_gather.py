@@ -17,9 +17,13 @@ Same values as ``symmetry_torch.transform_torch``, bit for bit (copies and multi
 same layout. CUDA tensors only in training (the loader refuses it elsewhere); tests run the kernel on the CPU
 under ``TRITON_INTERPRET=1``.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from utils.data.symmetry_torch import element_table
 
 TILE = 8  # voxels per tile edge: 8^3 x (channels padded to a power of two) values per program
 # The six axis permutations, in the order of their ids; perm[k] is the old axis that new axis k reads.
@@ -27,13 +31,14 @@ PERMUTATIONS = ((0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)
 
 
 @triton.jit
-def _axis(corner_ptr, flip_ptr, b, k: tl.constexpr, P: tl.constexpr, origin, start, extent,
+def _axis(corner_ptr, flip_ptr, b, g, k: tl.constexpr, P: tl.constexpr, origin, start, extent,
           S: tl.constexpr, T: tl.constexpr):
     """(old coordinates, valid) of the tile's T voxels along new axis ``k``, which reads old axis ``P``: new
-    index origin + t (+ start, the first plane of a slab, along axis 0) of a crop of edge S, flipped or not."""
+    index origin + t (+ start, the first plane of a slab, along axis 0) of sample b's crop of edge S, flipped or
+    not as its element g says."""
     t = tl.arange(0, T)
     j = start + origin + t
-    flip = tl.load(flip_ptr + b * 3 + k)
+    flip = tl.load(flip_ptr + g * 3 + k)
     along = tl.where(flip != 0, S - 1 - j, j)
     return tl.load(corner_ptr + b * 3 + P) + along, (origin + t) < extent
 
@@ -51,23 +56,23 @@ def _old_axis(A: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr, x0, m0, x1, m
 
 
 @triton.jit
-def _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
+def _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, g, o0, o1, o2, n, start, depth,
                stride_b, stride_c, stride_d, stride_h, stride_w,
                P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
                CP: tl.constexpr, T: tl.constexpr, CHANNELS_LAST: tl.constexpr):
-    """One T^3 tile of sample ``b`` at new-axis origin (o0, o1, o2), every channel, for the permutation
-    (P0, P1, P2): loaded in old-axis order, stored in the output's."""
-    x0, m0 = _axis(corner_ptr, flip_ptr, b, 0, P0, o0, start, depth, S, T)
-    x1, m1 = _axis(corner_ptr, flip_ptr, b, 1, P1, o1, 0, S, S, T)
-    x2, m2 = _axis(corner_ptr, flip_ptr, b, 2, P2, o2, 0, S, S, T)
+    """One T^3 tile of sample ``b`` (symmetry element ``g``) at new-axis origin (o0, o1, o2), every channel, for
+    the permutation (P0, P1, P2): loaded in old-axis order, stored in the output's."""
+    x0, m0 = _axis(corner_ptr, flip_ptr, b, g, 0, P0, o0, start, depth, S, T)
+    x1, m1 = _axis(corner_ptr, flip_ptr, b, g, 1, P1, o1, 0, S, S, T)
+    x2, m2 = _axis(corner_ptr, flip_ptr, b, g, 2, P2, o2, 0, S, S, T)
     # Old axis a is new axis k where P_k == a: its coordinates and mask, for the load in old-axis order.
     a0, v0 = _old_axis(0, P0, P1, x0, m0, x1, m1, x2, m2)
     a1, v1 = _old_axis(1, P0, P1, x0, m0, x1, m1, x2, m2)
     a2, v2 = _old_axis(2, P0, P1, x0, m0, x1, m1, x2, m2)
     c = tl.arange(0, CP)
     has_c = c < C
-    source = tl.load(source_ptr + b * C + c, mask=has_c, other=0)
-    sign = tl.load(sign_ptr + b * C + c, mask=has_c, other=0.0)
+    source = tl.load(source_ptr + g * C + c, mask=has_c, other=0)
+    sign = tl.load(sign_ptr + g * C + c, mask=has_c, other=0.0)
     offsets = (source[:, None, None, None] * n * n * n + a0[None, :, None, None] * n * n
                + a1[None, None, :, None] * n + a2[None, None, None, :])
     valid = has_c[:, None, None, None] & v0[None, :, None, None] & v1[None, None, :, None] & v2[None, None, None, :]
@@ -90,46 +95,48 @@ def _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, 
 
 
 @triton.jit
-def _crops_kernel(vol_ptr, out_ptr, corner_ptr, perm_ptr, flip_ptr, source_ptr, sign_ptr, n, start, depth,
+def _crops_kernel(vol_ptr, out_ptr, corner_ptr, element_ptr, perm_ptr, flip_ptr, source_ptr, sign_ptr, n, start,
+                  depth,
                   stride_b, stride_c, stride_d, stride_h, stride_w,
                   S: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, T: tl.constexpr, CHANNELS_LAST: tl.constexpr):
-    """Program (b, tile): one tile of sample b; grid (B, tiles along depth x along S x along S)."""
+    """Program (b, tile): one tile of sample b; grid (B, tiles along depth x along S x along S). The element's
+    permutation id, flips, channel sources and signs are read from the 48-row tables by its element g."""
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     across = tl.cdiv(S, T)
     o0, o1, o2 = (tile // (across * across)) * T, ((tile // across) % across) * T, (tile % across) * T
-    perm = tl.load(perm_ptr + b)
+    g = tl.load(element_ptr + b)
+    perm = tl.load(perm_ptr + g)
     # One call per entry of PERMUTATIONS: the permutation is a compile-time constant of each tile copy.
     if perm == 0:
-        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
-                   stride_b, stride_c, stride_d, stride_h, stride_w, 0, 1, 2, S, C, CP, T,
-                   CHANNELS_LAST)
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, g, o0, o1, o2, n, start,
+                   depth, stride_b, stride_c, stride_d, stride_h, stride_w, 0, 1, 2, S, C, CP, T, CHANNELS_LAST)
     elif perm == 1:
-        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
-                   stride_b, stride_c, stride_d, stride_h, stride_w, 0, 2, 1, S, C, CP, T,
-                   CHANNELS_LAST)
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, g, o0, o1, o2, n, start,
+                   depth, stride_b, stride_c, stride_d, stride_h, stride_w, 0, 2, 1, S, C, CP, T, CHANNELS_LAST)
     elif perm == 2:
-        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
-                   stride_b, stride_c, stride_d, stride_h, stride_w, 1, 0, 2, S, C, CP, T,
-                   CHANNELS_LAST)
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, g, o0, o1, o2, n, start,
+                   depth, stride_b, stride_c, stride_d, stride_h, stride_w, 1, 0, 2, S, C, CP, T, CHANNELS_LAST)
     elif perm == 3:
-        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
-                   stride_b, stride_c, stride_d, stride_h, stride_w, 1, 2, 0, S, C, CP, T,
-                   CHANNELS_LAST)
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, g, o0, o1, o2, n, start,
+                   depth, stride_b, stride_c, stride_d, stride_h, stride_w, 1, 2, 0, S, C, CP, T, CHANNELS_LAST)
     elif perm == 4:
-        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
-                   stride_b, stride_c, stride_d, stride_h, stride_w, 2, 0, 1, S, C, CP, T,
-                   CHANNELS_LAST)
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, g, o0, o1, o2, n, start,
+                   depth, stride_b, stride_c, stride_d, stride_h, stride_w, 2, 0, 1, S, C, CP, T, CHANNELS_LAST)
     else:
-        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, o0, o1, o2, n, start, depth,
-                   stride_b, stride_c, stride_d, stride_h, stride_w, 2, 1, 0, S, C, CP, T,
-                   CHANNELS_LAST)
+        _copy_tile(vol_ptr, out_ptr, corner_ptr, flip_ptr, source_ptr, sign_ptr, b, g, o0, o1, o2, n, start,
+                   depth, stride_b, stride_c, stride_d, stride_h, stride_w, 2, 1, 0, S, C, CP, T, CHANNELS_LAST)
 
 
 def permutation_ids(perm):
-    """(B,) int32 ids (positions in PERMUTATIONS) of the (B, 3) permutations ``perm``, on their device."""
-    codes = torch.tensor([p[0] * 9 + p[1] * 3 + p[2] for p in PERMUTATIONS], device=perm.device)
-    return (perm[:, :1] * 9 + perm[:, 1:2] * 3 + perm[:, 2:] == codes).int().argmax(1).int()
+    """int32 ids (positions in PERMUTATIONS) of the rows of ``perm`` (the element table's (48, 3) permutations)."""
+    return torch.tensor([PERMUTATIONS.index(tuple(row)) for row in perm.tolist()], dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _permutation_ids_on(device):
+    """Each symmetry element's permutation id, copied to ``device`` once (the same for every channel count)."""
+    return permutation_ids(torch.as_tensor(element_table(4).perm)).to(device)
 
 
 def transform_triton(volume, elements, corners, crop, table, memory_format=torch.contiguous_format, planes=None):
@@ -142,10 +149,11 @@ def transform_triton(volume, elements, corners, crop, table, memory_format=torch
     if batch == 0:
         return out
     tiles = triton.cdiv(stop - start, TILE) * triton.cdiv(crop, TILE) ** 2
+    # The kernel looks each sample's element up in the tables itself: no per-batch gathers of them, no host copies
     _crops_kernel[(batch, tiles)](
-        volume.contiguous(), out, corners.long().contiguous(), permutation_ids(table.perm[elements]),
-        table.flips[elements].int().contiguous(), table.source[elements].contiguous(),
-        table.sign[elements].float().contiguous(), n, start, stop - start, *out.stride(),
+        volume.contiguous(), out, corners.contiguous(), elements.contiguous(), _permutation_ids_on(volume.device),
+        table.flips.view(torch.uint8),
+        table.source, table.sign, n, start, stop - start, *out.stride(),
         S=crop, C=channels, CP=triton.next_power_of_2(channels), T=TILE,
         CHANNELS_LAST=memory_format == torch.channels_last_3d)
     return out
