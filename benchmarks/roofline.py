@@ -17,7 +17,7 @@ has two passes):
 
 The shapes come from the model itself, built on the meta device: no memory, seconds on a CPU. Beside each
 layer stand the kernel times that a results file measured (``conv_variants.py``, as the GPU suite's part h or
-a session ran it: ``conv_forms``, GPU time of forward + backward with fresh gradients, native form and fastest
+run by hand: ``conv_forms``, GPU time of forward + backward with fresh gradients, native form and fastest
 form), when it measured the same setup.
 
 The ceiling adds, to the convolutions' roofline, memory traffic they do not do (see ``elementwise_bytes`` and
@@ -137,7 +137,7 @@ def parameter_bytes(num_params, dtype_bytes):
 def _kernel_table(node):
     """{layer: {form: kernel ms}} and {layer: fastest form} of a ``conv_forms`` table, or None. Two shapes:
     conv_variants.py's own (``layers``: rows with ``kernel_ms`` and ``best``, as the GPU suite's part h stores
-    them) and the condensed one a session's write-up keeps (``kernel_ms``: {layer: {form: ms}}, ``fastest``)."""
+    them) and the condensed one a results file may keep (``kernel_ms``: {layer: {form: ms}}, ``fastest``)."""
     layers = node.get("layers")
     if isinstance(layers, list) and layers and isinstance(layers[0], dict) and "kernel_ms" in layers[0]:
         return {row["layer"]: row["kernel_ms"] for row in layers}, {row["layer"]: row["best"] for row in layers}

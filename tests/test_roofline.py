@@ -108,7 +108,7 @@ def test_measured_kernel_times_come_from_h100_json():
 
 
 def test_measured_kernel_times_come_from_h200_jsons_condensed_table():
-    """A session's write-up keeps conv_variants.py's table condensed ({layer: {form: ms}}, fastest): read it too."""
+    """A results file may keep conv_variants.py's table condensed ({layer: {form: ms}}, fastest): read it too."""
     result = main(["--gpu", "h200"])
     measured = {row["layer"]: row["measured"] for row in result["layers"]}
     assert result["setup"]["measured_from"] == "h200.json"
