@@ -32,10 +32,16 @@ def run_interpreted(test_file):
     """Run ``test_file`` as a script with TRITON_INTERPRET=1 (Triton's interpreter reads it when a kernel is
     defined, so its kernels run on the CPU there and nowhere else) and return the JSON of its last output line;
     skipped where Triton is not installed."""
+    return run_triton_script(test_file, TRITON_INTERPRET="1")
+
+
+def run_triton_script(test_file, **env):
+    """Run ``test_file`` as a script in a subprocess, with ``env`` added to the environment, and return the JSON
+    of its last output line; skipped where Triton is not installed."""
     import json
     import subprocess
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, **env, "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run([sys.executable, str(test_file)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
