@@ -15,8 +15,13 @@ call the kernels: ``fused`` for down0, down1, up3, up4 and last, in bf16 channel
 run, and `last` in fp32 contiguous; the GPU loader's gather for both volumes.
 
 The stand-in driver must never be active in a process that launches kernels, so the cases run in a subprocess
-(this file run as a script). CI's Triton (requirements-dev.txt) is not the GPU image's, so this checks the code
-against one Triton release; tests/test_gpu.py runs the kernels on a GPU.
+(this file run as a script). CI's Triton (requirements-dev.txt) need not be a GPU machine's; to check another
+release, install it apart and put it first on the path:
+
+    pip install --no-deps --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36:. python tests/test_triton_sm90.py    # prints each case's kernels as JSON
+
+tests/test_gpu.py runs the kernels on a GPU.
 """
 import json
 import os
