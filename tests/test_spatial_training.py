@@ -59,6 +59,7 @@ def train_ranks(config_file, expdir, world_size, *flags, timeout=300):
         finally:
             for process in processes:
                 process.kill()
+        (expdir / "ranks.log").write_text("".join(outputs))  # every rank's stdout and stderr
         for rank, (process, output) in enumerate(zip(processes, outputs)):
             assert process.returncode == 0, f"rank {rank}:\n{output[-3000:]}"
     return expdir / "tiny" / f"{world_size}GPU" / "run"
@@ -106,6 +107,16 @@ def test_two_data_by_two_spatial_ranks_train_as_two_data_parallel_ranks(spatial_
     data_parallel = train_ranks(spatial_yaml, tmp_path / "ddp", 2)
     assert_same_training(spatial_run, data_parallel)
     assert "2 data ranks" in (spatial_run / "out.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_compiled_spatial_run_trains_as_one_rank(spatial_yaml, tmp_path):
+    """torch.compile captures each halo exchange as one call (utils/spatial.py's custom operators): no graph break
+    in the spatial layers, no recompilation per layer, and the steps of the eager unsharded run."""
+    spatial_run = train_ranks(spatial_yaml, tmp_path / "compiled", 2, "--spatial_parallel", "2", "--enable_jit")
+    assert_same_training(spatial_run, train_ranks(spatial_yaml, tmp_path / "one", 1))
+    output = (tmp_path / "compiled" / "ranks.log").read_text()
+    assert "utils/spatial.py" not in output and "recompile_limit" not in output, output[-3000:]
 
 
 # --- a spatial run killed with kill -9 and rerun ------------------------------------------------------------

@@ -47,6 +47,9 @@ DEPTH = 2  # the sharded dimension of (B, C, D, H, W)
 
 
 # --- the spatial group ----------------------------------------------------------------------------------------
+_GROUPS = {}  # id(group) -> SpatialGroup: every group made, held here so that its id stays its own
+
+
 @dataclass
 class SpatialGroup:
     """The S ranks sharing one crop: ``index`` is this rank's slab, ``ranks`` the group's global ranks in slab
@@ -55,6 +58,9 @@ class SpatialGroup:
     index: int = 0
     ranks: list = field(default_factory=lambda: [0])
     group: object = None
+
+    def __post_init__(self):
+        _GROUPS[id(self)] = self
 
     def neighbour(self, step, periodic):
         """The global rank holding slab index + step (wrapping when ``periodic``), or None past the crop's face."""
@@ -125,47 +131,68 @@ def _with_depth(shape, planes):
     return shape[:DEPTH] + (planes,) + shape[DEPTH + 1:]
 
 
-class HaloExchange(torch.autograd.Function):
-    """(B, C, n, H, W) slab -> (B, C, lo + n + hi, H, W): ``lo`` planes from the previous slab, ``hi`` from the next.
+def _with_planes(x, planes):
+    """An unfilled tensor like ``x`` (dtype, device, channels-last or contiguous) with ``planes`` along depth."""
+    channels_last = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+    return torch.empty(_with_depth(tuple(x.shape), planes), dtype=x.dtype, device=x.device,
+                       memory_format=torch.channels_last_3d if channels_last else torch.contiguous_format)
 
-    Backward: the halo planes' gradients go back to the ranks that own those planes and are added to theirs.
-    """
 
-    @staticmethod
-    def forward(ctx, x, lo, hi, spatial, periodic):
-        ctx.lo, ctx.hi, ctx.spatial, ctx.periodic = lo, hi, spatial, periodic
-        if spatial.size == 1:
-            return pad_depth(x, lo, hi, periodic)
-        n, shape = x.shape[DEPTH], tuple(x.shape)
-        # my first hi planes are the previous slab's upper halo; my last lo planes are the next slab's lower halo
-        below, above = _exchange(x.narrow(DEPTH, 0, hi), x.narrow(DEPTH, n - lo, lo), _with_depth(shape, lo),
-                                 _with_depth(shape, hi), spatial, periodic, x)
-        return torch.cat([below, x, above], DEPTH)
+# The exchange and its gradient are custom operators, so that torch.compile keeps each one as a single
+# opaque call in the graph it captures: Dynamo cannot trace point-to-point sends, and a graph break at every
+# exchange would split the forward into pieces that recompile for every layer. An operator's arguments are tensors
+# and numbers, so it names its group by its key in _GROUPS.
+@torch.library.custom_op("unet_spatial::halo_exchange", mutates_args=())
+def _halo_exchange(x: torch.Tensor, lo: int, hi: int, group: int, periodic: bool) -> torch.Tensor:
+    """(B, C, n, H, W) slab -> (B, C, lo + n + hi, H, W): ``lo`` planes from the previous slab, ``hi`` from the
+    next, zeros past the crop's faces (or wrapped when ``periodic``)."""
+    n, shape = x.shape[DEPTH], tuple(x.shape)
+    # my first hi planes are the previous slab's upper halo; my last lo planes are the next slab's lower halo
+    below, above = _exchange(x.narrow(DEPTH, 0, hi), x.narrow(DEPTH, n - lo, lo), _with_depth(shape, lo),
+                             _with_depth(shape, hi), _GROUPS[group], periodic, x)
+    out = _with_planes(x, lo + n + hi)
+    for start, part in ((0, below), (lo, x), (lo + n, above)):
+        out.narrow(DEPTH, start, part.shape[DEPTH]).copy_(part)
+    return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        lo, hi, spatial = ctx.lo, ctx.hi, ctx.spatial
-        n = grad.shape[DEPTH] - lo - hi
-        grad_x = grad.narrow(DEPTH, lo, n).clone()
-        if spatial.size == 1 and ctx.periodic:
-            grad_x.narrow(DEPTH, n - lo, lo).add_(grad.narrow(DEPTH, 0, lo))
-            grad_x.narrow(DEPTH, 0, hi).add_(grad.narrow(DEPTH, lo + n, hi))
-        elif spatial.size > 1:
-            shape = tuple(grad_x.shape)
-            # the lower halo's gradient belongs to the previous slab's last lo planes, the upper's to the next's first
-            from_prev, from_next = _exchange(grad.narrow(DEPTH, 0, lo), grad.narrow(DEPTH, lo + n, hi),
-                                             _with_depth(shape, hi), _with_depth(shape, lo), spatial, ctx.periodic,
-                                             grad)
-            grad_x.narrow(DEPTH, 0, hi).add_(from_prev)
-            grad_x.narrow(DEPTH, n - lo, lo).add_(from_next)
-        return grad_x, None, None, None, None
+
+@torch.library.custom_op("unet_spatial::halo_exchange_backward", mutates_args=())
+def _halo_exchange_backward(grad: torch.Tensor, lo: int, hi: int, group: int, periodic: bool) -> torch.Tensor:
+    """The gradient of unet_spatial::halo_exchange: the halo planes' gradients go back to the ranks that own those
+    planes and are added to theirs."""
+    n = grad.shape[DEPTH] - lo - hi
+    grad_x = _with_planes(grad, n).copy_(grad.narrow(DEPTH, lo, n))
+    shape = tuple(grad_x.shape)
+    # the lower halo's gradient belongs to the previous slab's last lo planes, the upper's to the next's first
+    from_prev, from_next = _exchange(grad.narrow(DEPTH, 0, lo), grad.narrow(DEPTH, lo + n, hi),
+                                     _with_depth(shape, hi), _with_depth(shape, lo), _GROUPS[group], periodic, grad)
+    grad_x.narrow(DEPTH, 0, hi).add_(from_prev)
+    grad_x.narrow(DEPTH, n - lo, lo).add_(from_next)
+    return grad_x
+
+
+# What torch.compile traces in their place: shapes and strides, no messages
+_halo_exchange.register_fake(lambda x, lo, hi, group, periodic: _with_planes(x, lo + x.shape[DEPTH] + hi))
+_halo_exchange_backward.register_fake(lambda grad, lo, hi, group, periodic:
+                                      _with_planes(grad, grad.shape[DEPTH] - lo - hi))
+
+
+def _save_halo(ctx, inputs, output):
+    ctx.halo = inputs[1:]  # lo, hi, group, periodic
+
+
+_halo_exchange.register_autograd(lambda ctx, grad: (_halo_exchange_backward(grad, *ctx.halo), None, None, None,
+                                                    None), setup_context=_save_halo)
 
 
 def halo_exchange(x, lo, hi, spatial, periodic=False):
-    """See HaloExchange; needs lo, hi <= the slab's depth (thinner slabs: SpatialConv gathers instead)."""
+    """(B, C, n, H, W) slab -> (B, C, lo + n + hi, H, W) by unet_spatial::halo_exchange; needs lo, hi <= the slab's
+    depth (thinner slabs: SpatialConv gathers instead). One rank alone pads: zeros, or its own planes wrapped."""
     if max(lo, hi) > x.shape[DEPTH]:
         raise ValueError(f"halo of {lo}/{hi} planes is deeper than the {x.shape[DEPTH]}-plane slab")
-    return HaloExchange.apply(x, lo, hi, spatial, periodic)
+    if spatial.size == 1:
+        return pad_depth(x, lo, hi, periodic)
+    return _halo_exchange(x, lo, hi, id(spatial), periodic)
 
 
 # --- whole activations: gather and split ----------------------------------------------------------------------
