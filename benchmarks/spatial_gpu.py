@@ -22,12 +22,15 @@ device), and compares, each within its tolerance:
   builds it; its two deepest layers run whole, sharing the crops) against the same model unsharded, fp32 with TF32
   off: the first step's gradients and the per-step losses (relative 1e-5 of each tensor's largest value), the
   final weights (1e-4);
+- ``spatial_compile``: the same with the sharded model compiled (torch.compile; the halo exchanges are custom
+  operators in its graph) against the eager unsharded one, within the same tolerances;
 - ``ddp_compile``: the ``bs64_opt`` step (bf16, fused Adam, channels-last, torch.compile, the tuned conv forms)
   as 2 data-parallel ranks against one eager process on the same global batch: per-step losses (bf16 rounding,
   relative 2e-2) and the two ranks' weights identical.
 It checks correctness under CUDA, not speed.
 """
 import argparse
+import functools
 import gc
 import json
 import os
@@ -217,17 +220,19 @@ def fixed_batches(count, batch, crop, device, seed=0):
              torch.randn(batch, 5, crop, crop, crop, generator=generator).to(device) * 0.5) for _ in range(count)]
 
 
-def check_spatial(info, device, steps=4):
+def check_spatial(info, device, steps=4, compile=False):
     """S = 2 on the mesh (DDP over both ranks) against the unsharded model, fp32 with TF32 off: the first step's
     gradients and every step's loss (relative 1e-5), and the final weights (1e-4: Adam divides each gradient by
-    its own running scale, so a weight whose gradient nearly vanishes moves by rounding's share)."""
+    its own running scale, so a weight whose gradient nearly vanishes moves by rounding's share). ``compile``:
+    the sharded model compiled (its halo exchanges custom operators in the graph), the unsharded one eager."""
     import train
     from utils.distributed import DistInfo
     from utils.spatial import split_depth
     # 16^3 crops: down3's 1-plane slab and up0's 1-plane input run whole, each rank on 1 of the 2 crops
     overrides = {"device": device.type, "data_size": 16, "global_batch_size": 2, "amp_mode": "none",
                  "enable_tf32": False}
-    state = train.build_training(load_config("quickstart", overrides={**overrides, "spatial_parallel": 2}), info)
+    state = train.build_training(load_config("quickstart", overrides={**overrides, "spatial_parallel": 2,
+                                                                      "enable_jit": compile}), info)
     single = train.build_training(load_config("quickstart", overrides=overrides), DistInfo(device=device))
     batches = fixed_batches(steps, 2, 16, device)
     sharded, whole, gradient_difference = [], [], None
@@ -297,7 +302,8 @@ def check_worker(rank, port, out_dir, parts):
     info = DistInfo(rank=rank, local_rank=0, world_size=2, device=device)  # both ranks on the one device
     results = {}
     for part in parts:
-        check = {"spatial": check_spatial, "ddp_compile": check_ddp_compile}[part]
+        check = {"spatial": check_spatial, "spatial_compile": functools.partial(check_spatial, compile=True),
+                 "ddp_compile": check_ddp_compile}[part]
         try:
             results[part] = check(info, device)
         except Exception as error:  # recorded: the other part still runs
@@ -327,7 +333,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="memory: timed steps per case (median)")
     parser.add_argument("--batch", type=int, default=1, help="memory: crops per step (the layers a slab runs whole "
                                                              "share them between the S ranks when S divides it)")
-    parser.add_argument("--parts", default="spatial,ddp_compile", help="check: spatial, ddp_compile")
+    parser.add_argument("--parts", default="spatial,spatial_compile,ddp_compile",
+                        help="check: spatial, spatial_compile, ddp_compile")
     parser.add_argument("--out", type=Path, help="JSON file to write")
     args = parser.parse_args(argv)
     if args.batch < 1:

@@ -631,12 +631,14 @@ def test_reference_model_mfu_and_peak_memory_are_plausible():
 # --- two ranks on the one GPU through gloo ------------------------------------------------------
 def test_two_gloo_ranks_on_the_gpu_train_a_spatial_model_as_one(tmp_path):
     """benchmarks/spatial_gpu.py check: S = 2 with CUDA tensors over gloo (the halos staged through host memory,
-    which gloo's send and receive need) against the unsharded model, fp32: gradients and losses to 1e-5."""
+    which gloo's send and receive need) against the unsharded model, fp32: gradients and losses to 1e-5; eager and
+    compiled (the halo exchanges as custom operators in Inductor's graph)."""
     out = tmp_path / "check.json"
-    done = subprocess.run([sys.executable, "benchmarks/spatial_gpu.py", "check", "--parts", "spatial", "--out",
-                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "benchmarks/spatial_gpu.py", "check", "--parts", "spatial,spatial_compile",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert all(rank["spatial"]["ok"] for rank in json.loads(out.read_text())["ranks"])
+    assert all(rank[part]["ok"] for rank in json.loads(out.read_text())["ranks"]
+               for part in ("spatial", "spatial_compile"))
 
 
 # --- NCCL ----------------------------------------------------------------------------------------
