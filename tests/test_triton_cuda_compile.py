@@ -1,14 +1,14 @@
-"""Every Triton kernel of the GPU path compiles for the H100 and H200 (sm_90) without spilling, checked in CI,
-where there is no GPU.
+"""Every Triton kernel of the GPU path compiles without spilling for the GPUs this tutorial runs on: the A100
+(sm_80, Perlmutter's) and the H100 and H200 (sm_90). Checked in CI, where there is no GPU.
 
 test_fused_interleave.py and test_triton_gather.py check what the kernels compute, in Triton's interpreter. The
 interpreter runs a kernel's blocks as numpy arrays and never lowers them, so a kernel it runs may still fail to
 compile for a GPU, or spill registers to local memory there. Here the kernels go through their own launch path
 (networks/triton_interleave.py's custom ops, utils/data/triton_gather.py's ``transform_triton``), so they get the
 argument specialisation a GPU launch gives them, with CPU tensors and a stand-in for Triton's CUDA driver. The
-stand-in reports an sm_90 target, so Triton compiles each kernel to a cubin with the ptxas its wheel ships. It
+stand-in reports the GPU's target, so Triton compiles each kernel to a cubin with the ptxas its wheel ships. It
 reads the cubin's registers and local memory with the wheel's cuobjdump and skips the launch. Triton itself still
-checks shared memory and threads against the limits an H100 reports (227 KB per block, 1024 threads).
+checks shared memory and threads against the limits the GPU reports (per block, and 1024 threads).
 
 The shapes are the default model's at 64^3 crops, batch 1 (the batch enters only the grid), in the forms that
 call the kernels: ``fused`` for down0, down1, up3, up4 and last, in bf16 channels-last as the ``*_opt`` configs
@@ -19,7 +19,7 @@ The stand-in driver must never be active in a process that launches kernels, so 
 release, install it apart and put it first on the path:
 
     pip install --no-deps --target /tmp/triton36 triton==3.6.0
-    PYTHONPATH=/tmp/triton36:. python tests/test_triton_sm90.py    # prints each case's kernels as JSON
+    PYTHONPATH=/tmp/triton36:. python tests/test_triton_cuda_compile.py    # each GPU's kernels, as JSON
 
 tests/test_gpu.py runs the kernels on a GPU.
 """
@@ -34,7 +34,9 @@ import torch
 
 from conftest import run_triton_script
 
-H100_SHARED_BYTES = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on an H100 or H200: 227 KB
+# target: (compute capability, cudaDevAttrMaxSharedMemoryPerBlockOptin in bytes)
+TARGETS = {"sm_80": (80, 166912),   # A100: 163 KB
+           "sm_90": (90, 232448)}   # H100, H200: 227 KB
 FUSED_LAYERS = ("down0", "down1", "up3", "up4", "last")
 CROP = 64
 GATHER_CASES = {  # name: (channels, storage dtype, layout, planes): the loader's 4 input and 5 target channels
@@ -45,9 +47,9 @@ GATHER_CASES = {  # name: (channels, storage dtype, layout, planes): the loader'
 }
 
 
-def install_sm90_driver():
-    """Make Triton compile for sm_90 and skip launches; returns the list each compiled kernel's resources are
-    appended to, in compilation order."""
+def install_cuda_driver():
+    """Make Triton compile for a CUDA target and skip launches. Returns (the stand-in, whose ``target`` names the
+    GPU compiled for, and the list each compiled kernel's resources are appended to, in compilation order)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -57,7 +59,7 @@ def install_sm90_driver():
     class Utils:
         @staticmethod
         def get_device_properties(device):
-            return {"max_shared_mem": H100_SHARED_BYTES, "multiprocessor_count": 132}
+            return {"max_shared_mem": TARGETS[stand_in.target][1], "multiprocessor_count": 108}
 
         @staticmethod
         def load_binary(name, cubin, shared, device):
@@ -70,16 +72,16 @@ def install_sm90_driver():
             registers, stack, local = (int(re.search(rf"\b{key}:(\d+)", usage).group(1))
                                        for key in ("REG", "STACK", "LOCAL"))
             # Spilled registers live in the stack frame: the driver's local size counts both
-            compiled.append({"name": name, "registers": registers, "local_bytes": stack + local,
-                             "shared_bytes": shared})
+            compiled.append({"name": name, "arch": stand_in.loading, "registers": registers,
+                             "local_bytes": stack + local, "shared_bytes": shared})
             return None, None, registers, stack + local, 1024
 
-    class Sm90:
+    class StandIn:
         utils = Utils()
+        target = "sm_90"
 
-        @staticmethod
-        def get_current_target():
-            return GPUTarget("cuda", 90, 32)
+        def get_current_target(self):
+            return GPUTarget("cuda", TARGETS[self.target][0], 32)
 
         @staticmethod
         def get_current_device():
@@ -89,12 +91,13 @@ def install_sm90_driver():
         def get_current_stream(device=None):
             return 0
 
-        @staticmethod
-        def launcher_cls(src, metadata):
+        def launcher_cls(self, src, metadata):
+            self.loading = metadata.target.arch  # what it was compiled for, read back in load_binary
             return lambda *args: None  # compiled and loaded, never launched
 
-    driver.set_active(Sm90())
-    return compiled
+    stand_in = StandIn()
+    driver.set_active(stand_in)
+    return stand_in, compiled
 
 
 def model_layers():
@@ -166,23 +169,28 @@ def spill_probe_case():
 
 
 def compile_results():
-    """{case: [each kernel it loaded: name, registers, local and shared bytes]}."""
+    """{target: {case: [each kernel it loaded: name, registers, local and shared bytes]}}."""
     import networks.triton_interleave as interleave
     import utils.data.triton_gather as gather
-    compiled = install_sm90_driver()
+    stand_in, compiled = install_cuda_driver()
+    cases = {**interleave_cases(model_layers()), **gather_cases(), **spill_probe_case()}
     results = {}
-    for case, thunks in {**interleave_cases(model_layers()), **gather_cases(), **spill_probe_case()}.items():
-        for kernel in (interleave._interleave_kernel, interleave._interleave_backward_kernel, gather._crops_kernel):
-            kernel.device_caches.clear()  # two layers may share a specialisation: load it again for each
-        before = len(compiled)
-        for thunk in thunks:
-            thunk()
-        results[case] = compiled[before:]
+    for stand_in.target in TARGETS:
+        results[stand_in.target] = {}
+        for case, thunks in cases.items():
+            # Forget what is compiled: two layers may share a specialisation, and each target compiles its own
+            for kernel in (interleave._interleave_kernel, interleave._interleave_backward_kernel,
+                           gather._crops_kernel):
+                kernel.device_caches.clear()
+            before = len(compiled)
+            for thunk in thunks:
+                thunk()
+            results[stand_in.target][case] = compiled[before:]
     return results
 
 
 @pytest.fixture(scope="module")
-def sm90():
+def compiled():
     return run_triton_script(__file__)
 
 
@@ -190,19 +198,22 @@ ALL_CASES = [f"{name}-bfloat16-channels_last" for name in FUSED_LAYERS] + ["last
                                                                           *GATHER_CASES]
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("case", ALL_CASES)
-def test_the_kernel_compiles_for_sm90_without_spilling(sm90, case):
-    kernels = sm90[case]
+def test_the_kernel_compiles_without_spilling(compiled, target, case):
+    kernels = compiled[target][case]
     names = ["_crops_kernel"] if case.startswith("gather") else ["_interleave_backward_kernel",
                                                                    "_interleave_kernel"]
     assert sorted(k["name"] for k in kernels) == names, kernels  # a fresh specialisation per pass: compiled
+    assert {k["arch"] for k in kernels} == {TARGETS[target][0]}, kernels
     for kernel in kernels:
-        assert kernel["local_bytes"] == 0, f"{kernel['name']} spills registers on sm_90: {kernel}"
-        assert 0 < kernel["registers"] <= 255 and kernel["shared_bytes"] <= H100_SHARED_BYTES, kernel
+        assert kernel["local_bytes"] == 0, f"{kernel['name']} spills registers on {target}: {kernel}"
+        assert 0 < kernel["registers"] <= 255 and kernel["shared_bytes"] <= TARGETS[target][1], kernel
 
 
-def test_a_kernel_that_spills_is_seen_to_spill(sm90):
-    [probe] = sm90["spill-probe"]
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_kernel_that_spills_is_seen_to_spill(compiled, target):
+    [probe] = compiled[target]["spill-probe"]
     assert probe["name"] == "_spilling_kernel" and probe["local_bytes"] > 1000, probe
 
 
