@@ -2,6 +2,10 @@
 the 48 symmetry elements (so all six axis permutations, with and without flips), both batch layouts, 32- and
 16-bit storage, a crop that is not a multiple of the tile, and a spatial-parallel slab.
 
+The first case takes all 48 elements; the others, whose crops span several tiles (so several programs each, the
+interpreter's cost), take two elements of each axis permutation: the layout-dependent code (the permute and the
+store) depends on the element only through its permutation, and the flips only through ``_axis``.
+
 The kernel runs on the CPU in Triton's interpreter, which reads TRITON_INTERPRET when a kernel is defined: the
 cases run in one subprocess with it set (this file run as a script). tests/test_gpu.py checks the compiled
 kernel through the loader on a GPU."""
@@ -14,11 +18,12 @@ import torch
 from conftest import run_interpreted
 
 LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last_3d}
-# (channels, box edge, crop edge, storage dtype, layout, planes): the loader's 4 input and 5 target channels
+# (channels, box edge, crop edge, storage dtype, layout, planes, elements): the loader's 4 input and 5 target
+# channels; elements "all" (48) or "per_permutation" (12)
 CASES = {
-    "inp-crop8-fp16-channels_last": (4, 12, 8, "float16", "channels_last", None),
-    "tar-crop12-fp32-contiguous": (5, 16, 12, "float32", "contiguous", None),       # 12: a partial tile
-    "tar-crop12-fp16-channels_last-slab": (5, 16, 12, "float16", "channels_last", (6, 12)),
+    "inp-crop8-fp16-channels_last": (4, 12, 8, "float16", "channels_last", None, "all"),
+    "tar-crop12-fp32-contiguous": (5, 16, 12, "float32", "contiguous", None, "per_permutation"),  # a partial tile
+    "tar-crop12-fp16-channels_last-slab": (5, 16, 12, "float16", "channels_last", (6, 12), "per_permutation"),
 }
 
 
@@ -26,14 +31,17 @@ def interpreter_results():
     """{case: {"equal": ..., "same_strides": ...}}, every element once per case; run with TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "the Triton kernel would need a GPU"
     from utils.data.symmetry_torch import element_table, transform_torch
-    from utils.data.triton_gather import make_crops_triton, permutation_ids, transform_triton
+    from utils.data.triton_gather import PERMUTATIONS, make_crops_triton, permutation_ids, transform_triton
     results = {}
-    for name, (channels, box, crop, dtype, layout, planes) in CASES.items():
+    ids = permutation_ids(element_table(4).perm)
+    # the first and the last element of each permutation (their flips differ)
+    per_permutation = torch.cat([torch.nonzero(ids == p).flatten()[[0, -1]] for p in range(len(PERMUTATIONS))])
+    for name, (channels, box, crop, dtype, layout, planes, which) in CASES.items():
         generator = torch.Generator().manual_seed(len(results))
         volume = torch.randn((channels, box, box, box), generator=generator).to(getattr(torch, dtype))
         table = element_table(channels).to("cpu")
-        elements = torch.randperm(48, generator=generator)
-        corners = torch.randint(0, box - crop + 1, (48, 3), generator=generator)
+        elements = torch.randperm(48, generator=generator) if which == "all" else per_permutation
+        corners = torch.randint(0, box - crop + 1, (len(elements), 3), generator=generator)
         want = transform_torch(volume, elements, corners, crop, table, LAYOUTS[layout], planes)
         got = transform_triton(volume, elements, corners, crop, table, LAYOUTS[layout], planes)
         results[name] = {"equal": torch.equal(got, want), "same_strides": got.stride() == want.stride()}
