@@ -28,13 +28,13 @@ CASES = {
 
 
 def interpreter_results():
-    """{case: {"equal": ..., "same_strides": ...}}, every element once per case; run with TRITON_INTERPRET=1."""
+    """{case: {"equal": ..., "same_strides": ...}}, each of the case's elements once; run with TRITON_INTERPRET=1."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "the Triton kernel would need a GPU"
     from utils.data.symmetry_torch import element_table, transform_torch
     from utils.data.triton_gather import PERMUTATIONS, make_crops_triton, permutation_ids, transform_triton
     results = {}
     ids = permutation_ids(element_table(4).perm)
-    # the first and the last element of each permutation (their flips differ)
+    # the first and the last element of each permutation: no axis flipped, and all three
     per_permutation = torch.cat([torch.nonzero(ids == p).flatten()[[0, -1]] for p in range(len(PERMUTATIONS))])
     for name, (channels, box, crop, dtype, layout, planes, which) in CASES.items():
         generator = torch.Generator().manual_seed(len(results))
