@@ -33,7 +33,8 @@ def interpreter_results():
     from utils.data.symmetry_torch import element_table, transform_torch
     from utils.data.triton_gather import PERMUTATIONS, make_crops_triton, permutation_ids, transform_triton
     results = {}
-    ids = permutation_ids(element_table(4).perm)
+    input_table = element_table(4).to("cpu")
+    ids = permutation_ids(input_table.perm)
     # the first and the last element of each permutation: no axis flipped, and all three
     per_permutation = torch.cat([torch.nonzero(ids == p).flatten()[[0, -1]] for p in range(len(PERMUTATIONS))])
     for name, (channels, box, crop, dtype, layout, planes, which) in CASES.items():
@@ -46,9 +47,8 @@ def interpreter_results():
         got = transform_triton(volume, elements, corners, crop, table, LAYOUTS[layout], planes)
         results[name] = {"equal": torch.equal(got, want), "same_strides": got.stride() == want.stride()}
     results["permutation_ids"] = sorted(set(ids.tolist())) == list(range(6))
-    table = element_table(4).to("cpu")
     inp, tar = make_crops_triton(torch.randn(4, 8, 8, 8), torch.randn(5, 8, 8, 8), torch.zeros(0, 3, dtype=torch.long),
-                                 torch.zeros(0, dtype=torch.long), table, element_table(5).to("cpu"), 4,
+                                 torch.zeros(0, dtype=torch.long), input_table, element_table(5).to("cpu"), 4,
                                  torch.contiguous_format)
     results["empty_batch"] = [list(inp.shape), list(tar.shape)]
     return results
