@@ -41,28 +41,36 @@ def spatial_yaml(tiny_files, tmp_path_factory):
     return path
 
 
-def train_ranks(config_file, expdir, world_size, *flags, timeout=300):
-    """Run train.py as ``world_size`` processes (a process group of gloo CPU ranks); returns the run folder."""
+def start_ranks(config_file, expdir, world_size, *flags):
+    """Start train.py as ``world_size`` processes (a process group of gloo CPU ranks; one rank runs without one);
+    ``wait_ranks`` collects them."""
     argv = [sys.executable, str(REPO_ROOT / "train.py"), "--yaml_config", str(config_file), "--config", "tiny",
             "--expdir", str(expdir), "--run_num", "run", *flags]
-    if world_size == 1:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
-        result = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    else:
-        port = free_port()
-        processes = [subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=rank_env(rank, port, world_size))
-                     for rank in range(world_size)]
-        try:
-            outputs = [process.communicate(timeout=timeout)[0] for process in processes]
-        finally:
-            for process in processes:
-                process.kill()
-        (expdir / "ranks.log").write_text("".join(outputs))  # every rank's stdout and stderr
-        for rank, (process, output) in enumerate(zip(processes, outputs)):
-            assert process.returncode == 0, f"rank {rank}:\n{output[-3000:]}"
+    port = free_port()
+    envs = ([{**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}] if world_size == 1 else
+            [rank_env(rank, port, world_size) for rank in range(world_size)])
+    processes = [subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=env) for env in envs]
+    return processes, expdir, world_size
+
+
+def wait_ranks(started, timeout=300):
+    """Wait for the processes of ``start_ranks``; returns the run folder."""
+    processes, expdir, world_size = started
+    try:
+        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    (expdir / "ranks.log").write_text("".join(outputs))  # every rank's stdout and stderr
+    for rank, (process, output) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, f"rank {rank}:\n{output[-3000:]}"
     return expdir / "tiny" / f"{world_size}GPU" / "run"
+
+
+def train_ranks(config_file, expdir, world_size, *flags, timeout=300):
+    """Run train.py as ``world_size`` processes; returns the run folder."""
+    return wait_ranks(start_ranks(config_file, expdir, world_size, *flags), timeout)
 
 
 def losses(run_dir):
@@ -92,8 +100,13 @@ def assert_same_training(spatial_run, data_parallel_run):
 
 
 def test_one_data_by_two_spatial_ranks_train_as_one_rank(spatial_yaml, tmp_path):
-    spatial_run = train_ranks(spatial_yaml, tmp_path / "spatial", 2, "--spatial_parallel", "2")
-    one_rank = train_ranks(spatial_yaml, tmp_path / "one", 1)
+    # The one rank runs alongside the pair of ranks, which leave a core of a 2-core machine idle while they wait on
+    # each other
+    started = start_ranks(spatial_yaml, tmp_path / "one", 1)
+    try:
+        spatial_run = train_ranks(spatial_yaml, tmp_path / "spatial", 2, "--spatial_parallel", "2")
+    finally:
+        one_rank = wait_ranks(started)  # also when the pair failed: no process outlives the test
     assert_same_training(spatial_run, one_rank)
     log = (spatial_run / "out.log").read_text()
     assert "Spatial parallelism: 2 ranks share each crop (slabs of 4 planes), 1 data ranks" in log
