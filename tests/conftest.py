@@ -145,12 +145,15 @@ def pytest_configure(config):
 def share_the_cores(workers):
     """One pytest-xdist worker's share of the cores, for its torch threads and its Inductor compile processes
     (each would otherwise take one per core, up to 32 for Inductor, ``workers`` times over; 14 workers on a
-    16-core GPU machine start 224 compile processes). The environment variable reaches the tests' subprocesses;
-    one already set is kept."""
+    16-core GPU machine start 224 compile processes). The environment variables reach the tests' subprocesses
+    (train.py, torchrun, the README's walk-through); one already set is kept. A subprocess with a thread per core
+    on cores another worker keeps busy stalls at every OpenMP barrier: on CI's 2 cores with one more busy
+    process, the walk-through's quickstart trained at 6 samples/s and hit its 900 s limit."""
     import torch
     import torch._inductor.config as inductor_config
     share = max(1, len(os.sched_getaffinity(0)) // workers)
     torch.set_num_threads(share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(share))
     inductor_config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 

@@ -16,7 +16,8 @@ Which commands run is decided in README.md itself, so the README cannot drift fr
   would commit) are copied, so the code under test is checked, committed or not; ``data/`` is not
   copied: the clone generates its own, as a new user's does. ``python`` and ``torchrun`` are this
   interpreter's, the environment is a user's (no ``$EXPDIR``, no rank or Slurm variables) and no GPU
-  is visible: this is the laptop path.
+  is visible: this is the laptop path. Under pytest-xdist it is a user's who shares the machine:
+  ``OMP_NUM_THREADS`` is the worker's share of the cores (``tests/conftest.py``).
 * Each command must exit with status 0, and a few of the README's claims about it are checked
   (``CLAIMS``). After the walk-through the quickstart command runs once more and must continue its
   own run (section 3: "the same command continues its run").
