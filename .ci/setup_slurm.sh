@@ -70,6 +70,9 @@ if [[ -e $CONF ]] && ! grep -qF "$MARKER" "$CONF"; then
     die "$CONF exists and was not written by this script; refusing to overwrite a real cluster's config"
 fi
 install -d -m 755 "$SPOOL/ctld" "$SPOOL/d" "$LOGS"
+# The node's cores as slurmd finds them. GNU nproc honours OMP_NUM_THREADS, which a test runner or a login shell
+# may set to 1: a 1-CPU node would leave every 2-task job pending forever (reason PartitionConfig).
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 cat >"$CONF" <<EOF
 $MARKER
 ClusterName=ci
@@ -96,7 +99,7 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 ReturnToService=2
 MinJobAge=3600
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 EOF
 
