@@ -147,8 +147,8 @@ def share_the_cores(workers):
     (each would otherwise take one per core, up to 32 for Inductor, ``workers`` times over; 14 workers on a
     16-core GPU machine start 224 compile processes). The environment variables reach the tests' subprocesses
     (train.py, torchrun, the README's walk-through); one already set is kept. A subprocess with a thread per core
-    on cores another worker keeps busy stalls at every OpenMP barrier: on CI's 2 cores with one more busy
-    process, the walk-through's quickstart trained at 6 samples/s and hit its 900 s limit."""
+    on cores another worker keeps busy stalls at every OpenMP barrier and runs slower than one thread would
+    (benchmarks/results/test_times.md has the CI runs under load)."""
     import torch
     import torch._inductor.config as inductor_config
     share = max(1, len(os.sched_getaffinity(0)) // workers)

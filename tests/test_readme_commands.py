@@ -23,9 +23,8 @@ Which commands run is decided in README.md itself, so the README cannot drift fr
   own run (section 3: "the same command continues its run").
 
 ``test_readme_marks_the_walkthrough`` (fast) checks the extraction; ``test_readme_walkthrough_on_a_fresh_clone``
-(slow, run with --full as CI does) runs it: 8 min 47 s on the project's 2-core machine shared with other
-work (the quickstart alone 410 s of it, against 86 s quiet); quiet it should take about 3.5 minutes (an
-estimate from those parts, not measured).
+(slow, run with --full as CI does) runs it; CI starts it first, and it takes minutes (the quickstart alone
+86 s on the quiet 2-core machine; the suite's times are in benchmarks/results/test_times.md).
 """
 import json
 import os
