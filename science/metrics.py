@@ -289,12 +289,19 @@ class ScienceMetrics:
         return self._state()[f"hist_{which}"].reshape(NUM_DENSITY_BINS, NUM_TEMPERATURE_BINS)
 
 
+def format_fit(value, spec, unit="", why=" (densities fill < 2 bins of the fit)"):
+    """A fitted gamma or T0 for a log line; the fit's NaN (fewer than two occupied density columns, as in an
+    untrained model's near-constant output) reads as what it is, not as a broken run."""
+    return format(value, spec) + unit if math.isfinite(value) else "n/a" + why
+
+
 def format_summary(scalars):
     """One log line from ``compute()``'s scalars: density and temperature L1, gamma, power ratios."""
     ratios = [(tag.removeprefix("power_ratio/wavelength_").removesuffix("_cells"), value)
               for tag, value in scalars.items() if tag.startswith("power_ratio/")]
     return (f"L1 gas density {scalars['L1/gas_density']:.5f}, temperature {scalars['L1/temperature']:.5f} | "
-            f"T-rho gamma {scalars['T_rho/gamma_pred']:.3f} (target {scalars['T_rho/gamma_true']:.3f}) | "
+            f"T-rho gamma {format_fit(scalars['T_rho/gamma_pred'], '.3f')} "
+            f"(target {format_fit(scalars['T_rho/gamma_true'], '.3f')}) | "
             f"P_pred/P_true at wavelengths [cells] " + ", ".join(f"{band}: {value:.3g}" for band, value in ratios))
 
 

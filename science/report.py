@@ -34,7 +34,7 @@ from science import check_normalisation, lyman_alpha as lya
 from utils import CheckpointError, DataError, run as run_cli
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
-from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density,
+from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density, format_fit,
                            log_density_edges, log_temperature_edges)
 from science.plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
 
@@ -202,9 +202,10 @@ def _header(scalars):
     p1d = ", ".join(f"{tag.split('_')[-2]}: {value:.3g}" for tag, value in scalars.items()
                     if tag.startswith("lyman_alpha/p1d_ratio/"))
     return (f"L1 (normalised) gas density {scalars['L1/gas_density']:.5f}, vx {scalars['L1/gas_vx']:.5f}, temperature "
-            f"{scalars['L1/temperature']:.5f} | gamma {scalars['T_rho/gamma_pred']:.3f} (target "
-            f"{scalars['T_rho/gamma_true']:.3f}), T0 {scalars['T_rho/T0_pred_K']:.0f} K (target "
-            f"{scalars['T_rho/T0_true_K']:.0f} K)\n"
+            f"{scalars['L1/temperature']:.5f} | gamma {format_fit(scalars['T_rho/gamma_pred'], '.3f')} (target "
+            f"{format_fit(scalars['T_rho/gamma_true'], '.3f')}), "
+            f"T0 {format_fit(scalars['T_rho/T0_pred_K'], '.0f', ' K', '')} "
+            f"(target {format_fit(scalars['T_rho/T0_true_K'], '.0f', ' K', '')})\n"
             f"P_pred/P_true by wavelength [cells] {bands}\n"
             f"mean flux {scalars['lyman_alpha/mean_flux_pred']:.4f} (target {scalars['lyman_alpha/mean_flux_true']:.4f}) | "
             f"flux PDF distance KS {scalars['lyman_alpha/flux_pdf_ks']:.4f}, W1 {scalars['lyman_alpha/flux_pdf_w1']:.4f} | "

@@ -268,3 +268,15 @@ def test_cross_correlation_of_an_independent_field_is_near_zero(generated):
     scalars = metrics_of(other, hydro).compute()
     correlations = {tag: v for tag, v in scalars.items() if tag.startswith("cross_correlation/")}
     assert all(abs(v) < 0.3 for v in correlations.values()), correlations
+
+
+def test_untrained_constant_prediction_reads_na(generated):
+    """An untrained model's near-constant density fills one column of the T-rho fit: the fit is NaN, and the log line
+    says n/a and why instead of printing 'nan' as if the run were broken."""
+    _, hydro = generated
+    scalars = metrics_of(torch.zeros_like(hydro), hydro).compute()
+    assert math.isnan(scalars["T_rho/gamma_pred"]) and math.isnan(scalars["T_rho/T0_pred_K"])
+    line = science.format_summary(scalars)
+    assert "nan" not in line
+    assert f"T-rho gamma n/a (densities fill < 2 bins of the fit) (target {scalars['T_rho/gamma_true']:.3f})" in line
+    assert science.format_fit(1234.4, ".0f", " K") == "1234 K"
