@@ -241,7 +241,9 @@ class ScienceMetrics:
             scalars[f"power_ratio/wavelength_{low}-{high}_cells"] = float(ratio)
         for (low, high), shells in self.wavelength_octaves().items():
             pred, true, cross = (state[name][shells].sum() for name in ("power_pred", "power_true", "power_cross"))
-            scalars[f"cross_correlation/wavelength_{low}-{high}_cells"] = float(cross / math.sqrt(pred * true))
+            # undefined (NaN) where a field has no power there, e.g. a constant prediction
+            r = cross / math.sqrt(pred * true) if pred * true > 0 else math.nan
+            scalars[f"cross_correlation/wavelength_{low}-{high}_cells"] = float(r)
         (gamma_pred, t0_pred), (gamma_true, t0_true) = (fit_temperature_density(self.histogram(which))
                                                         for which in ("pred", "true"))
         scalars.update({"T_rho/gamma_pred": float(gamma_pred), "T_rho/gamma_true": float(gamma_true),
