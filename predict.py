@@ -44,6 +44,7 @@ from utils.distributed import DistInfo, cleanup, env_world_size, init_distribute
 from utils.inference import (WholeBoxScience, check_input, check_tiling, check_whole_box, gather_slabs,
                              load_trained_model, lyman_alpha_section, lyman_alpha_settings, periodic_model,
                              predict_slabs, predict_whole_box)
+from utils.out_of_memory import is_out_of_memory, out_of_memory
 from utils.spatial import SpatialGroup, spatial_mesh
 
 
@@ -163,6 +164,18 @@ def main(argv=None):
         seconds = time.perf_counter() - start
         print(f"wrote {output}: Hydro {(params.N_out_channels,) + (box,) * 3} in {seconds:.1f} s "
               f"({box ** 3 / seconds / 1e6:.2f} Mcells/s)")
+    except (RuntimeError, MemoryError) as err:
+        if not is_out_of_memory(err):
+            raise
+        if args.whole_box:
+            holding = f"on {info.device} predicting {box // args.spatial_parallel} planes of the {box}^3 box at once"
+            ways = ["overlapping tiles (leave out --whole_box)", "more ranks sharing the box (--spatial_parallel S)"]
+        else:
+            holding = f"on {info.device} with {args.batch_size} window(s) of {tile}^3 per forward pass"
+            ways = ["fewer windows per pass (--batch_size N)"] if args.batch_size > 1 else []
+            ways.append("smaller windows (--tile N)")
+        raise out_of_memory(err, holding, ways + (["bf16 (--amp_mode bf16)"] if args.amp_mode == "none" else [])
+                            ) from None
     finally:
         cleanup(info)
 

@@ -418,11 +418,12 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
             control.agree()  # a log write that failed on rank 0 after the loop's last agreement stops every rank
             finished = True
             return result
-        except RuntimeError as err:  # a peer rank went away: one line here too, its own log says why
-            lost = peer_lost(err, info)
-            if lost is None:
+        except (RuntimeError, MemoryError) as err:  # out of memory, or a peer rank went away: one line, not a traceback
+            from utils.out_of_memory import training_report  # read only when a run fails
+            report = training_report(err, params, info) or peer_lost(err, info)
+            if report is None:
                 raise
-            raise lost from None
+            raise report from None
         finally:
             # DDP's reducer holds the process group: free it now, not during interpreter shutdown, where
             # gloo's worker threads can abort the process (SIGABRT) after a successful run.

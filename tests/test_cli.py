@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 import train
@@ -298,3 +299,60 @@ def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_a
     else:
         assert "the run's last checkpoint is" in err and "ckpt_step00000008.pt" in err
     assert signal.getsignal(signal.SIGUSR1) == handler_before  # handlers handed back
+
+
+# --- out of memory ------------------------------------------------------------------------------------
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 "
+            "GiB is free.")
+
+
+def test_out_of_memory_in_a_step_is_one_line_naming_the_settings_that_need_less(tiny_argv, capsys, monkeypatch):
+    def oom_step(state, inp, tar):
+        raise torch.OutOfMemoryError(CUDA_OOM)
+    monkeypatch.setattr(train, "eager_step", oom_step)
+    code, err = run_train_cli(tiny_argv, capsys)
+    assert code == 2
+    assert err.startswith("error: out of memory on cpu with 4 crop(s) of 8^3 per rank; try fewer crops per rank "
+                          "(--local_batch_size N"), err
+    assert "bf16 activations (--amp_mode bf16)" in err and "(--spatial_parallel S, README section 12)" in err
+    assert err.endswith(f"PyTorch said: {CUDA_OOM}")
+
+
+def test_settings_already_taken_are_not_offered_again(tiny_argv, capsys, monkeypatch):
+    def oom_step(state, inp, tar):
+        raise RuntimeError("CUDA error: out of memory")  # what torch raises when not even a CUDA context fits
+    monkeypatch.setattr(train, "eager_step", oom_step)
+    code, err = run_train_cli(tiny_argv + ["--global_batch_size", "1", "--amp_mode", "bf16"], capsys)
+    assert code == 2
+    assert "with 1 crop(s) of 8^3 per rank; try more ranks sharing each crop (--spatial_parallel S" in err, err
+    assert "--local_batch_size" not in err and "--amp_mode" not in err
+
+
+def test_any_other_runtime_error_keeps_its_traceback(tiny_argv, monkeypatch):
+    def broken_step(state, inp, tar):
+        raise RuntimeError("a bug, not a lack of memory")
+    monkeypatch.setattr(train, "eager_step", broken_step)
+    with pytest.raises(RuntimeError, match="a bug, not a lack of memory"):
+        train.main(tiny_argv)
+
+
+@pytest.mark.slow  # integration (a subprocess)
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch maps gigabytes of libraries: the "
+                    "address-space limit below is sized for the CPU build")
+def test_a_real_allocation_failure_is_one_line(tmp_path):
+    """train.py under a 4 GB address-space limit (RLIMIT_AS, as a batch system's memory limit may set it), asked for
+    256 crops of 64^3 per step: the CPU allocator's failure is one line with exit status 2, not a traceback."""
+    import resource
+    from conftest import write_random_box
+    box = write_random_box(tmp_path / "box.h5", 64)
+    limit = 4 * 1024 ** 3
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config=quickstart", "--train_path", str(box), "--val_path", str(box),
+         "--box_size", "64", "64", "--data_size", "64", "--global_batch_size", "256", "--Nsamples", "256",
+         "--Nsamples_val", "256", "--num_epochs", "1", "--device", "cpu",
+         "--expdir", str(tmp_path / "runs")],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.startswith("error: out of memory on cpu with 256 crop(s) of 64^3 per rank; try fewer crops")

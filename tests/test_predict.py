@@ -340,3 +340,36 @@ def test_cuda_requested_without_cuda(error_files, capsys):
                      "--output", str(error_files["out"]), "--device", "cuda"])
     assert caught.value.code == 2
     assert capsys.readouterr().err == "error: --device cuda: no CUDA device is visible here; use --device cpu\n"
+
+
+@pytest.mark.parametrize("whole_box", [False, True])
+def test_out_of_memory_is_one_line_naming_the_settings_that_need_less(whole_box, error_files, capsys, monkeypatch):
+    said = "CUDA out of memory. Tried to allocate 8.00 GiB."
+
+    def whole(*args, **kwargs):
+        raise torch.OutOfMemoryError(said)
+
+    def tiles(*args, **kwargs):  # a generator, as predict_slabs is: it fails when the writer asks for a slab
+        raise torch.OutOfMemoryError(said)
+        yield
+
+    if whole_box:
+        monkeypatch.setattr(predict, "predict_whole_box", whole)
+    else:
+        monkeypatch.setattr(predict, "predict_slabs", tiles)
+    argv = ["--checkpoint", str(error_files["run"]), "--input", str(error_files["good"]), "--output",
+            str(error_files["out"]), "--device", "cpu", "--batch_size", "2", "--tile", "4", "--overlap", "0"]
+    with pytest.raises(SystemExit) as caught:
+        predict.cli(argv[:-4] + ["--whole_box"] if whole_box else argv)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    if whole_box:
+        assert err.startswith("error: out of memory on cpu predicting 8 planes of the 8^3 box at once; try "
+                              "overlapping tiles (leave out --whole_box), more ranks sharing the box "
+                              "(--spatial_parallel S) or bf16 (--amp_mode bf16)."), err
+    else:
+        assert err.startswith("error: out of memory on cpu with 2 window(s) of 4^3 per forward pass; try fewer "
+                              "windows per pass (--batch_size N), smaller windows (--tile N) or bf16"), err
+    assert err.endswith(f"PyTorch said: {said}\n")
+    assert not error_files["out"].exists()

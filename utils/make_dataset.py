@@ -79,7 +79,6 @@ import contextlib
 import functools
 import logging
 import os
-import re
 import shutil
 import sys
 import time
@@ -92,6 +91,7 @@ import torch
 from tqdm import tqdm
 
 from utils import GenerationError, run
+from utils.out_of_memory import is_out_of_memory
 from utils.units import (CLIP, DEFAULT_CELL_SIZE, DENSITY_FLOOR, DENSITY_LOG_SCALE, TEMPERATURE_LOG10_OFFSET,
                          TEMPERATURE_LOG10_SCALE, VELOCITY_SCALE, physical_attrs)
 
@@ -981,11 +981,8 @@ def main(argv=None):
                       args.device, args.slab)
     except GenerationError:
         raise
-    except (MemoryError, torch.OutOfMemoryError, RuntimeError) as err:
-        # torch reports a failed CPU allocation as a RuntimeError ("DefaultCPUAllocator: can't allocate"), a CUDA
-        # context it cannot make as "CUDA error: out of memory", a cuFFT plan as "CUFFT_ALLOC_FAILED".
-        if isinstance(err, RuntimeError) and not isinstance(err, torch.OutOfMemoryError) \
-                and not re.search("allocat|out of memory|ALLOC_FAILED", str(err), re.IGNORECASE):
+    except (MemoryError, RuntimeError) as err:
+        if not is_out_of_memory(err):  # torch's RuntimeErrors for a failed allocation, CPU or CUDA (utils/__init__.py)
             raise
         raise GenerationError(f"ran out of memory generating a {args.box}^3 box ({type(err).__name__}); nothing "
                               f"was written. Free memory or choose a smaller --box") from err
