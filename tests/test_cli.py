@@ -13,6 +13,7 @@ import yaml
 import train
 import utils.config
 from conftest import REPO_ROOT, free_port, rank_env, run_train_cli
+from utils import Interrupted, checkpoint
 from utils.config import SCHEMA, ConfigError, config_flags, load_config
 
 
@@ -299,6 +300,43 @@ def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_a
     else:
         assert "the run's last checkpoint is" in err and "ckpt_step00000008.pt" in err
     assert signal.getsignal(signal.SIGUSR1) == handler_before  # handlers handed back
+
+
+def test_ctrl_c_during_start_up_exits_130_naming_the_last_checkpoint(tiny_argv, capsys, monkeypatch):
+    real = train.prepare_data
+
+    def slow_start(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        real(*args)
+        pytest.fail("Ctrl-C should have stopped the start-up")
+
+    monkeypatch.setattr(train, "prepare_data", slow_start)
+    code, err = run_train_cli(tiny_argv, capsys)
+    assert code == 130
+    assert err == ("stopped: stopped by SIGINT outside the training steps (start-up, or the final validation); no "
+                   "checkpoint was written yet; rerun the same command to continue")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+
+
+def test_a_second_ctrl_c_stops_at_once_but_torchruns_echo_of_the_first_does_not(monkeypatch, capfd):
+    """In the training loop a first Ctrl-C asks for a checkpoint and a stop; one a second or more later stops at once.
+    torchrun passes the terminal's Ctrl-C on to its workers, which so get it twice within milliseconds: one press."""
+    clock = [100.0]
+    monkeypatch.setattr(checkpoint, "monotonic", lambda: clock[0])
+    control = checkpoint.RunControl()
+    try:
+        control.in_loop = True
+        control._on_signal(signal.SIGINT, None)
+        clock[0] += 0.01
+        control._on_signal(signal.SIGINT, None)  # torchrun's echo
+        assert control.signal_name == "SIGINT"
+        assert control.stop_error("at global step 7").exit_code == 130
+        assert capfd.readouterr().err.count("Ctrl-C: the run stops after this step with a checkpoint") == 1
+        clock[0] += 2.0
+        with pytest.raises(Interrupted, match="^stopped by SIGINT at once, by a second Ctrl-C; no checkpoint"):
+            control._on_signal(signal.SIGINT, None)
+    finally:
+        control.close()
 
 
 # --- out of memory ------------------------------------------------------------------------------------

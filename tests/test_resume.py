@@ -120,6 +120,28 @@ def test_sigusr1_checkpoints_exits_3_and_continues_exactly(tiny_argv, tmp_path, 
     assert_identical(final_weights(tmp_path, "signalled"), reference)
 
 
+def test_ctrl_c_with_loader_workers_checkpoints_exits_130_and_continues_exactly(tiny_argv, tmp_path, reference,
+                                                                               started):
+    """Ctrl-C, as a terminal sends it: SIGINT to the whole process group, the loader's worker processes included.
+    The workers leave it to the main process, which checkpoints, says so in one line and exits with the shell's 130,
+    promptly: at exit multiprocessing waits for workers that ignore its SIGTERM, unless the loader kills them first.
+    The straightforward loader trains the same samples as the tiny config's fast one, so the weights match."""
+    cmd = command(tiny_argv, "interrupted", extra=["--no-fast_loader", "--num_data_workers", "1"])
+    checkpoints = run_dir(tmp_path, "interrupted") / "checkpoints"
+    process = start_and_wait_for_step(cmd, checkpoints, 5, started)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    hint, stop = stderr.strip().splitlines()
+    assert hint == "Ctrl-C: the run stops after this step with a checkpoint; Ctrl-C again stops at once without one"
+    assert stop.startswith("stopped: stopped by SIGINT at global step ") and stop.endswith("rerun the same command to "
+                                                                                          "continue")
+    assert 5 <= newest_step(checkpoints) < FINAL_STEP
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr
+    assert_identical(final_weights(tmp_path, "interrupted"), reference)
+
+
 def test_truncated_newest_checkpoint_is_skipped_with_a_warning(tiny_argv, tmp_path, reference):
     cmd = command(tiny_argv, "reference")
     checkpoints = run_dir(tmp_path, "reference") / "checkpoints"

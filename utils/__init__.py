@@ -55,6 +55,11 @@ class Preempted(ReportedError):
     prefix = "stopped"
 
 
+class Interrupted(Preempted):
+    """Stopped by Ctrl-C (SIGINT): exit status 130, the shell's for it, so that a batch script does not requeue."""
+    exit_code = 130
+
+
 class NonFiniteLoss(ReportedError, RuntimeError):
     """The loss became NaN or Inf; no checkpoint was written after it."""
     exit_code = NONFINITE_EXIT_CODE

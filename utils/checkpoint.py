@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from utils import CheckpointError, NonFiniteLoss, Preempted, StorageError, first_line, os_error_in, storage_cause
+from utils import (CheckpointError, Interrupted, NonFiniteLoss, Preempted, StorageError, first_line, os_error_in,
+                   storage_cause)
 from utils.config import SCHEMA, resolve_path
 from utils.distributed import all_reduce_sum
 
@@ -401,18 +402,19 @@ def _write_in_background(directory, snapshot, step, keep_last):
 
 
 # --- 4. stop signals and the ranks' agreement --------------------------------------------------------------------
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # Slurm's --signal=USR1@90, torchrun's and most schedulers' warning
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # schedulers' warnings (Slurm's USR1@90), Ctrl-C
+CTRL_C_HINT = b"Ctrl-C: the run stops after this step with a checkpoint; Ctrl-C again stops at once without one\n"
 PEER_FAILED = {1: (CheckpointError, "rank 0 could not write a checkpoint"),  # what rank 0 failed to write
                2: (StorageError, "rank 0 could not write its run log or TensorBoard events")}
 
 
 class RunControl:
     """The run's one stop-signal handler, from main's first line to its end, and the ranks' agreement. Outside the
-    training loop a signal raises Preempted at once (nothing new was trained); in it (``in_loop``) it only sets
-    ``signal_name``, and the next agreement checkpoints and stops every rank at the same step."""
+    training loop a signal raises Preempted (Ctrl-C: Interrupted) at once; in it (``in_loop``) it sets ``signal_name``
+    and the next agreement checkpoints and stops every rank at the same step (a second Ctrl-C stops at once)."""
 
     def __init__(self, info=None):
-        self.checkpoints, self.in_loop, self.signal_name = None, False, None
+        self.checkpoints, self.in_loop, self.signal_name, self.ctrl_c_at = None, False, None, None
         self.info = self.first_bad_step = self.failed_write = None  # failed_write: rank 0's, held for the agreement
         if info is not None:
             self.attach(info)
@@ -424,14 +426,24 @@ class RunControl:
         self.first_bad_step = torch.full((), -1, dtype=torch.long, device=info.device)
 
     def _on_signal(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.in_loop:
-            self.signal_name = name
+        name, now, ctrl_c = signal.Signals(signum).name, monotonic(), signum == signal.SIGINT
+        again = ctrl_c and now - (self.ctrl_c_at or now) >= 1.0  # not torchrun's echo of a Ctrl-C, which comes at once
+        if self.in_loop and not again:
+            if ctrl_c and self.ctrl_c_at is None and (self.info is None or self.info.is_main):
+                os.write(sys.stderr.fileno(), CTRL_C_HINT)  # not print: the main thread may be mid-print
+            self.ctrl_c_at = self.ctrl_c_at or (now if ctrl_c else None)
+            self.signal_name = self.signal_name or name
             return
         last = list_checkpoints(self.checkpoints)[:1] if self.checkpoints else None
         resume = f"the run's last checkpoint is {last[0]}" if last else "no checkpoint was written yet"
-        raise Preempted(f"stopped by {name} outside the training steps (start-up, or the final validation); "
-                        f"{resume}; rerun the same command to continue")
+        self.signal_name, where = name, ("at once, by a second Ctrl-C" if again
+                                         else "outside the training steps (start-up, or the final validation)")
+        raise self.stop_error(f"{where}; {resume}")
+
+    def stop_error(self, when):
+        """The error that ends a run stopped by a signal: Preempted, or Interrupted for Ctrl-C."""
+        return (Interrupted if self.signal_name == "SIGINT" else Preempted)(
+            f"stopped by {self.signal_name or 'a signal on another rank'} {when}; rerun the same command to continue")
 
     def close(self):
         for signum, handler in self._previous.items():
@@ -590,8 +602,7 @@ class CheckpointManager:
         if stop or by_steps or clock_due:
             self.save(loss_sum, "preemption" if stop else "periodic", wait=stop)
         if stop:
-            raise Preempted(f"stopped by {control.signal_name or 'a signal on another rank'} at global step "
-                            f"{state.global_step}; rerun the same command to continue")
+            raise control.stop_error(f"at global step {state.global_step}")
 
     def end_of_epoch(self):
         """Before validation: stop on a non-finite loss; whether a stop signal arrived (the caller skips validation)."""
@@ -611,9 +622,8 @@ class CheckpointManager:
         stop's comes before validation, flagged: the grace period before SIGKILL is for the checkpoint."""
         self.save(0.0, f"end of epoch {epoch + 1}", wait=self.stop or last, validation_pending=self.stop)
         if self.stop:
-            raise Preempted(f"stopped by {self.control.signal_name or 'a signal on another rank'} after epoch "
-                            f"{epoch + 1}, before its validation (which the rerun does first); rerun the same "
-                            f"command to continue")
+            raise self.control.stop_error(f"after epoch {epoch + 1}, before its validation (which the rerun does "
+                                          f"first)")
 
     def save(self, epoch_loss_sum, reason, wait=False, validation_pending=False):
         """Checkpoint this step (losses agreed finite), written by rank 0 in the background (``wait``: till done)."""

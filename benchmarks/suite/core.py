@@ -21,7 +21,7 @@ import yaml
 from benchmarks.suite.settings import CALL_START_S, COMPILE_S, FIRST_TRAINING_PART_S, GPU, PART_SECONDS, SMALL, \
     TRAINING_RUNS
 from benchmarks.suite.summary import markdown
-from utils import ReportedError
+from utils import Interrupted, ReportedError
 from utils.config import DEFAULT_YAML
 
 
@@ -184,6 +184,8 @@ class SuiteCore:
         with self.quiet():
             try:
                 (train_graph.main if graph else train.main)(argv)
+            except Interrupted:  # Ctrl-C stops the suite, not only this run
+                raise
             except ReportedError as err:
                 rc, message = err.exit_code, f"{type(err).__name__}: {err}"
             except SystemExit as err:  # argparse refusing a flag: the suite itself is wrong, but goes on

@@ -10,6 +10,8 @@ global batch B on any number of ranks: a 2-rank run sees a 1-rank run's batches 
 The P ranks sharing a crop (spatial parallelism) are one data rank, each served its slab (``SplitSpec.planes``). The
 faster loaders (fast.py, gpu.py, dali.py) build on ``SplitSpec``, ``sample_plan`` and the sampler: the same stream.
 """
+import atexit
+import multiprocessing.util  # registers its exit handler first, so that ours (below) runs before it
 import os
 import signal
 from dataclasses import dataclass
@@ -232,10 +234,20 @@ class RandomCropDataset(Dataset):
 
 
 def ignore_stop_signals(worker_id=None):
-    """Loader workers leave SIGTERM/SIGUSR1 to the main process, which checkpoints and stops cleanly (Slurm signals
-    every process of a job step; a worker killed by the signal would crash the run)."""
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
+    """Loader workers leave the stop signals (SIGTERM, SIGUSR1, Ctrl-C's SIGINT) to the main process, which stops
+    cleanly (Slurm signals every process of a job step, Ctrl-C a terminal's process group)."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)
+
+
+@atexit.register
+def _kill_workers_at_exit():
+    """At exit multiprocessing SIGTERMs its daemonic children, then waits. A run ended by an error keeps its loaders
+    alive in the traceback, and their workers ignore SIGTERM: kill them, PyTorch's SIGCHLD check for lost ones off."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 def get_torch_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
