@@ -39,7 +39,7 @@ import h5py
 import numpy as np
 import torch
 
-from utils import ConfigError, StorageError, run as run_cli, storage_cause
+from utils import ConfigError, Interrupted, StorageError, run as run_cli, storage_cause
 from utils.distributed import DistInfo, cleanup, env_world_size, init_distributed
 from utils.inference import (WholeBoxScience, check_input, check_tiling, check_whole_box, gather_slabs,
                              load_trained_model, lyman_alpha_section, lyman_alpha_settings, periodic_model,
@@ -176,6 +176,8 @@ def main(argv=None):
             ways.append("smaller windows (--tile N)")
         raise out_of_memory(err, holding, ways + (["bf16 (--amp_mode bf16)"] if args.amp_mode == "none" else [])
                             ) from None
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted (Ctrl-C); nothing was written to {output}") from None
     finally:
         cleanup(info)
 

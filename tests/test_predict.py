@@ -373,3 +373,18 @@ def test_out_of_memory_is_one_line_naming_the_settings_that_need_less(whole_box,
                               "windows per pass (--batch_size N), smaller windows (--tile N) or bf16"), err
     assert err.endswith(f"PyTorch said: {said}\n")
     assert not error_files["out"].exists()
+
+
+def test_ctrl_c_is_one_line_and_leaves_no_output(error_files, capsys, monkeypatch):
+    def tiles(*args, **kwargs):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(predict, "predict_slabs", tiles)
+    with pytest.raises(SystemExit) as caught:
+        predict.cli(["--checkpoint", str(error_files["run"]), "--input", str(error_files["good"]), "--output",
+                     str(error_files["out"]), "--device", "cpu"])
+    assert caught.value.code == 130
+    err = capsys.readouterr().err
+    assert err == f"stopped: interrupted (Ctrl-C); nothing was written to {error_files['out']}\n"
+    assert not error_files["out"].exists() and not list(error_files["out"].parent.glob(".new.h5.tmp*"))
