@@ -982,7 +982,7 @@ def main(argv=None):
     except GenerationError:
         raise
     except (MemoryError, RuntimeError) as err:
-        if not is_out_of_memory(err):  # torch's RuntimeErrors for a failed allocation, CPU or CUDA (utils/__init__.py)
+        if not is_out_of_memory(err):  # torch's RuntimeErrors for a failed allocation, CPU or CUDA
             raise
         raise GenerationError(f"ran out of memory generating a {args.box}^3 box ({type(err).__name__}); nothing "
                               f"was written. Free memory or choose a smaller --box") from err
