@@ -74,6 +74,8 @@ class SuiteCore:
         self.autotuned = self.autotuned or bool(key and key in "bcdefh")
         try:
             function()
+        except Interrupted:  # Ctrl-C stops the suite (its summary is still written), not only this part
+            raise
         except (Exception, SystemExit) as err:  # SystemExit: a benchmark script's argparse refusing its flags
             self.log_file.write(traceback.format_exc())
             self.check(name, False, f"crashed: {type(err).__name__}: {err}".splitlines()[0])
