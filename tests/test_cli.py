@@ -303,7 +303,7 @@ def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_a
 
 
 def test_ctrl_c_during_start_up_exits_130_naming_the_last_checkpoint(tiny_argv, capsys, monkeypatch):
-    real = train.prepare_data
+    handler_before, real = signal.getsignal(signal.SIGINT), train.prepare_data
 
     def slow_start(*args):
         os.kill(os.getpid(), signal.SIGINT)
@@ -315,7 +315,7 @@ def test_ctrl_c_during_start_up_exits_130_naming_the_last_checkpoint(tiny_argv, 
     assert code == 130
     assert err == ("stopped: stopped by SIGINT outside the training steps (start-up, or the final validation); no "
                    "checkpoint was written yet; rerun the same command to continue")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+    assert signal.getsignal(signal.SIGINT) is handler_before  # the caller's handler is back
 
 
 def test_a_second_ctrl_c_stops_at_once_but_torchruns_echo_of_the_first_does_not(monkeypatch, capfd):
