@@ -4,9 +4,9 @@
   SHA-256 of its bytes (torch.load checks no CRC-32: bit rot would load silently); a truncated or changed one is
   skipped on resume. Payloads are tensors and plain data (``dict(params)``, weights without DDP's and torch.compile's
   prefixes), read with ``weights_only=True``.
-- ``RunControl`` is the run's one SIGTERM/SIGUSR1 handler and its one agreement: a single small all-reduce of
+- ``RunControl`` is the run's one SIGTERM/SIGUSR1/SIGINT handler and its one agreement: a single small all-reduce of
   {stop signal, checkpoint due by rank 0's clock, rank 0's failed write, first non-finite step}.
-- Exit codes (utils/__init__.py): 2 a failed write, 3 a stop signal (submit_pm.sh requeues), 4 a non-finite loss.
+- Exit codes (utils/__init__.py): 2 a failed write, 3 a stop signal (submit_pm.sh requeues), 130 Ctrl-C, 4 a NaN loss.
   torchrun ends the other ranks when one fails, but submit_pm.sh's srun has --kill-on-bad-exit=0 (exit code 3 must
   reach the requeue): no rank may stop alone, or the others hang in their next collective (NCCL: 10 min, SIGABRT).
 """
