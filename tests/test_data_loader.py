@@ -1,3 +1,5 @@
+import multiprocessing
+
 import h5py
 import numpy as np
 import pytest
@@ -41,6 +43,20 @@ def test_same_stream_for_1_and_3_workers(tiny_params):
     serial = collect(tiny_params(num_data_workers=0, fast_loader=False), epoch=1)
     parallel = collect(tiny_params(num_data_workers=3, fast_loader=False), epoch=1)
     assert len(serial) == 32
+    assert_same_stream(serial, parallel)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_same_stream_whatever_the_worker_start_method(tiny_params, method):
+    # Linux forks workers; macOS spawns them, and Python 3.14 starts them from a fork server on Linux too. A spawned
+    # worker gets the dataset pickled and imports the modules afresh: the stream must not depend on the parent's state
+    serial = collect(tiny_params(num_data_workers=0, fast_loader=False), epoch=1)
+    default = multiprocessing.get_start_method()
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        parallel = collect(tiny_params(num_data_workers=2, fast_loader=False), epoch=1)
+    finally:
+        multiprocessing.set_start_method(default, force=True)
     assert_same_stream(serial, parallel)
 
 
