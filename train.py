@@ -28,7 +28,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from networks.UNet import build_model, conv_input_sizes, loss_func
-from utils import ConfigError, OneLineParser, metrics, run as run_cli
+from utils import ConfigError, OneLineParser, ReportedError, first_line, metrics, run as cli  # cli: errors as one line
 from utils.checkpoint import CheckpointManager, RunControl
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
                           load_config)
@@ -293,10 +293,8 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
         logger.info(f"MFU against a peak of {peak / 1e12:g} TFLOP/s per device (--peak_tflops, else the datasheet's "
                     f"dense figure for this GPU and math mode in utils/metrics.py)")
     peak = peak * info.world_size if peak else None  # MFU of the whole job
-
-    def lr_at(step_number):
-        return learning_rate(step_number, params.lr_schedule, params.global_batch_size, params.base_batch_size,
-                             num_steps)
+    lr_at = partial(learning_rate, schedule=params.lr_schedule, global_batch_size=params.global_batch_size,
+                    base_batch_size=params.base_batch_size, total_steps=num_steps)  # the rate at a step
 
     if params.enable_benchy:
         from utils.benchy import run_benchmark
@@ -425,6 +423,10 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
                 raise
             raise report from None
         finally:
+            ended = None if finished else sys.exc_info()[1]  # (a caller's handled error is not this run's)
+            if lock is not None and ended is not None:  # out.log, not just stderr, says how the run ended
+                logger.error(f"{ended.prefix}: {ended}" if isinstance(ended, ReportedError)
+                             else f"crashed: {type(ended).__name__}: {first_line(ended)}", extra={"ending": True})
             # DDP's reducer holds the process group: free it now, not during interpreter shutdown, where
             # gloo's worker threads can abort the process (SIGABRT) after a successful run.
             state = None
@@ -495,10 +497,5 @@ def check_world_size(params, world_size):
     check_batch_split(params.global_batch_size, world_size, params.spatial_parallel)
 
 
-def cli(entry=main):
-    """Run ``entry``; a user error, a preemption or a non-finite loss ends with one line and its exit code."""
-    run_cli(entry)
-
-
 if __name__ == "__main__":
-    cli()
+    cli(main)

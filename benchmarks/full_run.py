@@ -98,7 +98,7 @@ def run_streamed(argv, log, stop_at=None, kill_at=None):
 
 def summarise(out_log, output, exit_code, seconds):
     """The record's training figures from train.py's out.log; ``output``, ``exit_code`` and ``seconds``: its
-    process's (a stop's ``stopped: ...`` line goes to stderr only)."""
+    process's (its output, stdout and stderr, holds a stop's ``stopped: ...`` line even where out.log is missing)."""
     run = RUN_LINE.search(out_log)
     if run is None:
         raise Failure(f"train.py logged no start-up line (exit {exit_code}); read full_run.log")

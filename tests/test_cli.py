@@ -112,6 +112,18 @@ def test_a_full_disk_writing_config_yaml_is_one_line(tiny_argv, tmp_path, capsys
     assert code == 2 and "cannot write" in err and "config.yaml (ENOSPC: No space left on device)" in err
     run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "0"
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "out.log"]  # no config.yaml, no temporary file
+    assert (run_dir / "out.log").read_text().splitlines()[-1].endswith(f" {err}")  # the run's record says why it ended
+
+
+def test_a_crash_keeps_its_traceback_and_out_log_names_it(tiny_argv, tmp_path, capsys, monkeypatch):
+    def bug(*args, **kwargs):
+        raise ValueError("a bug\nits second line")
+    monkeypatch.setattr(train, "build_training", bug)
+    with pytest.raises(ValueError, match="a bug"):  # not a ReportedError: the traceback stays
+        train.main(tiny_argv)
+    assert "crashed" not in capsys.readouterr().out  # only out.log gets the line; stderr has the traceback
+    log = (tmp_path / "runs" / "tiny" / "1GPU" / "0" / "out.log").read_text()
+    assert log.splitlines()[-1].endswith(" crashed: ValueError: a bug")
 
 
 # --- the run-folder rule ------------------------------------------------------------------------

@@ -109,9 +109,12 @@ def test_sigusr1_checkpoints_exits_3_and_continues_exactly(tiny_argv, tmp_path, 
     checkpoints = run_dir(tmp_path, "signalled") / "checkpoints"
     process = start_and_wait_for_step(cmd, checkpoints, 5, started)
     process.send_signal(signal.SIGUSR1)
-    _, stderr = process.communicate(timeout=120)
+    stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 3, stderr
     assert stderr.strip().startswith("stopped: stopped by SIGUSR1 at global step") and len(stderr.strip().splitlines()) == 1
+    # out.log ends with the same line (the run's record says why it ended); stdout does not repeat stderr's line
+    assert (run_dir(tmp_path, "signalled") / "out.log").read_text().splitlines()[-1].endswith(f" {stderr.strip()}")
+    assert "stopped:" not in stdout
     stopped_at = newest_step(checkpoints)
     assert 5 <= stopped_at < FINAL_STEP
     assert "Checkpoint (preemption) written" in (run_dir(tmp_path, "signalled") / "out.log").read_text()

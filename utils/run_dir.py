@@ -214,7 +214,8 @@ class RunLogHandler(logging.FileHandler):
             super().emit(record)  # a failed write calls handleError
         if self.failed is not None and not self.reported and threading.current_thread() is threading.main_thread():
             self.reported = True
-            self.report(self.failed)
+            if not getattr(record, "ending", False):  # the run's last line: the run ends with its own error already
+                self.report(self.failed)
 
     def handleError(self, record):
         self.failed = write_error(f"write the run log {self.baseFilename}", sys.exc_info()[1])
@@ -227,6 +228,7 @@ def setup_logging(logger, run_dir, info, report):
     formatter = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
     stream = logging.StreamHandler(sys.stdout)
     stream.setFormatter(formatter)
+    stream.addFilter(lambda record: not getattr(record, "ending", False))  # the run's last line: stderr shows it
     logger.addHandler(stream)
     logger.setLevel(logging.INFO if info.is_main else logging.WARNING)
     if info.is_main:
