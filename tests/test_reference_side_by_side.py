@@ -168,6 +168,8 @@ def test_side_by_side_flow_with_stand_ins(tmp_path, fake_reference, monkeypatch,
     monkeypatch.setattr(side, "REPO", ours)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Stand-in GPU")
+    # a CUDA build of torch on a machine without a GPU would look for the stand-in's compute capability
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     out = tmp_path / "record.json"
     side.main(["--reference_dir", str(fake_reference), "--out", str(out), "--log_dir", str(tmp_path / "logs"),
                "--epochs", "3", "--timeout_s", "60"])
@@ -176,6 +178,7 @@ def test_side_by_side_flow_with_stand_ins(tmp_path, fake_reference, monkeypatch,
             "commands", "notes"} <= set(record)
     assert record["reference_samples_per_s"] == 950.0 and record["ours_samples_per_s"] == 2600.0
     assert record["device"] == "Stand-in GPU" and record["versions"]["reference_commit"] == "0" * 40
+    assert record["versions"]["cudnn"] == 91900
     assert "--enable_jit" not in record["reference_flags"] and "fp16" in record["reference_flags"]
     assert record["ours_benchmark_mode"]["SYNTHETIC"] == 3000.0
     notes = " ".join(record["notes"])
