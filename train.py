@@ -423,7 +423,7 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
                 raise
             raise report from None
         finally:
-            ended = None if finished else sys.exc_info()[1]  # (a caller's handled error is not this run's)
+            ended = None if finished else sys.exc_info()[1]  # after a normal end: a caller's error, if any
             if lock is not None and ended is not None:  # out.log, not just stderr, says how the run ended
                 logger.error(f"{ended.prefix}: {ended}" if isinstance(ended, ReportedError)
                              else f"crashed: {type(ended).__name__}: {first_line(ended)}", extra={"ending": True})
