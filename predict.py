@@ -174,8 +174,9 @@ def main(argv=None):
             holding = f"on {info.device} with {args.batch_size} window(s) of {tile}^3 per forward pass"
             ways = ["fewer windows per pass (--batch_size N)"] if args.batch_size > 1 else []
             ways.append("smaller windows (--tile N)")
-        raise out_of_memory(err, holding, ways + (["bf16 (--amp_mode bf16)"] if args.amp_mode == "none" else [])
-                            ) from None
+        if args.amp_mode == "none":
+            ways.append("bf16 (--amp_mode bf16)")
+        raise out_of_memory(err, holding, ways) from None
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted (Ctrl-C); nothing was written to {output}") from None
     finally:
