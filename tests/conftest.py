@@ -55,6 +55,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-process gloo group, which DistributedDataParallel needs even on one rank."""
+    import torch.distributed as dist
+    if dist.is_initialized():  # another test module's group: use it, leave it to its owner
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def rank_env(rank, port, world_size=2, **extra):
     """The environment of one rank of a local multi-process run launched like srun tasks (no torchrun), CPU
     threads limited; without SLURM_JOB_ID, so a test's messages are the same inside a Slurm job."""

@@ -1,12 +1,10 @@
 import errno
 import io
 import random
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from networks.UNet import UNet, loss_func
@@ -194,22 +192,6 @@ def test_resume_is_bit_identical_to_an_unbroken_run(tmp_path):
     for (name, expected), actual in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(expected, actual), name
 
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """A one-process gloo group, which DistributedDataParallel needs even on one rank."""
-    if dist.is_initialized():  # another test module's group: use it, leave it to its owner
-        yield
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 WRAPPINGS = {
