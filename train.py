@@ -5,9 +5,9 @@
     torchrun --nproc_per_node=4 train.py --config=bs256_opt   # one node, DDP
     sbatch -N 8 submit_pm.sh --config=bs512_opt               # Slurm
 
-Read it top to bottom: ``build_training`` makes the model, optimiser, autocast, GradScaler, the DDP wrap and
-torch.compile; ``eager_step`` is one optimiser step; ``validate`` the validation pass; ``train`` the loop, with
-its checkpoint calls; ``main`` the run's set-up. train_graph.py reuses all of it and swaps in its step.
+Read it top to bottom: ``build_training`` makes the model, optimiser, autocast, GradScaler, DDP wrap and compile;
+``eager_step`` is one optimiser step (``forward_backward``, maybe in micro-batches); ``validate`` the validation pass;
+``train`` the loop, with its checkpoint calls; ``main`` the run's set-up. train_graph.py reuses it with its own step.
 
 Config precedence: base values < named config < flags given on the command line (utils/config.py).
 Runs write ``out.log``, ``config.yaml`` and TensorBoard ``logs/`` to
@@ -210,18 +210,30 @@ def forward_loss(state, model, inp, tar):
     return prediction, state.loss_fn(prediction.float(), tar, lambda_rho=state.params.lambda_rho)
 
 
+def forward_backward(state, inp, tar):
+    """The batch's loss (a device tensor), its gradients added to ``.grad``, in ``micro_batches`` k equal chunks
+    (gradient accumulation: the activations of B/k crops, the gradient of B); the eager and the graph step's."""
+    ranges, chunks, loss = state.profiler, state.params.micro_batches, 0
+    ddp = getattr(state.train_model, "_orig_mod", state.train_model)  # DDP, maybe under torch.compile
+    no_sync = ddp.no_sync if isinstance(ddp, DistributedDataParallel) else nullcontext
+    for chunk, (inp_chunk, tar_chunk) in enumerate(zip(inp.chunk(chunks), tar.chunk(chunks)), start=1):
+        with nullcontext() if chunk == chunks else no_sync():  # DDP all-reduces once: in the last chunk's backward
+            with ranges.range("forward"):
+                _, chunk_loss = forward_loss(state, state.train_model, inp_chunk, tar_chunk)
+            with ranges.range("backward"):  # fp16: the scaled loss; the scaler unscales before the step
+                state.scaler.scale(chunk_loss / chunks).backward()
+        loss = loss + chunk_loss.detach() / chunks
+    return loss
+
+
 def eager_step(state, inp, tar):
     """One optimiser step; returns the loss as a device tensor (no host sync here)."""
-    ranges = state.profiler
     state.optimizer.zero_grad()  # grads to None: torch's default, and apex FusedAdam's, whose zero_grad takes no flag
-    with ranges.range("forward"):
-        _, loss = forward_loss(state, state.train_model, inp, tar)
-    with ranges.range("backward"):
-        state.scaler.scale(loss).backward()  # fp16: the scaled loss; the scaler unscales before the step
-    with ranges.range("optimizer"):
+    loss = forward_backward(state, inp, tar)
+    with state.profiler.range("optimizer"):
         state.scaler.step(state.optimizer)  # skipped (and the scale lowered) when a gradient overflowed
         state.scaler.update()
-    return loss.detach()
+    return loss
 
 
 @torch.no_grad()
@@ -489,12 +501,12 @@ def config_overrides(args, world_size):
 
 
 def check_world_size(params, world_size):
-    """The launch fits the config: spatial_parallel divides the world size, and the data ranks (world size /
-    spatial_parallel) split each global batch of crops evenly."""
+    """The launch fits the config: spatial_parallel divides the world size, the data ranks (world size /
+    spatial_parallel) split each global batch of crops evenly, and micro_batches splits each rank's share."""
     if params.spatial_parallel > 1:
         from utils.spatial import check_spatial_parallel
         check_spatial_parallel(world_size, params.spatial_parallel)
-    check_batch_split(params.global_batch_size, world_size, params.spatial_parallel)
+    check_batch_split(params.global_batch_size, world_size, params.spatial_parallel, params.micro_batches)
 
 
 if __name__ == "__main__":

@@ -66,11 +66,10 @@ def capturable_adam(model, params, device):
 
 
 def train_step_body(state, inp, tar):
-    """eager_step without zero_grad and GradScaler (disabled for none/bf16): what the graph records."""
-    _, loss = train.forward_loss(state, state.train_model, inp, tar)
-    loss.backward()
+    """eager_step without zero_grad, its GradScaler disabled (none/bf16): what the graph records."""
+    loss = train.forward_backward(state, inp, tar)
     state.optimizer.step()
-    return loss.detach()
+    return loss
 
 
 def check_capturable(optimizer, device):

@@ -362,8 +362,8 @@ def test_out_of_memory_in_a_step_is_one_line_naming_the_settings_that_need_less(
     monkeypatch.setattr(train, "eager_step", oom_step)
     code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2
-    assert err.startswith("error: out of memory on cpu with 4 crop(s) of 8^3 per rank; try fewer crops per rank "
-                          "(--local_batch_size N"), err
+    assert err.startswith("error: out of memory on cpu with 4 crop(s) of 8^3 per rank; try smaller micro-batches "
+                          "(--micro_batches 2: the same training, 2 crop(s) at a time)"), err
     assert "bf16 activations (--amp_mode bf16)" in err and "(--spatial_parallel S, README section 12)" in err
     assert err.endswith(f"PyTorch said: {CUDA_OOM}")
 
@@ -375,7 +375,17 @@ def test_settings_already_taken_are_not_offered_again(tiny_argv, capsys, monkeyp
     code, err = run_train_cli(tiny_argv + ["--global_batch_size", "1", "--amp_mode", "bf16"], capsys)
     assert code == 2
     assert "with 1 crop(s) of 8^3 per rank; try more ranks sharing each crop (--spatial_parallel S" in err, err
-    assert "--local_batch_size" not in err and "--amp_mode" not in err
+    assert "--micro_batches" not in err and "--amp_mode" not in err
+
+
+def test_out_of_memory_offers_the_next_micro_batch_split(tiny_argv, capsys, monkeypatch):
+    def oom_step(state, inp, tar):
+        raise torch.OutOfMemoryError(CUDA_OOM)
+    monkeypatch.setattr(train, "eager_step", oom_step)
+    code, err = run_train_cli(tiny_argv + ["--micro_batches", "2"], capsys)
+    assert code == 2
+    assert err.startswith("error: out of memory on cpu with 4 crop(s) of 8^3 per rank in 2 micro-batches; try "
+                          "smaller micro-batches (--micro_batches 4: the same training, 1 crop(s) at a time)"), err
 
 
 def test_any_other_runtime_error_keeps_its_traceback(tiny_argv, monkeypatch):

@@ -132,6 +132,15 @@ def test_a_compiled_spatial_run_trains_as_one_rank(spatial_yaml, tmp_path):
     assert "utils/spatial.py" not in output and "recompile_limit" not in output, output[-3000:]
 
 
+@pytest.mark.slow
+def test_a_spatial_run_in_micro_batches_trains_as_one_rank(spatial_yaml, tmp_path):
+    """Each rank's slabs of the 4 crops in 2 micro-batches of 2 (DDP's all-reduce only after the second): the
+    unsharded whole-batch steps."""
+    spatial_run = train_ranks(spatial_yaml, tmp_path / "micro", 2, "--spatial_parallel", "2", "--micro_batches", "2")
+    assert_same_training(spatial_run, train_ranks(spatial_yaml, tmp_path / "one", 1))
+    assert "global batch 4 (4 per data rank in 2 micro-batches)" in (spatial_run / "out.log").read_text()
+
+
 # --- a spatial run killed with kill -9 and rerun ------------------------------------------------------------
 MARK = "SPATIAL_RESUME_TEST_LAUNCH"  # in every process of one launch: torchrun starts each rank in its own session
 

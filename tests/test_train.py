@@ -48,7 +48,8 @@ def ddp_worker(rank, world_size, port, runs, out_dir, num_steps):
 
 @pytest.fixture(scope="module")
 def ddp_weights(tiny_files, tmp_path_factory):
-    """Weights after 3 steps: 1 rank, and 2 gloo ranks plain / with every DDP knob / without sync."""
+    """Weights after 3 steps: 1 rank, and 2 gloo ranks plain / with every DDP knob / without sync / in micro-batches
+    (plain and with every knob)."""
     out = tmp_path_factory.mktemp("ddp")
 
     def params(**overrides):
@@ -56,10 +57,11 @@ def ddp_weights(tiny_files, tmp_path_factory):
             "train_path": str(tiny_files[0]), "val_path": str(tiny_files[1]), "box_size": [24, 16],
             "model_channels": [4, 8], "global_batch_size": 4, "Nsamples": 32, "Nsamples_val": 8,
             "num_data_workers": 0, "generate_data": None, "data_size": 8, "device": "cpu", **overrides})
-    runs = [("plain", params()),
-            ("knobs", params(ddp_comm_hook="bf16", bucket_cap_mb=1, gradient_as_bucket_view=True, static_graph=True,
-                             broadcast_buffers=False)),
-            ("noddp", params(noddp=True))]
+    knobs = dict(ddp_comm_hook="bf16", bucket_cap_mb=1, gradient_as_bucket_view=True, static_graph=True,
+                 broadcast_buffers=False)
+    runs = [("plain", params()), ("knobs", params(**knobs)), ("noddp", params(noddp=True)),
+            ("micro", params(micro_batches=2)),
+            ("micro_knobs", params(micro_batches=2, **{**knobs, "static_graph": False}))]  # see test_micro_batches
     mp.spawn(ddp_worker, args=(1, free_port(), runs[:1], str(out), 3), nprocs=1)
     mp.spawn(ddp_worker, args=(2, free_port(), runs, str(out), 3), nprocs=2)
     initial = train.build_training(params(), init_distributed("cpu")).model.state_dict()
@@ -75,6 +77,17 @@ def test_ddp_two_ranks_match_one_rank_over_the_same_global_batch(ddp_weights):
     for name in single:
         assert torch.equal(rank0[name], rank1[name]), f"ranks disagree on {name}"
         assert (rank0[name] - single[name]).norm() <= 1e-5 * single[name].norm() + 1e-12, name
+
+
+def test_ddp_in_micro_batches_matches_one_rank_with_every_knob_too(ddp_weights):
+    """Each rank's 2 crops in 2 chunks, DDP's all-reduce skipped (no_sync) for the first: the 1-rank run's weights;
+    with gradient buckets as views and the bf16 hook, the knobs run's (static_graph aside)."""
+    initial, weights = ddp_weights
+    for run, reference, rtol in (("micro", "plain_world1_rank0", 1e-5), ("micro_knobs", "knobs_world2_rank0", 1e-3)):
+        rank0, rank1, want = weights[f"{run}_world2_rank0"], weights[f"{run}_world2_rank1"], weights[reference]
+        for name in want:
+            assert torch.equal(rank0[name], rank1[name]), f"{run}: ranks disagree on {name}"
+            assert (rank0[name] - want[name]).norm() <= rtol * want[name].norm() + 1e-12, f"{run}: {name}"
 
 
 def test_ddp_knobs_bf16_hook_keeps_ranks_identical_and_tracks_fp32(ddp_weights):

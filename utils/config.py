@@ -83,6 +83,8 @@ SCHEMA = {  # every key of every named config
     "N_out_channels": Key(int, "output channels (hydro: density, vx, vy, vz, temperature)", RUN, limits=">= 1"),
     "lambda_rho": Key(float, "weight of the L1 term on exp(14 x) of the gas density", RUN),
     "global_batch_size": Key(int, "samples per optimiser step over all ranks", RUN, limits=">= 1"),
+    "micro_batches": Key(int, "chunks of each rank's batch, each through forward and backward before the one "
+                              "optimiser step (gradient accumulation: the memory of fewer crops)", limits=">= 1"),
     "base_batch_size": Key(int, "batch size that lr_schedule.start_lr is tuned for", RUN, limits=">= 1"),
     "lr_schedule": Key(LR_SCHEDULE, "learning-rate schedule", RUN),
     "num_epochs": Key(int, "training epochs", RUN, limits=">= 1"),
@@ -303,7 +305,7 @@ def config_overrides_from_args(args, aliases=None):
     return overrides
 
 
-def check_batch_split(global_batch_size, world_size, spatial_parallel=1):
+def check_batch_split(global_batch_size, world_size, spatial_parallel=1, micro_batches=1):
     """Every data rank takes an equal share of each global batch (spatial_parallel ranks share each crop)."""
     data_ranks = world_size // spatial_parallel
     if global_batch_size % data_ranks:
@@ -311,6 +313,9 @@ def check_batch_split(global_batch_size, world_size, spatial_parallel=1):
                  f"the {data_ranks} data ranks ({world_size} ranks / spatial_parallel {spatial_parallel})")
         raise ConfigError(f"global batch size {global_batch_size} is not divisible by {ranks}; set "
                           f"global_batch_size to a multiple of {data_ranks} or change the number of ranks")
+    if (per_rank := global_batch_size // data_ranks) % micro_batches:
+        raise ConfigError(f"micro_batches {micro_batches} does not divide the {per_rank} crops per data rank (global "
+                          f"batch {global_batch_size} / {data_ranks}); use a divisor of {per_rank}")
 
 
 def _check_consistency(params):
@@ -325,6 +330,9 @@ def _check_consistency(params):
         if params.data_size > box:
             raise ConfigError(f"crop size data_size={params.data_size} is larger than the {split} box "
                               f"({box}); lower data_size or use a larger box")
+    if params.static_graph and params.micro_batches > 1:  # DDP's reducer asserts, or stops all-reducing
+        raise ConfigError("static_graph does not work with micro_batches > 1 (DDP's no_sync, pytorch#143580); use "
+                          "--no-static_graph, or micro_batches 1")
     if params.conv_forms != "native":  # the extras check their own keys
         from networks.conv_forms import check_conv_forms
         from networks.UNet import conv_input_sizes

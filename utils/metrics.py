@@ -154,7 +154,8 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
                 f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
                 f"global batch {params.global_batch_size} ({params.global_batch_size // data_ranks} per "
-                f"{'data ' * (size > 1)}rank), {steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
+                f"{'data ' * (size > 1)}rank{f' in {params.micro_batches} micro-batches' * (params.micro_batches > 1)}"
+                f"), {steps_per_epoch} steps/epoch x {params.num_epochs} epochs")
     if size > 1:
         logger.info(f"Spatial parallelism: {size} ranks share each crop (slabs of {params.data_size // size} "
                     f"planes), {data_ranks} data ranks")

@@ -30,14 +30,17 @@ def training_report(err, params, info):
     A crop's activations grow with its cube: past some size only sharing it between ranks fits (README section 12)."""
     if not is_out_of_memory(err):
         return None
-    per_rank = params.global_batch_size // (info.world_size // params.spatial_parallel)
+    per_rank, chunks = params.global_batch_size // (info.world_size // params.spatial_parallel), params.micro_batches
     shared = f", each shared by {params.spatial_parallel} ranks" if params.spatial_parallel > 1 else ""
-    ways = ["fewer crops per rank (--local_batch_size N: a smaller global batch, unless more ranks make it up)"
-            ] if per_rank > 1 else []
+    split = f" in {chunks} micro-batches" if chunks > 1 else ""
+    # the same training in more, smaller chunks (README section 11): the next divisor of the crops per rank
+    more = next((k for k in range(chunks + 1, per_rank + 1) if per_rank % k == 0), None)
+    ways = [f"smaller micro-batches (--micro_batches {more}: the same training, {per_rank // more} crop(s) at a "
+            f"time)"] if more else []
     if params.amp_mode == "none":
         ways.append("bf16 activations (--amp_mode bf16)")
     if params.data_loader_config == "gpu" and params.gpu_storage_dtype == "fp32":
         ways.append("half-size volumes on the device (--gpu_storage_dtype fp16)")
     ways.append("more ranks sharing each crop (--spatial_parallel S, README section 12)")
-    return out_of_memory(err, f"on {info.device} with {per_rank} crop(s) of {params.data_size}^3 per rank{shared}",
-                         ways)
+    return out_of_memory(err, f"on {info.device} with {per_rank} crop(s) of {params.data_size}^3 per rank{split}"
+                              f"{shared}", ways)

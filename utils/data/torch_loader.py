@@ -110,14 +110,16 @@ class SplitSpec:
     @classmethod
     def from_params(cls, params, split, rank=0, world_size=1, mode=None):
         """``rank`` and ``world_size`` are global: the P = spatial_parallel ranks of one crop are consecutive
-        (utils/spatial.py's mesh), so global rank r is data rank r // P and holds slab r % P."""
+        (utils/spatial.py's mesh), so global rank r is data rank r // P and holds slab r % P. Validation batches are
+        training's micro-batches: the memory that micro_batches asks for."""
         mode, size, train = mode or params.data_loader_config, params.spatial_parallel, split == "train"
         box, crop = params.box_size[SPLITS[split]], params.data_size
         return cls(split=split, mode=mode, path=resolve_path(params.train_path if train else params.val_path),
                    box=min(box, 2 * crop) if mode == "synthetic" else box, crop=crop, seed=params.seed,
                    num_samples=params.Nsamples if train else params.Nsamples_val,
                    augment=params.enable_augmentation and train, in_channels=params.N_in_channels,
-                   out_channels=params.N_out_channels, global_batch_size=params.global_batch_size, rank=rank // size,
+                   out_channels=params.N_out_channels, rank=rank // size,
+                   global_batch_size=params.global_batch_size // (1 if train else params.micro_batches),
                    world_size=world_size // size, num_workers=params.num_data_workers, spatial_parallel=size,
                    spatial_index=rank % size)
 
