@@ -415,4 +415,5 @@ def test_a_real_allocation_failure_is_one_line(tmp_path):
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.startswith("error: out of memory on cpu with 256 crop(s) of 64^3 per rank; try fewer crops")
+    assert result.stderr.startswith("error: out of memory on cpu with 256 crop(s) of 64^3 per rank; try smaller "
+                                    "micro-batches (--micro_batches 2: the same training, 128 crop(s) at a time)")

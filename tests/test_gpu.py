@@ -83,12 +83,14 @@ def device_batches(tiny_params, count=NUM_STEPS):
 
 
 # --- CUDA graphs ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_graph_replay_trains_like_eager_steps(tiny_params, compiled):
+@pytest.mark.parametrize("compiled, micro_batches", [(False, 1), (True, 1), (False, 2)],
+                         ids=["eager", "compiled", "eager-2-micro-batches"])
+def test_graph_replay_trains_like_eager_steps(tiny_params, compiled, micro_batches):
     """The captured step against the same step run eagerly, NUM_STEPS steps with an lr that moves every step.
     compiled: train_graph.py --enable_jit, the model and loss compiled during the warm-up and Inductor's kernels
-    captured, against the compiled model run step by step."""
-    params = tiny_params(**TINY_CUDA, Nsamples=4 * NUM_STEPS, enable_jit=compiled)
+    captured, against the compiled model run step by step. micro_batches: the graph records both chunks' forward
+    and backward."""
+    params = tiny_params(**TINY_CUDA, Nsamples=4 * NUM_STEPS, enable_jit=compiled, micro_batches=micro_batches)
     info = init_distributed("cuda")
     assert info.device == CUDA
     eager = train.build_training(params, info)
@@ -111,7 +113,7 @@ def test_graph_replay_trains_like_eager_steps(tiny_params, compiled):
     hook = graphed.model.register_forward_hook(lambda *args: forward_calls.append(1))
     step = train_graph.capture_train_step(graphed, *batches[0])
     if not compiled:
-        assert len(forward_calls) == train_graph.NUM_WARMUP_STEPS + 1  # warm-up steps and the capture
+        assert len(forward_calls) == (train_graph.NUM_WARMUP_STEPS + 1) * micro_batches  # warm-up and capture
     calls_at_capture = len(forward_calls)
     # compiled: the model and the loss compiled in the warm-up (a recompile in the capture would have raised)
     assert (counters["stats"]["unique_graphs"] > 0) == compiled
@@ -688,11 +690,12 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
                     "channels_last": True,
                     "conv_forms": "down0=rewritten,last=rewritten,up0=rewritten", "enable_jit": True,
                     "amp_mode": "bf16", "enable_fused": True}
-        state = train.build_training(tiny_params(**settings), info)
-        assert any("DDP (nccl)" in note for note in state.notes), state.notes
-        before = flat_weights(state.model)
-        for inp, tar in random_batches(8, count=2):
-            assert torch.isfinite(train.eager_step(state, inp, tar)).item()
-        assert not torch.equal(flat_weights(state.model), before)
+        for micro_batches in (1, 2):  # 2: DDP's no_sync for the first chunk, under compile's DDP optimizer
+            state = train.build_training(tiny_params(**settings, micro_batches=micro_batches), info)
+            assert any("DDP (nccl)" in note for note in state.notes), state.notes
+            before = flat_weights(state.model)
+            for inp, tar in random_batches(8, count=2):
+                assert torch.isfinite(train.eager_step(state, inp, tar)).item()
+            assert not torch.equal(flat_weights(state.model), before)
     finally:
         dist.destroy_process_group()
