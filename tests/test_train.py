@@ -1,3 +1,4 @@
+import gc
 import os
 import re
 from types import SimpleNamespace
@@ -33,6 +34,7 @@ def ddp_worker(rank, world_size, port, runs, out_dir, num_steps):
                       RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     info = init_distributed("cpu")  # gloo on CPU tensors, also where GPUs are visible
+    finished = False
     try:
         for name, params in runs:
             state = train.build_training(params, info)
@@ -42,8 +44,13 @@ def ddp_worker(rank, world_size, port, runs, out_dir, num_steps):
                 inp, tar = next(batches)
                 train.eager_step(state, inp, tar)
             torch.save(state.model.state_dict(), os.path.join(out_dir, f"{name}_world{world_size}_rank{rank}.pt"))
+        finished = True
     finally:
-        cleanup(info)
+        # As train.main ends: each DDP reducer holds the group, so free them before it goes, and meet at a barrier
+        # first (gloo's threads torn down under a live reducer or a peer's last collective abort the process).
+        state = batches = None
+        gc.collect()
+        cleanup(info, finished)
 
 
 @pytest.fixture(scope="module")
