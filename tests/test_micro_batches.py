@@ -49,10 +49,7 @@ def test_micro_batched_steps_train_the_same_weights(tiny_params):
     assert losses[-1][0] < losses[0][0]
     for want, got in losses:
         assert got == pytest.approx(want, rel=RTOL)
-    # Adam divides by the root of the squared gradient's average, so rounding moves the weights a little more
-    weights = {name: p.detach() for name, p in whole.model.named_parameters()}
-    for name, p in split.model.named_parameters():
-        assert (p.detach() - weights[name]).norm() <= 1e-4 * weights[name].norm(), name
+    assert_close(dict(split.model.named_parameters()), dict(whole.model.named_parameters()), "after 3 steps")
 
 
 def test_the_graph_step_accumulates_as_the_eager_step(tiny_params):

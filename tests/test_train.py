@@ -90,7 +90,7 @@ def test_ddp_in_micro_batches_matches_one_rank_with_every_knob_too(ddp_weights):
     """Each rank's 2 crops in 2 chunks, DDP's all-reduce skipped (no_sync) for the first: the 1-rank run's weights;
     with gradient buckets as views and the bf16 hook, the knobs run's (static_graph aside)."""
     initial, weights = ddp_weights
-    for run, reference, rtol in (("micro", "plain_world1_rank0", 1e-5), ("micro_knobs", "knobs_world2_rank0", 1e-3)):
+    for run, reference, rtol in (("micro", "plain_world1_rank0", 1e-5), ("micro_knobs", "knobs_world2_rank0", 1e-4)):
         rank0, rank1, want = weights[f"{run}_world2_rank0"], weights[f"{run}_world2_rank1"], weights[reference]
         for name in want:
             assert torch.equal(rank0[name], rank1[name]), f"{run}: ranks disagree on {name}"
