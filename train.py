@@ -213,7 +213,7 @@ def forward_loss(state, model, inp, tar):
 def forward_backward(state, inp, tar):
     """The batch's loss (a device tensor), its gradients added to ``.grad``, in ``micro_batches`` k equal chunks
     (gradient accumulation: the activations of B/k crops, the gradient of B); the eager and the graph step's."""
-    ranges, chunks, loss = state.profiler, state.params.micro_batches, 0
+    ranges, chunks, losses = state.profiler, state.params.micro_batches, []
     ddp = getattr(state.train_model, "_orig_mod", state.train_model)  # DDP, maybe under torch.compile
     no_sync = ddp.no_sync if isinstance(ddp, DistributedDataParallel) else nullcontext
     for chunk, (inp_chunk, tar_chunk) in enumerate(zip(inp.chunk(chunks), tar.chunk(chunks)), start=1):
@@ -221,9 +221,9 @@ def forward_backward(state, inp, tar):
             with ranges.range("forward"):
                 _, chunk_loss = forward_loss(state, state.train_model, inp_chunk, tar_chunk)
             with ranges.range("backward"):  # fp16: the scaled loss; the scaler unscales before the step
-                state.scaler.scale(chunk_loss / chunks).backward()
-        loss = loss + chunk_loss.detach() / chunks
-    return loss
+                state.scaler.scale(chunk_loss / chunks if chunks > 1 else chunk_loss).backward()
+        losses.append(chunk_loss.detach())
+    return losses[0] if chunks == 1 else torch.stack(losses).mean()  # equal chunks: the mean is the batch's loss
 
 
 def eager_step(state, inp, tar):
