@@ -448,6 +448,8 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
             finally:
                 if lock is not None:
                     lock.release()
+                    for handler in logger.handlers:  # out.log is closed when main returns (a notebook's next run)
+                        handler.close()
     finally:
         control.close()
 

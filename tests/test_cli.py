@@ -1,6 +1,7 @@
 """train.py's command line: flags generated from the schema, the reference's aliases, no
 abbreviations, $EXPDIR on the precedence path, the run-folder rule, and stop signals from the first second."""
 import errno
+import logging
 import os
 import signal
 import subprocess
@@ -124,6 +125,8 @@ def test_a_crash_keeps_its_traceback_and_out_log_names_it(tiny_argv, tmp_path, c
     assert "crashed" not in capsys.readouterr().out  # only out.log gets the line; stderr has the traceback
     log = (tmp_path / "runs" / "tiny" / "1GPU" / "0" / "out.log").read_text()
     assert log.splitlines()[-1].endswith(" crashed: ValueError: a bug")
+    # out.log is closed when main returns (no file left open for the next run in this process)
+    assert [h.stream for h in train.logger.handlers if isinstance(h, logging.FileHandler)] == [None]
 
 
 # --- the run-folder rule ------------------------------------------------------------------------
