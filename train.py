@@ -448,7 +448,8 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
             finally:
                 if lock is not None:
                     lock.release()
-                    for handler in logger.handlers:  # out.log is closed when main returns (a notebook's next run)
+                    for handler in logger.handlers[1:]:  # out.log (after stdout): closed and detached, so that
+                        logger.removeHandler(handler)  # later lines in this process (a notebook) do not reopen it
                         handler.close()
     finally:
         control.close()
