@@ -1,6 +1,7 @@
 """Every documented bad input ends with one line naming the problem, exit code 2, and no damage."""
 import errno
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +12,9 @@ from conftest import run_train_cli, write_random_box
 
 
 def edit(path, old, new):
-    text = open(path).read()
+    text = Path(path).read_text()
     assert old in text
-    open(path, "w").write(text.replace(old, new))
+    Path(path).write_text(text.replace(old, new))
 
 
 def test_unknown_config_name(tiny_argv, capsys):
@@ -30,11 +31,11 @@ def test_malformed_yaml(tmp_path, capsys):
 
 def test_unknown_key_and_wrong_type(tiny_argv, tmp_path, capsys):
     yaml_path = tiny_argv[1]
-    text = open(yaml_path).read()
-    open(yaml_path, "w").write(text.replace("num_epochs: 2", "num_epoch: 2"))
+    text = Path(yaml_path).read_text()
+    Path(yaml_path).write_text(text.replace("num_epochs: 2", "num_epoch: 2"))
     code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and "unknown config key num_epoch in config 'tiny'" in err
-    open(yaml_path, "w").write(text.replace("num_epochs: 2", "num_epochs: two"))
+    Path(yaml_path).write_text(text.replace("num_epochs: 2", "num_epochs: two"))
     code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and "config key 'num_epochs' must be a positive integer, got 'two'" in err
 

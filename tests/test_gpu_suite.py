@@ -2,6 +2,7 @@
 sessions. Its CPU smoke mode runs once in CI, as a README command (tests/test_readme_commands.py checks it)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +19,21 @@ from benchmarks.suite.core import with_up0_rewritten
 from benchmarks.suite.part_de_training import checkpoint_stalls
 from benchmarks.suite.summary import markdown
 from utils.checkpoint import stall_message
+
+
+@pytest.fixture(autouse=True)
+def release_suites(monkeypatch):
+    """Most tests make a Suite without calling finish(): close its suite.log and remove its temporary folder."""
+    made, init = [], gpu_suite.Suite.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(gpu_suite.Suite, "__init__", recording_init)
+    yield
+    for suite in made:
+        suite.log_file.close()
+        shutil.rmtree(suite.tmp, ignore_errors=True)
 
 
 def test_a_part_that_would_overrun_the_budget_is_skipped_with_its_command(tmp_path, capsys):
