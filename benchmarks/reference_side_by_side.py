@@ -271,7 +271,8 @@ def main(argv=None):
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.out}")
-    shutil.rmtree(workdir / "ours", ignore_errors=True)  # checkpoints of 1 GB+; the logs stay
+    # ours holds checkpoints of 1 GB+; the logs stay, in the run folder unless --log_dir put them elsewhere
+    shutil.rmtree(workdir if args.log_dir else workdir / "ours", ignore_errors=True)
 
 
 if __name__ == "__main__":

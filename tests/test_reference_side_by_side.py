@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -170,6 +171,9 @@ def test_side_by_side_flow_with_stand_ins(tmp_path, fake_reference, monkeypatch,
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Stand-in GPU")
     # a CUDA build of torch on a machine without a GPU would look for the stand-in's compute capability
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     out = tmp_path / "record.json"
     side.main(["--reference_dir", str(fake_reference), "--out", str(out), "--log_dir", str(tmp_path / "logs"),
                "--epochs", "3", "--timeout_s", "60"])
@@ -186,3 +190,4 @@ def test_side_by_side_flow_with_stand_ins(tmp_path, fake_reference, monkeypatch,
     assert set(record["commands"]) == {"reference_jit", "reference_nojit", "ours", "ours_benchy"}
     assert (tmp_path / "logs" / "reference_jit.log").exists()
     assert "ours / reference = 2.74" in capsys.readouterr().out
+    assert not list(scratch.iterdir())  # with --log_dir, the run folder is removed
