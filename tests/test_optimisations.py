@@ -1,7 +1,9 @@
 """Each single-GPU optimisation flag takes effect and leaves a short run's loss close to the plain run."""
 import contextlib
+import json
 import os
 import signal
+import subprocess
 import sys
 import types
 
@@ -10,6 +12,8 @@ import torch
 import torch._dynamo
 
 import train
+import utils.cpu_bf16
+from conftest import REPO_ROOT
 from utils import ConfigError, Preempted
 from utils.data import get_data_loader
 from utils.distributed import init_distributed
@@ -48,6 +52,47 @@ def test_flag_tracks_the_plain_run(tiny_params, flags, tolerance):
         weight = state.model.down[1][0].weight
         assert weight.is_contiguous(memory_format=torch.channels_last_3d)
         assert state.to_device(torch.zeros(1, 4, 8, 8, 8)).is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def test_bf16_where_it_is_slower_on_the_cpu_is_a_start_up_warning(tiny_argv, tmp_path, monkeypatch):
+    monkeypatch.setattr(utils.cpu_bf16, "bf16_time_ratio", lambda: 3.2)  # plain AVX-512 (README section 5)
+    train.main(tiny_argv + ["--amp_mode", "bf16", "--num_epochs", "1", "--run_num", "bf16"])
+    train.main(tiny_argv + ["--num_epochs", "1", "--run_num", "fp32"])  # fp32: nothing to say
+    logs = {run: (tmp_path / "runs" / "tiny" / "1GPU" / run / "out.log").read_text() for run in ("bf16", "fp32")}
+    assert ("WARNING: amp_mode bf16 is slower than fp32 on this CPU (a bf16 convolution took 3.2x the fp32 time "
+            "at start-up; bf16 pays where the CPU has AMX, README section 5): --amp_mode none is faster here"
+            ) in logs["bf16"]
+    assert "slower than fp32" not in logs["fp32"]
+    monkeypatch.setattr(utils.cpu_bf16, "bf16_time_ratio", lambda: 0.8)  # AMX: bf16 pays, nothing to say
+    train.main(tiny_argv + ["--amp_mode", "bf16", "--num_epochs", "1", "--run_num", "amx"])
+    assert "slower than fp32" not in (tmp_path / "runs" / "tiny" / "1GPU" / "amx" / "out.log").read_text()
+
+
+PROBE = "import json, utils.cpu_bf16; print(json.dumps(utils.cpu_bf16.bf16_time_ratio()))"
+
+
+@pytest.mark.parametrize("isa, above", [("AVX2", 10), ("AVX512_CORE", utils.cpu_bf16.SLOWER)])
+def test_the_probe_finds_bf16_slower_where_onednn_has_no_bf16_instructions(isa, above):
+    """The probe, on this CPU with oneDNN held to an older instruction set (ONEDNN_MAX_CPU_ISA): with AVX2 PyTorch
+    runs bf16 convolutions in aten::slow_conv3d (88x measured), with plain AVX-512 oneDNN emulates bf16 (3.2x)."""
+    if isa == "AVX512_CORE" and not torch.cpu._is_avx512_supported():
+        pytest.skip("this CPU has no AVX-512 to hold oneDNN to")
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, env={**os.environ, "ONEDNN_MAX_CPU_ISA": isa},
+                          capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout) > above
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="AMX: where bf16 pays on a CPU")
+def test_the_probe_finds_bf16_faster_with_amx():
+    assert utils.cpu_bf16.bf16_time_ratio() < 1 and utils.cpu_bf16.slow_bf16() is None  # measured 0.79
+
+
+def test_the_probe_leaves_the_random_stream_as_it_was():
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    utils.cpu_bf16.bf16_time_ratio(repeats=1)
+    assert torch.equal(torch.rand(4), expected)
 
 
 def test_bf16_autocast_really_runs_in_bf16(tiny_params):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import predict
+import utils.cpu_bf16
 from utils import inference
 from conftest import REPO_ROOT
 from networks.UNet import UNet, build_model
@@ -357,6 +358,7 @@ def test_out_of_memory_is_one_line_naming_the_settings_that_need_less(whole_box,
         monkeypatch.setattr(predict, "predict_whole_box", whole)
     else:
         monkeypatch.setattr(predict, "predict_slabs", tiles)
+    monkeypatch.setattr(utils.cpu_bf16, "bf16_time_ratio", lambda: 0.8)  # bf16 is offered where it is fast
     argv = ["--checkpoint", str(error_files["run"]), "--input", str(error_files["good"]), "--output",
             str(error_files["out"]), "--device", "cpu", "--batch_size", "2", "--tile", "4", "--overlap", "0"]
     with pytest.raises(SystemExit) as caught:
@@ -373,6 +375,23 @@ def test_out_of_memory_is_one_line_naming_the_settings_that_need_less(whole_box,
                               "windows per pass (--batch_size N), smaller windows (--tile N) or bf16"), err
     assert err.endswith(f"PyTorch said: {said}\n")
     assert not error_files["out"].exists()
+
+
+def test_bf16_where_it_is_slower_on_the_cpu_is_a_warning_and_never_advice(error_files, capsys, monkeypatch):
+    def tiles(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory")
+        yield
+    monkeypatch.setattr(predict, "predict_slabs", tiles)
+    monkeypatch.setattr(utils.cpu_bf16, "bf16_time_ratio", lambda: 3.2)  # plain AVX-512 (README section 5)
+    argv = ["--checkpoint", str(error_files["run"]), "--input", str(error_files["good"]), "--output",
+            str(error_files["out"]), "--device", "cpu", "--batch_size", "2", "--tile", "4", "--overlap", "0"]
+    for amp_mode in ("bf16", "none"):
+        with pytest.raises(SystemExit):
+            predict.cli(argv + ["--amp_mode", amp_mode])
+        out, err = capsys.readouterr()
+        assert ("warning: amp_mode bf16 is slower than fp32 on this CPU (a bf16 convolution took 3.2x" in out) == (
+            amp_mode == "bf16")
+        assert err.startswith("error: out of memory") and "--amp_mode bf16" not in err, err
 
 
 def test_ctrl_c_is_one_line_and_leaves_no_output(error_files, capsys, monkeypatch):

@@ -171,6 +171,10 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
                                                    f"{params.num_data_workers} worker processes, default collate")
     logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")
     logger.info(f"Data loader: {loader}")
+    if params.amp_mode == "bf16" and info.device.type == "cpu":  # slower than fp32 on most CPUs: timed, and said
+        from utils.cpu_bf16 import slow_bf16
+        if warning := slow_bf16():
+            logger.warning(f"WARNING: {warning}")
     if params.noddp and info.enabled:
         logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "
                        "communication and is NOT real training.")
