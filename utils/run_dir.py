@@ -220,6 +220,10 @@ class RunLogHandler(logging.FileHandler):
     def handleError(self, record):
         self.failed = write_error(f"write the run log {self.baseFilename}", sys.exc_info()[1])
 
+    def close(self):  # a full disk's unwritten lines fail again here: the first failure was reported already
+        with contextlib.suppress(OSError):
+            super().close()
+
 
 def setup_logging(logger, run_dir, info, report):
     """Rank 0 logs INFO to stdout and ``run_dir/out.log``; the other ranks speak only on problems (warnings)."""
