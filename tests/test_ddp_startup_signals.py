@@ -28,11 +28,10 @@ def launch(tmp_path):
     port, ranks = free_port(), []
     for rank in (0, 1):
         env = rank_env(rank, port)
-        out = open(tmp_path / f"rank{rank}.out", "w")
-        err = open(tmp_path / f"rank{rank}.err", "w")
-        ranks.append(subprocess.Popen([sys.executable, str(REPO_ROOT / "train.py"), "--yaml_config",
-                                       str(tmp_path / "signals.yaml"), "--config", "signals", "--expdir",
-                                       str(tmp_path / "runs")], stdout=out, stderr=err, env=env, cwd=REPO_ROOT))
+        with open(tmp_path / f"rank{rank}.out", "w") as out, open(tmp_path / f"rank{rank}.err", "w") as err:
+            ranks.append(subprocess.Popen([sys.executable, str(REPO_ROOT / "train.py"), "--yaml_config",
+                                           str(tmp_path / "signals.yaml"), "--config", "signals", "--expdir",
+                                           str(tmp_path / "runs")], stdout=out, stderr=err, env=env, cwd=REPO_ROOT))
     deadline = time.monotonic() + 120
     while "Generating" not in (tmp_path / "rank0.out").read_text():
         assert time.monotonic() < deadline and all(r.poll() is None for r in ranks), \

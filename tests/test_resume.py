@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -96,7 +97,7 @@ def test_kill_9_at_a_random_step_then_rerun_gives_identical_weights(tiny_argv, t
     cmd = command(tiny_argv, "killed")
     process = start_and_wait_for_step(cmd, run_dir(tmp_path, "killed") / "checkpoints", kill_after, started)
     os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    process.communicate(timeout=120)  # waits, and closes its pipes
     assert newest_step(run_dir(tmp_path, "killed") / "checkpoints") < FINAL_STEP
     result = run(cmd)
     assert result.returncode == 0, result.stderr
@@ -251,6 +252,6 @@ def worker_pids(parent):
 
 def environ_of(pid):
     try:
-        return (open(f"/proc/{pid}/environ", "rb").read().replace(b"\0", b"\n")).decode(errors="replace")
+        return Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b"\n").decode(errors="replace")
     except OSError:
         return ""
