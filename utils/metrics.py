@@ -171,7 +171,7 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
                                                    f"{params.num_data_workers} worker processes, default collate")
     logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")
     logger.info(f"Data loader: {loader}")
-    if params.amp_mode == "bf16" and info.device.type == "cpu":  # slower than fp32 on most CPUs: timed, and said
+    if params.amp_mode == "bf16" and info.device.type == "cpu":  # slower than fp32 without AMX: timed, and said
         from utils.cpu_bf16 import slow_bf16
         if warning := slow_bf16():
             logger.warning(f"WARNING: {warning}")
