@@ -36,7 +36,7 @@ from utils.data import get_data_loader, prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, describe_ddp, env_world_size,
                                init_distributed, peer_lost)
 from utils.metrics import log_epoch, log_interval, log_startup
-from utils.run_dir import EventWriter, make_run_dir, resume_on_restart, save_config, setup_logging
+from utils.run_dir import EventWriter, close_run_log, make_run_dir, resume_on_restart, save_config, setup_logging
 
 logger = logging.getLogger("train")
 
@@ -448,9 +448,7 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
             finally:
                 if lock is not None:
                     lock.release()
-                    for handler in logger.handlers[1:]:  # out.log (after stdout): closed and detached, so that
-                        logger.removeHandler(handler)  # later lines in this process (a notebook) do not reopen it
-                        handler.close()
+                    close_run_log(logger)
     finally:
         control.close()
 

@@ -39,8 +39,10 @@ def bf16_time_ratio(repeats=7):
     return best[True] / best[False]
 
 
-def slow_bf16():
-    """A one-line warning where bf16 is slower than fp32 on this CPU, else None."""
+def slow_bf16(device=torch.device("cpu")):
+    """A one-line warning where ``device`` is this CPU and bf16 is slower there than fp32, else None."""
+    if device.type != "cpu":
+        return None
     ratio = bf16_time_ratio()
     if ratio < SLOWER:
         return None

@@ -173,7 +173,7 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     logger.info(f"Data loader: {loader}")
     if params.amp_mode == "bf16" and info.device.type == "cpu":  # slower than fp32 without AMX: timed, and said
         from utils.cpu_bf16 import slow_bf16
-        if warning := slow_bf16():
+        if warning := slow_bf16(info.device):
             logger.warning(f"WARNING: {warning}")
     if params.noddp and info.enabled:
         logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "

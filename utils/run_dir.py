@@ -244,6 +244,13 @@ def setup_logging(logger, run_dir, info, report):
         logger.addHandler(file_handler)
 
 
+def close_run_log(logger):
+    """Close and detach out.log: a later line in this process (a notebook cell's) must not reopen a finished run's."""
+    for handler in [h for h in logger.handlers if isinstance(h, RunLogHandler)]:
+        logger.removeHandler(handler)
+        handler.close()
+
+
 def _quiet_event_thread(args, default=threading.excepthook):
     """TensorBoard's writer thread prints its failure as a traceback, then the main thread's next call raises
     it again: keep only the second (which EventWriter turns into one line)."""
