@@ -101,6 +101,7 @@ def test_micro_batches_that_do_not_divide_a_ranks_batch_are_one_line(tiny_params
         train.check_world_size(params, world_size)
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_a_micro_batched_run_ends_at_the_whole_batch_runs_validation_loss(tiny_argv, tmp_path):
     whole = train.main(tiny_argv + ["--run_num", "whole"])
     split = train.main(tiny_argv + ["--run_num", "split", "--micro_batches", "4"])
