@@ -389,7 +389,8 @@ class FluxStatistics:
         """{"k": (S/2,) in s/km, "wavelength_cells", "pred", "true" (km/s), "ratio"} for modes k = 1 .. S/2.
 
         P1D(k) = dv N <|delta_F(k)|^2> with delta_F(k) = (1/N) sum_j delta_F(j) e^(-2 pi i k j / N) and
-        delta_F = F / <F> - 1 of each field (its own mean flux).
+        delta_F = F / <F> - 1 of each field (its own mean flux): undefined (NaN, not a warning) for a field that
+        absorbs all light, as an untrained or diverged model's prediction may.
         """
         state = self._state()
         n, dv = self.length, self.settings.velocity_per_cell
@@ -398,7 +399,8 @@ class FluxStatistics:
         spectra = {}
         for which in ("pred", "true"):
             mean = state[f"flux_sum_{which}"][0] / count
-            spectra[which] = (state[f"p1d_{which}"][1:] / num_skewers / n ** 2 * n * dv / mean ** 2)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                spectra[which] = (state[f"p1d_{which}"][1:] / num_skewers / n ** 2 * n * dv / mean ** 2)
         modes = np.arange(1, n // 2 + 1)
         return {"k": 2 * np.pi * modes / (n * dv), "wavelength_cells": n / modes, "pred": spectra["pred"],
                 "true": spectra["true"], "ratio": spectra["pred"] / spectra["true"]}

@@ -109,11 +109,21 @@ def test_misspelt_key_is_named(tmp_path):
     ("full_scale", "yes", "'full_scale' must be true or false"),
     ("box_size", [1024], "'box_size' must be a list of 2 positive integers"),
     ("seed", -1, "'seed' must be an integer >= 0"),   # numpy's SeedSequence would fail at the first batch
+    # each of these trained on (a learning rate falling below 0, a rewarded loss term, an MFU of -1%) or failed in
+    # torch with a traceback (a negative standard deviation)
+    ("lr_schedule.start_lr", 0.0, "'lr_schedule.start_lr' must be a finite number > 0, got 0.0"),
+    ("lr_schedule.end_lr", -1e-4, "'lr_schedule.end_lr' must be a finite number >= 0, got -0.0001"),
+    ("weight_init.conv_scale", -0.02, "'weight_init.conv_scale' must be a finite number >= 0"),
+    ("lambda_rho", -1.0, "'lambda_rho' must be a finite number >= 0"),
+    ("peak_tflops", 0, "'peak_tflops' must be a finite number > 0"),
 ])
 def test_bad_values_are_named(tmp_path, key, value, expected):
-    path = write_yaml(tmp_path, lambda c: c.update({key: value}))
+    section, _, sub = key.rpartition(".")
+    path = write_yaml(tmp_path, lambda c: (c[section] if section else c).update({sub: value}))
     with pytest.raises(ConfigError, match=expected):
         load_config("base", path)
+    with pytest.raises(ConfigError, match=expected):  # the same from its flag
+        load_config("base", overrides={key: value})
 
 
 def test_a_yaml_written_for_older_code_is_told_what_to_add(tmp_path):
@@ -134,7 +144,7 @@ def test_nested_key_checked_and_named_as_its_flag(tmp_path):
     path = write_yaml(tmp_path, lambda c: c["lr_schedule"].update(start_rate=1.0))
     with pytest.raises(ConfigError, match="unknown config key start_rate in lr_schedule; valid keys: end_lr, "):
         load_config("base", path)
-    with pytest.raises(ConfigError, match="config key 'lr_schedule.start_lr' must be a finite number, got 'abc'"):
+    with pytest.raises(ConfigError, match="config key 'lr_schedule.start_lr' must be a finite number > 0, got 'abc'"):
         load_config("base", overrides={"lr_schedule.start_lr": "abc"})
     with pytest.raises(ConfigError, match="config key 'generate_data.val_seed' must be an integer >= 0, got -1"):
         load_config("quickstart", overrides={"generate_data.val_seed": -1})  # a section that may be null

@@ -1,6 +1,7 @@
 """Lyman-alpha forest statistics (science/lyman_alpha.py) against analytic cases, over ranks, and in TensorBoard."""
 import math
 import os
+import warnings
 
 import h5py
 import numpy as np
@@ -143,6 +144,22 @@ def test_the_prediction_gets_the_truths_amplitude(generated):
     scalars = stats.compute()
     assert scalars["lyman_alpha/mean_flux_pred"] == pytest.approx(expected, rel=1e-5)
     assert scalars["lyman_alpha/flux_pdf_ks"] > 0.01 and scalars["lyman_alpha/flux_pdf_w1"] > 0.005
+
+
+def test_a_prediction_that_absorbs_all_light_has_no_p1d_and_no_warning(generated):
+    """A diverged model's gas can be so dense that no flux is left: its P1D (of F / <F>) is NaN, said quietly."""
+    _, crops = generated
+    opaque = crops.clone()
+    opaque[:, 0] = 0.99                                                            # rho/mean = e^13.9 everywhere
+    stats = lya.FluxStatistics(16, SETTINGS)
+    stats.update(opaque, crops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                             # numpy's divide warnings too
+        scalars = stats.finalize().compute()
+    assert scalars["lyman_alpha/mean_flux_pred"] == 0.0
+    bands = [tag for tag in scalars if tag.startswith("lyman_alpha/p1d_ratio/")]
+    assert bands and all(math.isnan(scalars[tag]) for tag in bands)
+    assert "2-4: nan" in lya.format_summary(scalars)
 
 
 def test_perfect_prediction_and_p1d_bands(generated):

@@ -41,13 +41,13 @@ class Key:
 
 LR_SCHEDULE = {
     "scaling": Key(str, "scale start_lr with global/base batch size", choices=("none", "linear", "sqrt")),
-    "start_lr": Key(float, "learning rate at base_batch_size, before scaling"),
-    "end_lr": Key(float, "learning rate at the end of the cosine decay"),
+    "start_lr": Key(float, "learning rate at base_batch_size, before scaling", limits="> 0"),
+    "end_lr": Key(float, "learning rate at the end of the cosine decay", limits=">= 0"),
     "warmup_steps": Key(int, "linear warm-up steps (only when the rate is scaled up)", limits=">= 0"),
 }
 WEIGHT_INIT = {
     "conv_init": Key(str, "initialisation of conv weights", choices=("normal",)),
-    "conv_scale": Key(float, "standard deviation of the normal initialisation"),
+    "conv_scale": Key(float, "standard deviation of the normal initialisation", limits=">= 0"),
     "conv_bias": Key(float, "initial value of conv biases"),
 }
 BENCHY = {
@@ -81,7 +81,7 @@ SCHEMA = {  # every key of every named config
     "full_scale": Key(bool, "use every level of model_channels (False drops the coarsest)", RUN),
     "N_in_channels": Key(int, "input channels (N-body: density, vx, vy, vz)", RUN, limits=">= 1"),
     "N_out_channels": Key(int, "output channels (hydro: density, vx, vy, vz, temperature)", RUN, limits=">= 1"),
-    "lambda_rho": Key(float, "weight of the L1 term on exp(14 x) of the gas density", RUN),
+    "lambda_rho": Key(float, "weight of the L1 term on exp(14 x) of the gas density", RUN, limits=">= 0"),
     "global_batch_size": Key(int, "samples per optimiser step over all ranks", RUN, limits=">= 1"),
     "micro_batches": Key(int, "chunks of each rank's batch, each through forward and backward before the one "
                               "optimiser step (gradient accumulation: the memory of fewer crops)", limits=">= 1"),
@@ -138,7 +138,7 @@ SCHEMA = {  # every key of every named config
     "deterministic": Key(bool, "deterministic algorithms, so resumed runs are bit-identical"),
     "expdir": Key(str, "root folder of runs"),
     "log_every_n_steps": Key(int, "steps between progress lines", limits=">= 1"),
-    "peak_tflops": Key(float, "device peak TFLOP/s for MFU; null looks it up for known GPUs", nullable=True),
+    "peak_tflops": Key(float, "device peak TFLOP/s for MFU; null: known GPUs' datasheet", limits="> 0", nullable=True),
     "lyman_alpha": Key(LYMAN_ALPHA, "Lyman-alpha forest statistics at validation (units, sampling)"),
 }
 COMPARE = {">=": operator.ge, ">": operator.gt, "<": operator.lt}  # Key.limits' signs
