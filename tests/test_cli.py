@@ -74,6 +74,15 @@ def test_abbreviations_are_errors_not_guesses(typo, capsys):
     assert len(err.splitlines()) == 1 and "--help` lists the flags" in err   # one line, not the 50-line usage
 
 
+@pytest.mark.parametrize("argv", [["--full_scale", "false"], ["--channels_last", "True"]])
+def test_an_on_off_flag_given_a_value_as_in_yaml_is_told_its_form(argv, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {argv[1]}; on/off flags take no value: --KEY or --no-KEY (`python" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_expdir_precedence_config_then_environment_then_flag(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("EXPDIR", raising=False)
