@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from utils import ConfigError, Interrupted, StorageError, run as run_cli, storage_cause
-from utils.cpu_bf16 import slow_bf16
+from utils.cpu_amp import slow_amp
 from utils.distributed import DistInfo, cleanup, env_world_size, init_distributed
 from utils.inference import (WholeBoxScience, check_input, check_tiling, check_whole_box, gather_slabs,
                              load_trained_model, lyman_alpha_section, lyman_alpha_settings, periodic_model,
@@ -141,7 +141,7 @@ def main(argv=None):
             torch.backends.cudnn.benchmark = True  # one window shape: pick the fastest conv algorithms once
             # --amp_mode none is fp32, as on the CPU: PyTorch's default would let cuDNN convolutions run in TF32
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-        if args.amp_mode == "bf16" and (warning := slow_bf16(device)):
+        if args.amp_mode == "bf16" and (warning := slow_amp("bf16", device)):
             print(f"warning: {warning}")
         described = (f"{checkpoint} (step {step}): U-Net {params.model_channels} full_scale={params.full_scale} on "
                      f"{device}, amp_mode={args.amp_mode}; {box}^3 box")
@@ -177,7 +177,7 @@ def main(argv=None):
             holding = f"on {info.device} with {args.batch_size} window(s) of {tile}^3 per forward pass"
             ways = ["fewer windows per pass (--batch_size N)"] if args.batch_size > 1 else []
             ways.append("smaller windows (--tile N)")
-        if args.amp_mode == "none" and slow_bf16(info.device) is None:
+        if args.amp_mode == "none" and slow_amp("bf16", info.device) is None:
             ways.append("bf16 (--amp_mode bf16)")
         raise out_of_memory(err, holding, ways) from None
     except KeyboardInterrupt:

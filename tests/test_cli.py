@@ -13,7 +13,7 @@ import yaml
 
 import train
 import utils.config
-import utils.cpu_bf16
+import utils.cpu_amp
 from conftest import REPO_ROOT, free_port, rank_env, run_train_cli
 from utils import Interrupted, checkpoint
 from utils.config import SCHEMA, ConfigError, config_flags, load_config
@@ -377,7 +377,7 @@ def test_out_of_memory_in_a_step_is_one_line_naming_the_settings_that_need_less(
     def oom_step(state, inp, tar):
         raise torch.OutOfMemoryError(CUDA_OOM)
     monkeypatch.setattr(train, "eager_step", oom_step)
-    monkeypatch.setattr(utils.cpu_bf16, "bf16_time_ratio", lambda: 0.8 if cpu_bf16 else 3.2)  # AMX; AVX-512
+    monkeypatch.setattr(utils.cpu_amp, "amp_time_ratio", lambda amp_mode: 0.8 if cpu_bf16 else 3.2)  # AMX; AVX-512
     code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2
     assert err.startswith("error: out of memory on cpu with 4 crop(s) of 8^3 per rank; try smaller micro-batches "

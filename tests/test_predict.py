@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import predict
-import utils.cpu_bf16
+import utils.cpu_amp
 from utils import inference
 from conftest import REPO_ROOT
 from networks.UNet import UNet, build_model
@@ -358,7 +358,7 @@ def test_out_of_memory_is_one_line_naming_the_settings_that_need_less(whole_box,
         monkeypatch.setattr(predict, "predict_whole_box", whole)
     else:
         monkeypatch.setattr(predict, "predict_slabs", tiles)
-    monkeypatch.setattr(utils.cpu_bf16, "bf16_time_ratio", lambda: 0.8)  # bf16 is offered where it is fast
+    monkeypatch.setattr(utils.cpu_amp, "amp_time_ratio", lambda amp_mode: 0.8)  # bf16 is offered where it is fast
     argv = ["--checkpoint", str(error_files["run"]), "--input", str(error_files["good"]), "--output",
             str(error_files["out"]), "--device", "cpu", "--batch_size", "2", "--tile", "4", "--overlap", "0"]
     with pytest.raises(SystemExit) as caught:
@@ -382,14 +382,15 @@ def test_bf16_where_it_is_slower_on_the_cpu_is_a_warning_and_never_advice(error_
         raise torch.OutOfMemoryError("out of memory")
         yield
     monkeypatch.setattr(predict, "predict_slabs", tiles)
-    monkeypatch.setattr(utils.cpu_bf16, "bf16_time_ratio", lambda: 3.2)  # plain AVX-512 (README section 5)
+    monkeypatch.setattr(utils.cpu_amp, "amp_time_ratio", lambda amp_mode: 3.2)  # plain AVX-512 (README section 5)
     argv = ["--checkpoint", str(error_files["run"]), "--input", str(error_files["good"]), "--output",
             str(error_files["out"]), "--device", "cpu", "--batch_size", "2", "--tile", "4", "--overlap", "0"]
     for amp_mode in ("bf16", "none"):
         with pytest.raises(SystemExit):
             predict.cli(argv + ["--amp_mode", amp_mode])
         out, err = capsys.readouterr()
-        assert ("warning: amp_mode bf16 is slower than fp32 on this CPU (a bf16 convolution took 3.2x" in out) == (
+        assert ("warning: amp_mode bf16 is slower than fp32 on this CPU (a bf16 convolution's forward and backward "
+                "took 3.2x" in out) == (
             amp_mode == "bf16")
         assert err.startswith("error: out of memory") and "--amp_mode bf16" not in err, err
 

@@ -171,9 +171,9 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
                                                    f"{params.num_data_workers} worker processes, default collate")
     logger.info(f"Optimisations: {', '.join(active)}; {'; '.join(state.notes)}")
     logger.info(f"Data loader: {loader}")
-    if params.amp_mode == "bf16" and info.device.type == "cpu":  # slower than fp32 without AMX: timed, and said
-        from utils.cpu_bf16 import slow_bf16
-        if warning := slow_bf16(info.device):
+    if params.amp_mode != "none" and info.device.type == "cpu":  # fp16, and bf16 without AMX, are slower: timed, said
+        from utils.cpu_amp import slow_amp
+        if warning := slow_amp(params.amp_mode, info.device):
             logger.warning(f"WARNING: {warning}")
     if params.noddp and info.enabled:
         logger.warning("WARNING: --noddp: ranks do NOT synchronise gradients. This measures compute without "

@@ -4,7 +4,7 @@ prints it with exit status 2)."""
 import re
 
 from utils import ReportedError, first_line
-from utils.cpu_bf16 import slow_bf16
+from utils.cpu_amp import slow_amp
 
 # torch's words for a failed allocation: "CUDA out of memory" (torch.OutOfMemoryError), "CUDA error: out of memory"
 # (no room for a CUDA context), "DefaultCPUAllocator: can't allocate memory", "CUFFT_ALLOC_FAILED" and the like
@@ -38,7 +38,7 @@ def training_report(err, params, info):
     more = next((k for k in range(chunks + 1, per_rank + 1) if per_rank % k == 0), None)
     ways = [f"smaller micro-batches (--micro_batches {more}: the same training, {per_rank // more} crop(s) at a "
             f"time)"] if more else []
-    if params.amp_mode == "none" and slow_bf16(info.device) is None:  # not where bf16 is slower
+    if params.amp_mode == "none" and slow_amp("bf16", info.device) is None:  # not where bf16 is slower
         ways.append("bf16 activations (--amp_mode bf16)")
     if params.data_loader_config == "gpu" and params.gpu_storage_dtype == "fp32":
         ways.append("half-size volumes on the device (--gpu_storage_dtype fp16)")
