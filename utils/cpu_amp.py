@@ -12,8 +12,8 @@ import time
 
 import torch
 
-# The probe's reduced / fp32 time above which the reduced precision counts as slower. With bf16 AMX and AVX512-BF16
-# lie well apart (above); timing the forward alone they overlapped (0.36-0.63 and 0.77-1.63 in 100 runs).
+# The probe's reduced / fp32 time above which the reduced precision counts as slower. For bf16, AMX and AVX512-BF16
+# lie well apart (the figures above); timing the forward alone they overlapped (0.36-0.63, 0.77-1.63 in 100 runs).
 SLOWER = 1.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
