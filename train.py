@@ -482,7 +482,10 @@ def parse_args(argv=None):
                         help="per-rank batch (crops per data rank); sets global_batch_size = N x world size "
                              "(/ --spatial_parallel)")
     add_config_arguments(parser, FLAG_ALIASES)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.run_num is not None and (args.run_num in ("", "..") or Path(args.run_num).name != args.run_num):
+        parser.error(f"--run_num {args.run_num!r} is not one folder's name (in expdir/<config>/<N>GPU/), such as 0")
+    return args
 
 
 def config_overrides(args, world_size):

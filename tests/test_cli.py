@@ -83,6 +83,16 @@ def test_an_on_off_flag_given_a_value_as_in_yaml_is_told_its_form(argv, capsys):
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("run_num", ["", ".", "..", "../other", "a/b"])
+def test_a_run_num_that_is_not_one_folder_name_is_refused(run_num, capsys):
+    """`--run_num=$RUN` with RUN unset made the <N>GPU folder itself the run folder; a path left it."""
+    with pytest.raises(SystemExit):
+        train.parse_args([f"--run_num={run_num}"])
+    err = capsys.readouterr().err
+    assert f"error: --run_num {run_num!r} is not one folder's name (in expdir/<config>/<N>GPU/)" in err
+    assert train.parse_args(["--run_num", "baseline.2"]).run_num == "baseline.2"
+
+
 def test_expdir_precedence_config_then_environment_then_flag(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("EXPDIR", raising=False)
