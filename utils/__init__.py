@@ -97,9 +97,9 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line instead of the usage block (train.py's has some 50 lines of flags)."""
 
     def error(self, message):  # `--full_scale false` as in YAML leaves "false" unrecognized: say how on/off flags go
-        bare = message.startswith("unrecognized") and {"true", "false"} & set(message.lower().split()[2:])
-        self.exit(2, f"{self.prog}: error: {message}{'; on/off flags take no value: --KEY or --no-KEY' * bool(bare)} "
-                     f"(`python {self.prog} --help` lists the flags)\n")
+        if message.startswith("unrecognized") and {"true", "false"} & set(message.lower().split()[2:]):
+            message += "; on/off flags take no value: --KEY or --no-KEY"
+        self.exit(2, f"{self.prog}: error: {message} (`python {self.prog} --help` lists the flags)\n")
 
 
 def run(entry, *args):
