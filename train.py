@@ -330,7 +330,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
         if writer and state.global_step == 0:
             writer.add_scalar("Learning Rate", lr_at(0), 0)
 
-    profiler = state.profiler
+    profiler, ending_with = state.profiler, None
     try:
         with checkpoints.running(writer):
             checkpoints.validated(wait=state.global_step >= num_steps)
@@ -375,8 +375,10 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                 log_validation(writer, state, val_loss, science)
                 checkpoints.save_epoch(epoch, last=epoch + 1 == params.num_epochs)
                 resumed_loss_sum = 0.0
+    except BaseException as err:
+        ending_with = err  # a failed close below must not replace it (a preemption must exit with 3)
+        raise
     finally:
-        ending_with = sys.exc_info()[1]  # a failed close must not replace it (a preemption must exit with 3)
         try:
             profiler.close(ending_with)
         finally:
@@ -405,11 +407,11 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
         check_world_size(params, world_size)
         if check is not None:
             check(params, world_size)
+        resume, resume_fallback, restart_note = resume_on_restart(args.resume)
         info = init_distributed(params.device)
         control.attach(info)
         state, finished, lock = None, False, None
         try:
-            resume, resume_fallback, restart_note = resume_on_restart(args.resume)
             run_dir, note, lock = make_run_dir(args.run_num, resume, params, info)
             control.checkpoints = run_dir / "checkpoints"  # named when a signal stops the start-up
             setup_logging(logger, run_dir, info, report=control.write_failed)

@@ -110,6 +110,21 @@ def test_a_named_config_that_is_not_a_mapping_is_one_line(tmp_path, capsys):
     assert code == 2 and "config 'tiny'" in err and "must be a mapping of keys to values, got a list" in err
 
 
+def test_a_resume_path_that_is_no_file_is_one_line_before_any_run_folder(tiny_argv, tmp_path, capsys, monkeypatch):
+    """A mistyped --resume PATH left an empty numbered run behind, which the next plain rerun then continued."""
+    from utils.run_dir import resume_on_restart
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    for path in (tmp_path / "missing.pt", tmp_path):
+        code, err = run_train_cli(tiny_argv + ["--resume", str(path)], capsys)
+        assert code == 2 and err == (f"error: --resume {path}: no such checkpoint file; give one of a run's "
+                                     f"checkpoints/ckpt_step*.pt, or --resume auto or never")
+    assert not (tmp_path / "runs").exists()
+    # A requeue repeats the command after PATH may be gone: it continues the run instead, so no check then.
+    restarted = {"SLURM_RESTART_COUNT": "1"}
+    assert resume_on_restart(str(tmp_path / "missing.pt"), restarted)[:2] == ("auto", str(tmp_path / "missing.pt"))
+
+
 def test_a_directory_as_data_path_is_one_line(tiny_argv, tmp_path, capsys):
     code, err = run_train_cli(tiny_argv + ["--train_path", str(tmp_path)], capsys)
     assert code == 2 and f"data path {tmp_path} is a directory" in err

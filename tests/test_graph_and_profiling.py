@@ -208,6 +208,20 @@ def test_a_close_that_fails_does_not_replace_the_exception_ending_the_run(tmp_pa
     assert profiler.torch_profiler is None  # stopped either way
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_a_run_that_ends_well_inside_a_callers_except_block_closes_as_ending_well(tiny_argv, monkeypatch):
+    """The loop hands its own exception to the closes, not whatever a caller (a notebook cell) is handling:
+    with the caller's, a failed close would be logged as a second failure and the run would report success."""
+    from utils import metrics
+    closes = []
+    monkeypatch.setattr(type(metrics.NO_PROFILER), "close", lambda self, ending_with=None: closes.append(ending_with))
+    try:
+        raise KeyError("the caller's own")
+    except KeyError:
+        assert train.main(tiny_argv) is not None
+    assert closes == [None]
+
+
 def test_profiling_off_costs_nothing_and_writes_nothing(tmp_path):
     for manual in (False, True):  # manual profiling without CUDA: NVTX has nothing to mark
         params = load_config("quickstart", overrides={"enable_manual_profiling": manual, "profile_window": [1, 3]})

@@ -34,6 +34,9 @@ def resume_on_restart(resume, environ=os.environ):
     restarted = {name: environ[name] for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
                  if environ.get(name, "").isdigit() and int(environ[name]) > 0}
     if resume == "auto" or not restarted:
+        if resume not in ("auto", "never") and not Path(resume).expanduser().is_file():  # before any run folder
+            raise ConfigError(f"--resume {resume}: no such checkpoint file; give one of a run's "
+                              f"checkpoints/ckpt_step*.pt, or --resume auto or never")
         return resume, None, None
     which = ", ".join(f"{name}={count}" for name, count in restarted.items())
     fallback = None if resume == "never" else resume
