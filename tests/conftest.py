@@ -154,7 +154,7 @@ def pytest_configure(config):
     # Python 3.12+ warns at every fork of a process with threads (torch's): the forks here are the DataLoader's
     # Linux default and the two-rank tests' chosen start method (test_science.py says why); spawn and forkserver
     # workers are tested too (test_data_loader.py)
-    config.addinivalue_line("filterwarnings", "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
+    config.addinivalue_line("filterwarnings", "ignore:This process .* is multi-threaded:DeprecationWarning")
     # a file left open (Python hides these by default): shown in the summary, where a leak is seen when it starts
     config.addinivalue_line("filterwarnings", "default::ResourceWarning")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each pytest-xdist worker (-n N)

@@ -28,7 +28,9 @@ Which commands run is decided in README.md itself, so the README cannot drift fr
 """
 import json
 import os
+import itertools
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -149,6 +151,51 @@ def test_every_conv_forms_value_the_readme_quotes_is_accepted():
     assert len(values) >= 8, sorted(values)  # the extraction still finds them
     for value in sorted(values):
         load_config("base", overrides={"conv_forms": value})  # raises ConfigError naming what was wrong
+
+
+def training_commands(text):
+    """[(command, its arguments)] of every train.py, train_graph.py or submit_pm.sh command the README shows, run or
+    not: in any code block (continued lines joined) or inline code. Placeholders in capitals (``CELL``) become 1."""
+    scripts, lines, block = ("train.py", "train_graph.py", "submit_pm.sh"), [], None
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            if block is not None:
+                lines += block_commands(block)
+            block = [] if block is None else None
+        elif block is not None:
+            block.append(line)
+        else:
+            lines += re.findall(r"`([^`]*\b(?:train|train_graph)\.py\b[^`]*|[^`]*\bsubmit_pm\.sh\b[^`]*)`", line)
+    found = []
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        # the script itself, not a file named on another script's command line (code_reach.py train.py)
+        at = next((i for i, word in enumerate(words) if word.endswith(scripts)
+                   and not (i and words[i - 1].endswith(".py"))), None)
+        if at is None or "--help" in words:
+            continue
+        arguments = list(itertools.takewhile(lambda w: w not in ("|", "&&", ";", "&") and not w.startswith(">"),
+                                             words[at + 1:]))
+        found.append((line, ["1" if re.fullmatch(r"[A-Z][A-Z_]*", w) else w for w in arguments]))
+    return found
+
+
+def test_every_training_command_the_readme_shows_parses_and_loads_its_config(capsys):
+    """Most of the README's train.py commands need a GPU or many nodes and no test runs them: each must still name
+    flags, values and a config that exist, or a reader's paste fails at start-up (world size 1 here: the batch's
+    split over ranks is checked at launch)."""
+    import train
+    from utils.config import load_config
+    commands = training_commands(README.read_text())
+    assert len(commands) >= 30, commands  # the extraction still finds them
+    for line, arguments in commands:
+        try:
+            args = train.parse_args(arguments)
+        except SystemExit:
+            pytest.fail(f"README: {line!r} does not parse: {capsys.readouterr().err.strip()}")
+        load_config(args.config, args.yaml_config, train.config_overrides(args, 1))  # a ConfigError names the key
+    assert training_commands("```bash\npython train.py --config=x \\\n  --seed N  # c\n```\n`x.py train.py --a`") \
+        == [("python train.py --config=x   --seed N  # c", ["--config=x", "--seed", "1"])]
 
 
 # --- running it ----------------------------------------------------------------------------------
