@@ -22,6 +22,9 @@ Which commands run is decided in README.md itself, so the README cannot drift fr
   (``CLAIMS``). After the walk-through the quickstart command runs once more and must continue its
   own run (section 3: "the same command continues its run").
 
+The README's other commands (GPU, many nodes, Slurm) are not run, but each must be accepted: a training command
+parses and loads its config, another script's command passes that script's argument parser (two fast tests).
+
 ``test_readme_marks_the_walkthrough`` (fast) checks the extraction; ``test_readme_walkthrough_on_a_fresh_clone``
 (slow, run with --full as CI does) runs it; CI starts it first, and it takes minutes (the quickstart alone
 86 s on the quiet 2-core machine; the suite's times are in benchmarks/results/test_times.md).
@@ -153,10 +156,11 @@ def test_every_conv_forms_value_the_readme_quotes_is_accepted():
         load_config("base", overrides={"conv_forms": value})  # raises ConfigError naming what was wrong
 
 
-def training_commands(text):
-    """[(command, its arguments)] of every train.py, train_graph.py or submit_pm.sh command the README shows, run or
-    not: in any code block (continued lines joined) or inline code. Placeholders in capitals (``CELL``) become 1."""
-    scripts, lines, block = ("train.py", "train_graph.py", "submit_pm.sh"), [], None
+def shown_commands(text):
+    """[(command, its words)] of every command the README shows, run or not: each line of a code block (continued
+    lines joined) and inline code naming a script with arguments. Placeholders in capitals (``CELL``) become 1, and
+    the words stop at the first shell operator or redirection."""
+    lines, block = [], None
     for line in text.split("\n"):
         if line.startswith("```"):
             if block is not None:
@@ -165,19 +169,21 @@ def training_commands(text):
         elif block is not None:
             block.append(line)
         else:
-            lines += re.findall(r"`([^`]*\b(?:train|train_graph)\.py\b[^`]*|[^`]*\bsubmit_pm\.sh\b[^`]*)`", line)
+            lines += re.findall(r"`([^`]*\b(?:[\w/]+\.(?:py|sh)|-m [\w.]+) -[^`]*)`", line)
     found = []
     for line in lines:
-        words = shlex.split(line, comments=True)
-        # the script itself, not a file named on another script's command line (code_reach.py train.py)
-        at = next((i for i, word in enumerate(words) if word.endswith(scripts)
-                   and not (i and words[i - 1].endswith(".py"))), None)
-        if at is None or "--help" in words:
-            continue
-        arguments = list(itertools.takewhile(lambda w: w not in ("|", "&&", ";", "&") and not w.startswith(">"),
-                                             words[at + 1:]))
-        found.append((line, ["1" if re.fullmatch(r"[A-Z][A-Z_]*", w) else w for w in arguments]))
+        words = itertools.takewhile(lambda w: w not in ("|", "&&", ";", "&") and not w.startswith(">"),
+                                    shlex.split(line, comments=True))
+        found.append((line, ["1" if re.fullmatch(r"[A-Z][A-Z_]*", w) else w for w in words]))
     return found
+
+
+def script_arguments(words, scripts):
+    """The arguments after the first of ``scripts`` in ``words`` (not a file named on another script's command
+    line, as in ``code_reach.py train.py``), or None."""
+    at = next((i for i, word in enumerate(words)
+               if word.endswith(scripts) and not (i and words[i - 1].endswith(".py"))), None)
+    return None if at is None or "--help" in words else words[at + 1:]
 
 
 def test_every_training_command_the_readme_shows_parses_and_loads_its_config(capsys):
@@ -186,16 +192,56 @@ def test_every_training_command_the_readme_shows_parses_and_loads_its_config(cap
     split over ranks is checked at launch)."""
     import train
     from utils.config import load_config
-    commands = training_commands(README.read_text())
-    assert len(commands) >= 30, commands  # the extraction still finds them
+    commands = [(line, arguments) for line, words in shown_commands(README.read_text())
+                if (arguments := script_arguments(words, ("train.py", "train_graph.py", "submit_pm.sh"))) is not None]
+    assert len(commands) >= 15, commands  # the extraction still finds them
     for line, arguments in commands:
         try:
             args = train.parse_args(arguments)
         except SystemExit:
             pytest.fail(f"README: {line!r} does not parse: {capsys.readouterr().err.strip()}")
         load_config(args.config, args.yaml_config, train.config_overrides(args, 1))  # a ConfigError names the key
-    assert training_commands("```bash\npython train.py --config=x \\\n  --seed N  # c\n```\n`x.py train.py --a`") \
-        == [("python train.py --config=x   --seed N  # c", ["--config=x", "--seed", "1"])]
+    assert shown_commands("```bash\npython train.py --config=x \\\n  --seed N  # c\n```\n`x.py train.py --a`") == [
+        ("python train.py --config=x   --seed N  # c", ["python", "train.py", "--config=x", "--seed", "1"]),
+        ("x.py train.py --a", ["x.py", "train.py", "--a"])]
+    assert script_arguments(["x.py", "train.py", "--a"], ("train.py",)) is None
+
+
+class Parsed(Exception):
+    """Raised in place of returning from argparse: the command line was accepted, and nothing more runs."""
+
+
+def test_every_other_python_command_the_readme_shows_is_accepted_by_its_script(monkeypatch, capsys):
+    """The benchmarks, predict.py and the modules' commands (most need a GPU): each script's own argument parser
+    accepts the README's arguments. The script runs up to its parse, then stops (``Parsed``)."""
+    import argparse
+    import runpy
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        parse(self, args, namespace)
+        raise Parsed
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the repository on it
+    checked = 0
+    for line, words in shown_commands(README.read_text()):
+        if "python" not in words or "--help" in words:
+            continue
+        command = words[words.index("python") + 1:]
+        if command[:2] == ["-m", "pytest"] or command[0] in ("train.py", "train_graph.py"):
+            continue  # the suite itself; the training commands (the test above)
+        # a module (-m) by its file: run_module would warn that the tests imported it already
+        target, arguments = (command[1].replace(".", "/") + ".py", command[2:]) if command[0] == "-m" \
+            else (command[0], command[1:])
+        monkeypatch.setattr(sys, "argv", [target] + arguments)
+        try:
+            runpy.run_path(str(REPO_ROOT / target), run_name="__main__")
+            pytest.fail(f"README: {line!r} ran past its argument parser")
+        except Parsed:
+            checked += 1
+        except SystemExit:
+            pytest.fail(f"README: {line!r} is refused: {capsys.readouterr().err.strip().splitlines()[-1]}")
+    assert checked >= 25, checked  # the extraction still finds them
 
 
 # --- running it ----------------------------------------------------------------------------------
