@@ -23,7 +23,8 @@ Which commands run is decided in README.md itself, so the README cannot drift fr
   own run (section 3: "the same command continues its run").
 
 The README's other commands (GPU, many nodes, Slurm) are not run, but each must be accepted: a training command
-parses and loads its config, another script's command passes that script's argument parser (two fast tests).
+parses and loads its config, another script's command passes that script's argument parser, and every flag the
+prose quotes is one of those parsers' or another tool's (fast tests).
 
 ``test_readme_marks_the_walkthrough`` (fast) checks the extraction; ``test_readme_walkthrough_on_a_fresh_clone``
 (slow, run with --full as CI does) runs it; CI starts it first, and it takes minutes (the quickstart alone
@@ -31,6 +32,8 @@ parses and loads its config, another script's command passes that script's argum
 """
 import json
 import os
+import contextlib
+import io
 import itertools
 import re
 import shlex
@@ -40,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -160,7 +164,7 @@ def shown_commands(text):
     """[(command, its words)] of every command the README shows, run or not: each line of a code block (continued
     lines joined) and inline code naming a script with arguments. Placeholders in capitals (``CELL``) become 1, and
     the words stop at the first shell operator or redirection."""
-    lines, block = [], None
+    lines, block, prose = [], None, []
     for line in text.split("\n"):
         if line.startswith("```"):
             if block is not None:
@@ -169,7 +173,9 @@ def shown_commands(text):
         elif block is not None:
             block.append(line)
         else:
-            lines += re.findall(r"`([^`]*\b(?:[\w/]+\.(?:py|sh)|-m [\w.]+) -[^`]*)`", line)
+            prose.append(line)
+    spans = re.findall(r"`([^`]*\b(?:[\w/]+\.(?:py|sh)|-m [\w.]+) -[^`]*)`", "\n".join(prose))
+    lines += [" ".join(span.split()) for span in spans]  # inline code may wrap onto the next line
     found = []
     for line in lines:
         words = itertools.takewhile(lambda w: w not in ("|", "&&", ";", "&") and not w.startswith(">"),
@@ -211,37 +217,70 @@ class Parsed(Exception):
     """Raised in place of returning from argparse: the command line was accepted, and nothing more runs."""
 
 
-def test_every_other_python_command_the_readme_shows_is_accepted_by_its_script(monkeypatch, capsys):
-    """The benchmarks, predict.py and the modules' commands (most need a GPU): each script's own argument parser
-    accepts the README's arguments. The script runs up to its parse, then stops (``Parsed``)."""
+def readme_python_commands():
+    """([(command, None or its script's refusal)], the option strings of every parser asked): the README's python
+    commands but the training ones and the suite, each script run up to its argument parse, then stopped (``Parsed``);
+    train.py's parser is asked too."""
     import argparse
     import runpy
-    parse = argparse.ArgumentParser.parse_args
+    import train
+    parse, results, options = argparse.ArgumentParser.parse_args, [], set()
 
     def parse_then_stop(self, args=None, namespace=None):
+        options.update(self._option_string_actions)
         parse(self, args, namespace)
         raise Parsed
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the repository on it
-    checked = 0
-    for line, words in shown_commands(README.read_text()):
-        if "python" not in words or "--help" in words:
-            continue
-        command = words[words.index("python") + 1:]
-        if command[:2] == ["-m", "pytest"] or command[0] in ("train.py", "train_graph.py"):
-            continue  # the suite itself; the training commands (the test above)
-        # a module (-m) by its file: run_module would warn that the tests imported it already
-        target, arguments = (command[1].replace(".", "/") + ".py", command[2:]) if command[0] == "-m" \
-            else (command[0], command[1:])
-        monkeypatch.setattr(sys, "argv", [target] + arguments)
-        try:
-            runpy.run_path(str(REPO_ROOT / target), run_name="__main__")
-            pytest.fail(f"README: {line!r} ran past its argument parser")
-        except Parsed:
-            checked += 1
-        except SystemExit:
-            pytest.fail(f"README: {line!r} is refused: {capsys.readouterr().err.strip().splitlines()[-1]}")
-    assert checked >= 25, checked  # the extraction still finds them
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop), \
+            mock.patch.object(sys, "path", list(sys.path)), mock.patch.object(sys, "argv", list(sys.argv)):
+        with pytest.raises(Parsed):
+            train.parse_args([])
+        for line, words in shown_commands(README.read_text()):
+            if "python" not in words or "--help" in words:
+                continue
+            command = words[words.index("python") + 1:]
+            if command[:2] == ["-m", "pytest"] or command[0] in ("train.py", "train_graph.py"):
+                continue  # the suite itself; the training commands (the test above)
+            # a module (-m) by its file: run_module would warn that the tests imported it already
+            target, arguments = (command[1].replace(".", "/") + ".py", command[2:]) if command[0] == "-m" \
+                else (command[0], command[1:])
+            sys.argv = [target] + arguments  # the scripts (the scripts put the repository on sys.path)
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err):
+                    runpy.run_path(str(REPO_ROOT / target), run_name="__main__")
+                results.append((line, "ran past its argument parser"))
+            except Parsed:
+                results.append((line, None))
+            except SystemExit:
+                results.append((line, err.getvalue().strip().splitlines()[-1]))
+    return results, options
+
+
+def test_every_other_python_command_the_readme_shows_is_accepted_by_its_script():
+    """The benchmarks, predict.py and the modules' commands (most need a GPU): each script's own argument parser
+    accepts the README's arguments."""
+    results, _ = readme_python_commands()
+    assert len(results) >= 25, results  # the extraction still finds them
+    refused = [f"{line!r}: {refusal}" for line, refusal in results if refusal]
+    assert not refused, refused
+
+
+# Flags the README quotes of other tools: torchrun, TensorBoard, Nsight Systems, Slurm, Shifter, pytest; and the
+# prefix of the on/off flags' off form, named on its own
+OTHER_TOOLS_FLAGS = {"--nproc_per_node", "--max_restarts", "--logdir", "--capture-range", "--capture-range-end",
+                     "--trace", "--constraint", "--gpus-per-node", "--ntasks-per-node", "--signal",
+                     "--kill-on-bad-exit", "--export", "--image", "--full", "--dist", "--ignore", "--timeout", "--no-"}
+
+
+def test_every_flag_the_readme_names_exists():
+    """A flag quoted in the prose (`--no-channels_last`) is pasted too: each is one of train.py's, of a script
+    the README runs, or of another tool (``OTHER_TOOLS_FLAGS``). `--num_epoch` is quoted as the typo it is."""
+    _, options = readme_python_commands()
+    text = README.read_text().replace("`--num_epoch` is an error", "")
+    quoted = set(re.findall(r"(?<![\w-])--[A-Za-z][\w.-]*|(?<![\w-])--no-(?![\w])", text))
+    unknown = quoted - options - OTHER_TOOLS_FLAGS
+    assert not unknown, f"README flags that no parser here knows: {sorted(unknown)}"
+    assert {"--amp_mode", "--no-channels_last", "--box", "--tiny", "--checkpoint"} <= options  # the parsers were asked
 
 
 # --- running it ----------------------------------------------------------------------------------
