@@ -24,7 +24,8 @@ Which commands run is decided in README.md itself, so the README cannot drift fr
 
 The README's other commands (GPU, many nodes, Slurm) are not run, but each must be accepted: a training command
 parses and loads its config, another script's command passes that script's argument parser, and every flag the
-prose quotes is one of those parsers' or another tool's (fast tests).
+prose quotes is one of those parsers' or another tool's; each section's *Code:* line names files that exist and
+what they define (fast tests).
 
 ``test_readme_marks_the_walkthrough`` (fast) checks the extraction; ``test_readme_walkthrough_on_a_fresh_clone``
 (slow, run with --full as CI does) runs it; CI starts it first, and it takes minutes (the quickstart alone
@@ -281,6 +282,31 @@ def test_every_flag_the_readme_names_exists():
     unknown = quoted - options - OTHER_TOOLS_FLAGS
     assert not unknown, f"README flags that no parser here knows: {sorted(unknown)}"
     assert {"--amp_mode", "--no-channels_last", "--box", "--tiny", "--checkpoint"} <= options  # the parsers were asked
+
+
+def test_every_code_line_names_files_that_define_what_it_names():
+    """Each section's *Code:* line is where a reader looks for the lesson: its files exist, and every name it gives
+    is defined (def or class) or imported in one of them, or is a config key (``conv_forms``)."""
+    from utils.config import SCHEMA
+    lines = [" ".join(m.group(0).split()) for m in re.finditer(r"^\*Code:.*?\*$", README.read_text(), re.S | re.M)]
+    assert len(lines) >= 15, lines  # one per section
+    checked = 0
+    for line in lines:
+        quoted = re.findall(r"`([^`]+)`", line)
+        paths = [q for q in quoted if "/" in q or re.search(r"\.(py|sh|txt|ipynb|md)$", q) or q.startswith(".")]
+        folders = {REPO_ROOT / p for p in paths if p.endswith("/")} | {(REPO_ROOT / p).parent for p in paths}
+        files = []
+        for path in paths:  # a bare name is beside a file the line named before (`fast.py` in utils/data/)
+            found = [f for f in [REPO_ROOT / path] + [folder / path for folder in folders] if f.exists()]
+            assert found, f"README {line[:60]!r}: {path} does not exist"
+            files += [f for f in found[:1] if f.is_file()]
+        source = "\n".join(f.read_text() for f in files if f.suffix == ".py")
+        for name in (q for q in quoted if re.fullmatch(r"[A-Za-z_]\w*", q) and q not in paths):
+            defined = re.search(rf"^\s*(def|class) {name}\b|^from \S+ import .*\b{name}\b|^import .*\b{name}\b",
+                                source, re.M)
+            assert defined or name in SCHEMA, f"README {line[:60]!r}: {name} is in none of {[f.name for f in files]}"
+            checked += 1
+    assert checked >= 25, checked
 
 
 # --- running it ----------------------------------------------------------------------------------
