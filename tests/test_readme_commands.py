@@ -309,6 +309,32 @@ def test_every_code_line_names_files_that_define_what_it_names():
     assert checked >= 25, checked
 
 
+def github_slug(heading):
+    """The anchor GitHub gives a heading: lower case, punctuation but hyphens and underscores dropped, spaces hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_of_the_markdown_files_lands():
+    """The table of contents' anchors are headings' GitHub anchors; images and file links are files here."""
+    checked = 0
+    for doc in [README, REPO_ROOT / "docker" / "README.md", REPO_ROOT / "example_logs" / "README.md"]:
+        text = doc.read_text()
+        headings = {github_slug(h) for h in re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", text, flags=re.S),
+                                                          re.M)}
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith("http"):
+                continue
+            path, _, fragment = target.partition("#")
+            if path:
+                assert (doc.parent / path).exists(), f"{doc.name}: the link to {target} leads nowhere"
+            else:
+                assert fragment in headings, f"{doc.name}: no heading has the anchor #{fragment}"
+            checked += 1
+    assert checked >= 20, checked
+    assert github_slug("5. One GPU: mixed precision, fused Adam, channels-last, compile") == \
+        "5-one-gpu-mixed-precision-fused-adam-channels-last-compile"
+
+
 # --- running it ----------------------------------------------------------------------------------
 
 def fresh_clone(target):
