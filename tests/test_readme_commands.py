@@ -310,7 +310,7 @@ def test_every_code_line_names_files_that_define_what_it_names():
 
 
 def github_slug(heading):
-    """The anchor GitHub gives a heading: lower case, punctuation but hyphens and underscores dropped, spaces hyphens."""
+    """The anchor GitHub gives a heading: lower case, punctuation (but - and _) dropped, spaces as hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
