@@ -365,7 +365,7 @@ def user_env():
 
 
 def run(command, cwd, env):
-    """(exit status, stdout and stderr together, seconds) of one command under bash; the whole group killed on timeout."""
+    """(exit status, stdout and stderr together, seconds) of one command under bash; killed as a group on timeout."""
     start = time.monotonic()
     process = subprocess.Popen(["bash", "-o", "pipefail", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
