@@ -196,12 +196,13 @@ def script_arguments(words, scripts):
 def test_every_training_command_the_readme_shows_parses_and_loads_its_config(capsys):
     """Most of the README's train.py commands need a GPU or many nodes and no test runs them: each must still name
     flags, values and a config that exist, or a reader's paste fails at start-up (world size 1 here: the batch's
-    split over ranks is checked at launch)."""
+    split over ranks is checked at launch). docker/README.md's commands (containers, Shifter) too."""
     import train
     from utils.config import load_config
-    commands = [(line, arguments) for line, words in shown_commands(README.read_text())
+    text = README.read_text() + "\n" + (REPO_ROOT / "docker" / "README.md").read_text()
+    commands = [(line, arguments) for line, words in shown_commands(text)
                 if (arguments := script_arguments(words, ("train.py", "train_graph.py", "submit_pm.sh"))) is not None]
-    assert len(commands) >= 15, commands  # the extraction still finds them
+    assert len(commands) >= 20, commands  # the extraction still finds them
     for line, arguments in commands:
         try:
             args = train.parse_args(arguments)
