@@ -80,12 +80,13 @@ def parse_args(argv=None):
 
 def check_arguments(args, output, input_path):
     """One-line ConfigErrors for flags that contradict each other or the launch (before any file is read)."""
-    if output.exists() and not args.force:
-        raise ConfigError(f"output {output} exists; pass --force to overwrite it or choose another --output")
-    if output.exists() and output.resolve() == input_path.resolve():
-        raise ConfigError(f"--output {output} is the input file; write the prediction to another file")
+    # what --force cannot overwrite comes first, so that it is never the advice
     if output.is_dir():
         raise ConfigError(f"--output {output} is a directory; give a file name such as {output / 'hydro.h5'}")
+    if output.exists() and output.resolve() == input_path.resolve():
+        raise ConfigError(f"--output {output} is the input file; write the prediction to another file")
+    if output.exists() and not args.force:
+        raise ConfigError(f"output {output} exists; pass --force to overwrite it or choose another --output")
     if args.batch_size <= 0:
         raise ConfigError(f"--batch_size must be positive, got {args.batch_size}")
     if args.lya_stride is not None and args.lya_stride <= 0:

@@ -146,6 +146,14 @@ def test_cli_refuses_to_overwrite(tmp_path):
         assert f.attrs["seed"] == 2
 
 
+def test_a_directory_as_out_is_refused_before_generating_even_with_force(tmp_path):
+    """It was "already exists; pass --force", and with --force the whole box was generated before the write failed."""
+    for force in ([], ["--force"]):
+        with pytest.raises(GenerationError, match=f"^{tmp_path} is a directory; give a file name such as "
+                                                  f"{tmp_path / 'train.h5'}$"):
+            md.main(["--box", "16", "--out", str(tmp_path), "--device", "cpu", *force])
+
+
 def test_ensure_dataset_generates_only_when_missing(tmp_path):
     path = tmp_path / "a" / "b" / "quick.h5"
     assert md.ensure_dataset(path, 16, seed=4) == path

@@ -313,6 +313,9 @@ ERROR_CASES = {
     "output exists": ({"--output": "exists"}, "output {exists} exists; pass --force to overwrite it"),
     "output is input": ({"--output": "good", "--force": None}, "--output {good} is the input file; write the"),
     "output is a directory": ({"--output": "empty_run", "--force": None}, "--output {empty_run} is a directory;"),
+    # not "pass --force", which could not help
+    "output is input, no force": ({"--output": "good"}, "--output {good} is the input file; write the"),
+    "output is a directory, no force": ({"--output": "empty_run"}, "--output {empty_run} is a directory;"),
     "output not writable": ({"--output": "under_a_file"}, "cannot write {under_a_file} (EEXIST: File exists); choose another"),
     "no batch": ({"--batch_size": "0"}, "--batch_size must be positive, got 0"),
 }

@@ -997,7 +997,11 @@ def main(argv=None):
 
 
 def refuse_existing(paths, force, verb):
-    """GenerationError "<files> already exist(s); pass --force to <verb>" unless ``force`` or none of ``paths`` exists."""
+    """GenerationError "<files> already exist(s); pass --force to <verb>" unless ``force`` or none of ``paths`` exists;
+    a directory among them is refused whatever ``force`` says (nothing replaces a directory)."""
+    for path in map(Path, paths):
+        if path.is_dir():
+            raise GenerationError(f"{path} is a directory; give a file name such as {path / 'train.h5'}")
     existing = [str(path) for path in paths if Path(path).exists()]
     if existing and not force:
         raise GenerationError(f"{', '.join(existing)} already {'exists' if len(existing) == 1 else 'exist'}; "
