@@ -6,9 +6,11 @@ writer.add_figure or fig.savefig(path.png). The metrics modules import no matplo
     slice_figure(inp, prediction, target)               # middle slices of one crop
     power_spectrum_figure(science), temperature_density_figure(science), flux_figure(science.flux_statistics())
 
-plot_flux_pdf, plot_p1d and plot_example_skewers draw on given axes (the science report's page).
+plot_flux_pdf, plot_p1d and plot_example_skewers draw on given axes (the science report's page); figure_path is
+where a command's figure goes.
 """
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,6 +20,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from science.metrics import (DENSITY, FIT_LOG_DENSITY_RANGE, TEMPERATURE, fit_temperature_density, log_density_edges,
                            log_temperature_edges)
+from utils import ConfigError
 from utils.units import denormalize_density, denormalize_temperature, denormalize_velocity
 
 
@@ -232,3 +235,19 @@ def flux_figure(stats):
     fig.suptitle(f"Lyman-alpha forest (FGPA): {stats.settings.describe()}, A = {stats.amplitude:.4g}",
                  fontsize="medium")
     return fig
+
+
+def figure_path(path, default_name, flag):
+    """The file ``Figure.savefig`` writes for the command line's ``flag`` (``--out PATH``): a folder gets
+    ``default_name`` in it, a name without a suffix gets .png (savefig adds it unasked, and the "wrote" line must
+    name the real file); another suffix must be a format matplotlib writes."""
+    path = Path(path)
+    if path.is_dir():
+        return path / default_name
+    if not path.suffix:
+        return path.with_suffix(".png")
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise ConfigError(f"{flag} {path}: matplotlib writes no {path.suffix} files; end the name with one of "
+                          f"{', '.join('.' + f for f in sorted(formats))}")
+    return path

@@ -36,7 +36,7 @@ from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
 from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density, format_fit,
                            log_density_edges, log_temperature_edges)
-from science.plots import display_hydro, plot_example_skewers, plot_flux_pdf, plot_p1d
+from science.plots import display_hydro, figure_path, plot_example_skewers, plot_flux_pdf, plot_p1d
 
 NO_CELL_SIZE = "give it with --cell_size_mpc_h (comoving Mpc/h per cell: the box's length over its cells per side)"
 FIELD_TITLES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
@@ -46,7 +46,8 @@ NUM_SKEWER_EXAMPLES = 3
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m science.report", description=__doc__.split("\n")[0])
     parser.add_argument("source", help="a train.py run directory or checkpoint file, or a predict.py output (.h5)")
-    parser.add_argument("--output", help="PNG to write (default: RUN_DIR/science_report.png or <prediction>_report.png)")
+    parser.add_argument("--output", help="figure to write: a file (its suffix the format; none: .png) or a folder "
+                                         "(default: RUN_DIR/science_report.png or <prediction>_report.png)")
     parser.add_argument("--input", help="run directory mode: HDF5 file with Nbody and Hydro (default: the run "
                                         "config's val_path)")
     parser.add_argument("--truth", help="prediction mode: HDF5 file with the true Hydro (default: the prediction's "
@@ -254,15 +255,16 @@ def main(argv=None):
     if not source.exists():
         raise DataError(f"{source} does not exist; give a run directory, a checkpoint or a predict.py output")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if source.is_file() and source.suffix in (".h5", ".hdf5"):
+    from_prediction = source.is_file() and source.suffix in (".h5", ".hdf5")
+    default = source.with_name(source.stem + "_report.png") if from_prediction \
+        else (source if source.is_dir() else source.parent.parent) / "science_report.png"  # the run directory's
+    output = figure_path(args.output, default.name, "--output") if args.output else default  # before the work
+    if from_prediction:
         prediction, truth, description, section, cell_size = load_from_prediction(source, args.truth,
                                                                                   args.cell_size_mpc_h)
-        output = Path(args.output) if args.output else source.with_name(source.stem + "_report.png")
     else:
         prediction, truth, description, section, cell_size = load_from_run(source, args.input, device,
                                                                            args.cell_size_mpc_h)
-        run_dir = source if source.is_dir() else source.parent.parent
-        output = Path(args.output) if args.output else run_dir / "science_report.png"
     box = prediction.shape[1]
     settings = lya.LymanAlphaSettings.from_config(section, cell_size)
     stride = args.lya_stride or max(1, box // 64)

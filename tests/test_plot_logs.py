@@ -81,6 +81,20 @@ def test_science_png(two_runs, tmp_path):
     assert np.all(gamma["short/1GPU/0 target"] == np.float32(1.5))
 
 
+def test_out_is_the_file_written_and_the_one_named(two_runs, tmp_path, capsys):
+    """savefig adds .png to a name without a suffix: the "wrote" line named a file that was not there; a folder
+    gets loss.png in it; another suffix is the format, and one matplotlib cannot write is one line."""
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    for out, written in ((folder, folder / "loss.png"), (tmp_path / "curves", tmp_path / "curves.png"),
+                         (tmp_path / "curves.pdf", tmp_path / "curves.pdf")):
+        assert plot_logs.main([str(two_runs[0]), "--out", str(out)]) == 0
+        assert capsys.readouterr().out == f"wrote {written}\n" and written.is_file()
+    with pytest.raises(SystemExit, match=r"error: --out .*curves\.v2: matplotlib writes no \.v2 files; end the name "
+                                         r"with one of .*\.pdf, .*\.png"):
+        plot_logs.main([str(two_runs[0]), "--out", str(tmp_path / "curves.v2")])
+
+
 def test_errors_are_one_line(tmp_path, two_runs):
     empty = tmp_path / "empty"
     (empty / "logs").mkdir(parents=True)

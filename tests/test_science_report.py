@@ -45,6 +45,12 @@ def test_page_from_a_prediction_file(pair, tmp_path, capsys):
     assert output == tmp_path / "prediction_report.png"
     assert capsys.readouterr().out == f"wrote {output}\n"
     check_page(output)
+    # --output: a folder gets the default name in it, a name without a suffix .png (what savefig writes)
+    (tmp_path / "pages").mkdir()
+    for given, written in ((tmp_path / "pages", tmp_path / "pages" / "prediction_report.png"),
+                           (tmp_path / "page", tmp_path / "page.png")):
+        assert science_report.main([str(prediction), "--dpi", str(DPI), "--output", str(given)]) == written
+        assert capsys.readouterr().out == f"wrote {written}\n" and written.is_file()
     with h5py.File(prediction, "a") as f:  # the checkpoint that made it has been pruned since
         f.attrs["checkpoint"] = str(tmp_path / "run" / "checkpoints" / "ckpt_step00000012.pt")
     science_report.main([str(prediction), "--dpi", str(DPI)])
@@ -96,7 +102,9 @@ def test_errors_are_one_line(pair, tmp_path, capsys):
                           ([str(orphan), "--truth", str(tmp_path / "gone.h5")],
                            "gone.h5 does not exist; give the true Hydro with --truth"),
                           ([str(orphan), "--truth", str(small)], "the prediction (5, 16, 16, 16); give the true "
-                                                                 "Hydro of the predicted box with --truth")):
+                                                                 "Hydro of the predicted box with --truth"),
+                          ([str(orphan), "--output", str(tmp_path / "page.v2")],
+                           "--output " + str(tmp_path / "page.v2") + ": matplotlib writes no .v2 files; end the name")):
         with pytest.raises(SystemExit) as caught:
             science_report.cli(argv)
         assert caught.value.code == 2

@@ -22,6 +22,8 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from science.metrics import L1_TAGS
+from science.plots import figure_path
+from utils import ConfigError
 
 LOSS_TAGS = ("Loss/train", "Loss/valid")
 GAMMA_TAGS = ("T_rho/gamma_pred", "T_rho/gamma_true")
@@ -121,7 +123,8 @@ def science_figure(runs, walltime=False):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m utils.plot_logs", description=__doc__.split("\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.py run directories (with logs/)")
-    parser.add_argument("--out", help="loss PNG (default: RUN_DIR/loss.png of the first run)")
+    parser.add_argument("--out", help="loss figure: a file (its suffix the format; none: .png) or a folder for "
+                                      "loss.png (default: RUN_DIR/loss.png of the first run)")
     parser.add_argument("--walltime", action="store_true", help="x axis: minutes since each run's first event")
     parser.add_argument("--science", action="store_true",
                         help="also write <out stem>_science.png: per-field L1 and T-rho gamma over training")
@@ -134,11 +137,11 @@ def main(argv=None):
         if len(set(labels)) < len(labels):  # same <config>/<N>GPU/<run_num> under two expdirs
             labels = list(args.run_dirs)
         runs = {label: load_run(run_dir) for label, run_dir in zip(labels, args.run_dirs)}
-        out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "loss.png"
+        out = figure_path(args.out, "loss.png", "--out") if args.out else Path(args.run_dirs[0]) / "loss.png"
         figures = [(out, loss_figure(runs, args.walltime))]
         if args.science:
             figures.append((out.with_name(f"{out.stem}_science.png"), science_figure(runs, args.walltime)))
-    except PlotLogsError as err:
+    except (PlotLogsError, ConfigError) as err:
         # One line on stderr, exit status 1 (SystemExit carries the message for callers of main).
         raise SystemExit(f"{parser.prog}: error: {err}") from None
     for path, fig in figures:
