@@ -222,6 +222,18 @@ def test_a_run_that_ends_well_inside_a_callers_except_block_closes_as_ending_wel
     assert closes == [None]
 
 
+def test_a_profile_dir_that_cannot_be_made_is_one_line_at_start_up(tmp_path):
+    """torch's trace handler made the folder only at the window, and failed there with a traceback."""
+    (tmp_path / "a_file").write_text("")
+    params = load_config("quickstart", overrides={"profile_dir": str(tmp_path / "a_file" / "traces")})
+    with pytest.raises(ConfigError, match=f"^profile_dir {tmp_path}/a_file/traces cannot be created \\(Not a "
+                                          f"directory\\); choose another --profile_dir$"):
+        Profiler(params, tmp_path, torch.device("cpu"))
+    params = load_config("quickstart", overrides={"profile_dir": "traces"})
+    Profiler(params, tmp_path, torch.device("cpu"))
+    assert (tmp_path / "traces").is_dir()  # relative: inside the run directory
+
+
 def test_profiling_off_costs_nothing_and_writes_nothing(tmp_path):
     for manual in (False, True):  # manual profiling without CUDA: NVTX has nothing to mark
         params = load_config("quickstart", overrides={"enable_manual_profiling": manual, "profile_window": [1, 3]})

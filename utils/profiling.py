@@ -55,6 +55,11 @@ class Profiler:
         self.trace_dir = None
         if params.profile_dir is not None:
             self.trace_dir = Path(run_dir) / Path(params.profile_dir).expanduser()  # an absolute path stays itself
+            try:  # now: torch's trace handler would fail only at the window, with a traceback
+                self.trace_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise ConfigError(f"profile_dir {self.trace_dir} cannot be created ({err.strerror}); choose another "
+                                  f"--profile_dir") from None
         if self.nvtx and self.trace_dir is not None:
             logger.warning("NVTX/CUDA profiler window and torch.profiler are both on; if Nsight Systems is attached "
                            "the two compete for CUPTI: profile with one at a time")
