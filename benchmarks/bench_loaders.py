@@ -29,7 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchmarks.results_file import write_keeping_notes  # noqa: E402
+from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
 from utils.config import load_config, resolve_path  # noqa: E402
 from utils.data import RandomCropDataset, ShardedSampler, get_data_loader  # noqa: E402
 from utils.data.fast import crop_reader, get_fast_loader, transform_staged  # noqa: E402
@@ -56,6 +56,7 @@ def parse_args(argv=None):
     parser.add_argument("--loaders", help=f"comma-separated subset of: {', '.join(LOADERS)} (default: all)")
     parser.add_argument("--output", help="also write the markdown report to this file")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--output": args.output})
     args.loaders = args.loaders.split(",") if args.loaders else list(LOADERS)
     unknown = [name for name in args.loaders if name not in LOADERS]
     if unknown:

@@ -17,10 +17,15 @@ bandwidth (Perlmutter: 4 x 25 GB/s) is the bus bandwidth. ``overlap`` is the sha
 all-reduce that DDP hides behind the backward pass (it cannot hide more than the backward time).
 """
 import argparse
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from scipy.optimize import minimize_scalar
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.results_file import check_outputs  # noqa: E402
 
 NUM_PARAMS = 116_977_029          # the full-scale U-Net
 FP32_GRAD_BYTES = 4 * NUM_PARAMS  # 467.9 MB of gradients per step; a bf16 comm hook sends half
@@ -183,6 +188,7 @@ def main(argv=None):
     parser.add_argument("--overlap", type=float, default=0.0, help="share of the all-reduce hidden by backward")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown file to write")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     network = Network(args.intra_bw * 1e9, args.node_bw * 1e9, args.alpha_us * 1e-6, args.gpus_per_node)
     text = report(args.samples_per_sec, network, args.overlap)
     print(text)

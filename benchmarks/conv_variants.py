@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_file import check_outputs  # noqa: E402
 from networks.UNet import UNet  # noqa: E402
 from networks.conv_forms import (FORMS, apply_conv_forms, describe_conv_forms, form_computes, matmul_fits,  # noqa: E402
                                  stride2_conv)
@@ -254,6 +255,7 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     tiny = dict(batch=2, crop=16, channels=[8, 16]) if args.tiny else dict(batch=64, crop=64, channels=None)
     settings = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in tiny.items()}
     results = measure(**settings, repeats=3 if args.tiny else 10)

@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.results_file import write_keeping_notes  # noqa: E402
+from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
 from benchmarks.science_compare import THREADS, final_scalars, logged_times, table  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from science import report as science_report  # noqa: E402
@@ -160,6 +160,7 @@ def main():
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/crop_science_cpu.md"))
     parser.add_argument("--from_json", action="store_true", help="rewrite the Markdown from --out's JSON; no runs")
     args = parser.parse_args()
+    check_outputs(parser, files={"--out": args.out})
     out, expdir = Path(args.out), Path(args.expdir)
     model = build_model(QUICKSTART)
 

@@ -36,6 +36,7 @@ STARTED = time.monotonic()  # the budget's clock
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.results_file import check_outputs  # noqa: E402
 from benchmarks.reference_side_by_side import EPOCH_LINE, parse_epoch_rates, steady_rate  # noqa: E402
 
 # --small: the quickstart model on small boxes for a few steps, to check the mechanics on a CPU in seconds
@@ -221,6 +222,7 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)  # after --: more train.py flags
     args = parser.parse_args(argv[:split])
+    check_outputs(parser, folders={"OUT": args.out})
     args.train_args, args.argv = argv[split + 1:], argv
     return args
 

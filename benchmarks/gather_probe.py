@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_file import check_outputs  # noqa: E402
 from utils import symmetry  # noqa: E402
 from utils.data.gpu import STORAGE_DTYPES, make_crops  # noqa: E402
 from utils.data.symmetry_torch import crop_index, element_table  # noqa: E402
@@ -123,6 +124,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU is visible; pass --device cpu for the equality checks alone")

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_file import check_outputs  # noqa: E402
 from benchmarks.conv_variants import timed  # noqa: E402
 from benchmarks.roofline import DEFAULT_CHANNELS, RESULTS, measured_kernel_ms, model_layers  # noqa: E402
 
@@ -118,6 +119,7 @@ def main(argv=None):
                                                        "(default: benchmarks/results/<gpu>.json on an H100/H200)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--json": args.json})
     if args.tiny:
         args.channels, args.batch, args.crop = TINY["channels"], TINY["batch"], TINY["crop"]
     if args.crop % 2 ** len(args.channels):

@@ -52,6 +52,7 @@ import torch  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.results_file import check_outputs  # noqa: E402
 from utils.profiling import quiet_profiler  # noqa: E402
 from benchmarks.suite.core import SuiteCore  # noqa: E402
 from benchmarks.suite.part_a_probe import ProbePart  # noqa: E402
@@ -89,6 +90,7 @@ def main(argv=None):
                         help="time budget in seconds: a part that would overrun it is skipped (default 560, under "
                              "the device tool's 600 s per call)")
     args = parser.parse_args(argv)
+    check_outputs(parser, folders={"OUT": args.out})
     unknown = sorted(set(args.parts) - set("abcdefghij"))
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)} in --parts; choose from a-j")

@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results_file import check_outputs  # noqa: E402
 from utils.profiling import quiet_profiler  # noqa: E402
 
 # PyTorch's own fallback ops and kernels. Plain "im2col" would also match cuDNN's GEMM engine (im2col4d_kernel):
@@ -221,6 +223,7 @@ def main(argv=None):
                         help="U-Net widths, comma-separated (default: the reference model's)")
     parser.add_argument("--out", type=Path, help="write the cases as JSON here")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:

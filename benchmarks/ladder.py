@@ -66,6 +66,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from benchmarks.results_file import check_outputs  # noqa: E402
 import train  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from train_graph import capturable_adam, capture_train_step  # noqa: E402
@@ -160,6 +161,7 @@ def parse_args(argv=None):
                                                  "default benchmarks/results/<device>.json, or with --tiny "
                                                  "logs/ladder/<device>-tiny.json")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     for key, value in (TINY if args.tiny else FULL).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)

@@ -49,7 +49,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.results_file import write_keeping_notes  # noqa: E402
+from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
 from benchmarks.scaling_study import machine_description  # noqa: E402
 from train import initial_lr, warmup_steps  # noqa: E402
 from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks, run_label  # noqa: E402
@@ -98,6 +98,7 @@ def parse_args(argv=None):
                         help="output path without suffix: writes .md, .png and .json")
     parser.add_argument("train_args", nargs="*", help="after --: extra arguments for every train.py run")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     if bool(args.arm) == bool(args.runs):
         parser.error("give either --arm (one or more, to train) or --runs (existing run directories)")
     if args.runs and args.train_args:

@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_file import check_outputs  # noqa: E402
 from benchmarks.conv_variants import timed  # noqa: E402
 from utils.data.fast import DevicePrefetcher  # noqa: E402
 
@@ -133,6 +134,7 @@ def main(argv=None):
     parser.add_argument("--step_kinds", default="sleep,conv", help="comma-separated: sleep, conv (default both)")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     args.step_kinds = args.step_kinds.split(",")
     unknown = sorted(set(args.step_kinds) - {"sleep", "conv"})
     if unknown:

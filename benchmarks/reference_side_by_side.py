@@ -33,6 +33,10 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from benchmarks.results_file import check_outputs  # noqa: E402
+
 COMMIT = "21ea7dc"
 DEFAULT_DIR = ".reference/sc22-dl-tutorial"
 RUNTIME_PATHS = ("train.py", "utils", "networks", "config")  # the rest (nsys profiles, images) is 15 MB
@@ -234,7 +238,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", help="JSON record to write")
     parser.add_argument("--log_dir", help="where each run's output goes (default: the temporary run folder)")
     parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
+    return args
 
 
 def main(argv=None):

@@ -1,5 +1,9 @@
 """Results files hold a script's output and, below it, notes written by hand that read the numbers. A script that
-rewrites such a file keeps the notes: everything from the marker line on stays as it was."""
+rewrites such a file keeps the notes: everything from the marker line on stays as it was.
+
+``check_outputs`` is every benchmark's first step after parsing: a run of minutes on a GPU must not fail at its
+last write."""
+import os
 from pathlib import Path
 
 NOTES_MARKER = "<!-- written by hand from here on: scripts that rewrite this file keep it -->"
@@ -13,3 +17,21 @@ def write_keeping_notes(path, generated):
     notes = "\n" + old[at:] if at >= 0 else ""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(generated.rstrip("\n") + "\n" + notes)
+
+
+def check_outputs(parser, files=None, folders=None):
+    """A one-line parser error (exit code 2) unless each output can be written: ``files`` and ``folders`` map a
+    flag to its path (None: not asked for). Nothing is created: the nearest folder that exists must be writable."""
+    outputs = [(flag, Path(path), False) for flag, path in (files or {}).items() if path] + \
+        [(flag, Path(path), True) for flag, path in (folders or {}).items() if path]
+    for flag, path, is_folder in outputs:
+        if path.exists() and path.is_dir() != is_folder:
+            parser.error(f"{flag} {path} is a {'file' if is_folder else 'folder'}; give a "
+                         f"{'folder' if is_folder else 'file name'}")
+        existing = path.absolute()
+        while not existing.exists():
+            existing = existing.parent
+        if existing != path.absolute() and not existing.is_dir():
+            parser.error(f"{flag} {path}: {existing} is a file, so nothing can be made under it; choose another place")
+        if not os.access(existing if existing.is_dir() else existing.parent, os.W_OK):
+            parser.error(f"{flag} {path}: {existing} is not writable; choose another place")

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.results_file import write_keeping_notes  # noqa: E402
+from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
 from networks.UNet import UNet  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -276,6 +276,7 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, help="also write the report here, keeping the notes written by hand "
                                                  "below its marker (benchmarks/results_file.py)")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--json": args.json, "--out": args.out})
     if args.crop % 2 ** len(args.channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(args.channels)} (one halving per level)")
     result = analyse(args)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
-from benchmarks.results_file import write_keeping_notes  # noqa: E402
+from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
 from networks.UNet import build_model, loss_func  # noqa: E402
 from science import report as science_report  # noqa: E402
 from utils.config import load_config  # noqa: E402
@@ -207,6 +207,7 @@ def main():
     parser.add_argument("--from_json", help="rewrite the Markdown and figures from an earlier run's JSON (the run "
                                             "directories must still exist); no training")
     args = parser.parse_args()
+    check_outputs(parser, files={"--out": args.out})
     expdir, out = Path(args.expdir), Path(args.out)
     options = args.options
     if args.from_json:

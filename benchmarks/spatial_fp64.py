@@ -23,6 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.results_file import check_outputs  # noqa: E402
+
 
 def rank_main(argv):
     """One rank of a run, in float64: train.py's main with float64 parameters and batches."""
@@ -74,6 +76,7 @@ def main(argv=None):
     parser.add_argument("--out", help="also write the table to this Markdown file")
     parser.add_argument("--nsamples", type=int, default=2048, help="training crops (quickstart's 2048: 256 steps)")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     common = ["--config", "quickstart", "--num_epochs", "1", "--Nsamples", str(args.nsamples), "--resume", "never",
               "--no-lyman_alpha.enabled"]
     rows = []

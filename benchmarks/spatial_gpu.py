@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_file import check_outputs  # noqa: E402
 import utils.spatial as spatial_module  # noqa: E402
 from networks.UNet import build_model, loss_func  # noqa: E402
 from utils.config import load_config  # noqa: E402
@@ -337,6 +338,7 @@ def main(argv=None):
                         help="check: spatial, spatial_compile, ddp_compile")
     parser.add_argument("--out", type=Path, help="JSON file to write")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out})
     if args.batch < 1:
         parser.error(f"--batch is a number of crops, at least 1; got {args.batch}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.results_file import check_outputs  # noqa: E402
 from benchmarks.comm_model import Network, exposed_comm_time, ring_allreduce_time  # noqa: E402
 from benchmarks.roofline import (DEFAULT_CHANNELS, DTYPE_BYTES, GPUS, RESULTS, ConvLayer, measured_kernel_ms,  # noqa
                                  parameter_bytes)
@@ -477,6 +478,7 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, help="markdown file to write (e.g. benchmarks/results/spatial_model.md)")
     parser.add_argument("--plot", type=Path, help="PNG of efficiency against S")
     args = parser.parse_args(argv)
+    check_outputs(parser, files={"--out": args.out, "--plot": args.plot})
     if not 0 <= args.overlap <= 1:
         parser.error(f"--overlap is a fraction in [0, 1], got {args.overlap}")
     network = Network(args.intra_bw * 1e9, args.node_bw * 1e9, args.alpha_us * 1e-6, args.gpus_per_node)

@@ -1,8 +1,11 @@
 """Results files keep their hand-written notes when a script rewrites them (benchmarks/results_file.py)."""
+import re
+
 import pytest
 
-from benchmarks.results_file import NOTES_MARKER, write_keeping_notes
+from benchmarks.results_file import NOTES_MARKER, check_outputs, write_keeping_notes
 from benchmarks.roofline import main as roofline
+from utils.config import REPO_ROOT
 
 
 def test_notes_below_the_marker_survive_a_rewrite(tmp_path):
@@ -21,6 +24,29 @@ def test_a_file_without_the_marker_is_replaced(tmp_path):
     path.write_text("old output\nno notes\n")
     write_keeping_notes(path, "new output\n")
     assert path.read_text() == "new output\n"
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, capsys):
+    """A benchmark of minutes must not fail at its last write (every script calls check_outputs after parsing)."""
+    import argparse
+    a_file, parser = tmp_path / "a_file", argparse.ArgumentParser(prog="bench")
+    a_file.write_text("")
+    for files, folders, message in (({"--out": tmp_path}, None, f"--out {tmp_path} is a folder; give a file name"),
+                                    (None, {"OUT": a_file}, f"OUT {a_file} is a file; give a folder"),
+                                    ({"--json": a_file / "r.json"}, None,
+                                     f"--json {a_file / 'r.json'}: {a_file} is a file, so nothing can be made under "
+                                     f"it; choose another place")):
+        with pytest.raises(SystemExit) as caught:
+            check_outputs(parser, files=files, folders=folders)
+        assert caught.value.code == 2 and capsys.readouterr().err.endswith(f"bench: error: {message}\n")
+    check_outputs(parser, files={"--out": tmp_path / "new" / "r.md", "--json": None, "--plot": a_file},
+                  folders={"OUT": tmp_path / "runs"})
+    assert not (tmp_path / "new").exists() and not (tmp_path / "runs").exists()  # a refused run leaves nothing
+    # every script with an output calls it
+    scripts = [p for p in (REPO_ROOT / "benchmarks").glob("*.py") if re.search(r"add_argument\(\"(--out|--json|"
+               r"--output|--plot|out)\"", p.read_text())]
+    assert len(scripts) >= 18 and all("check_outputs(parser" in p.read_text() for p in scripts), \
+        [p.name for p in scripts if "check_outputs(parser" not in p.read_text()]
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
