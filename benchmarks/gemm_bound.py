@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
 from benchmarks.conv_variants import timed  # noqa: E402
-from benchmarks.roofline import DEFAULT_CHANNELS, RESULTS, measured_kernel_ms, model_layers  # noqa: E402
+from benchmarks.roofline import DEFAULT_CHANNELS, RESULTS, check_positive, measured_kernel_ms, model_layers  # noqa: E402
 
 TINY = dict(channels=[4, 8], batch=2, crop=16)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -122,6 +122,7 @@ def main(argv=None):
     check_outputs(parser, files={"--json": args.json})
     if args.tiny:
         args.channels, args.batch, args.crop = TINY["channels"], TINY["batch"], TINY["crop"]
+    check_positive(parser, args, ("batch", "crop", "channels", "repeats"))
     if args.crop % 2 ** len(args.channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(args.channels)} (one halving per level)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

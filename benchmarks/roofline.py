@@ -261,6 +261,15 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
+def check_positive(parser, args, names):
+    """A one-line parser error for a size or rate given as zero or less (a division by zero, or a ceiling from a
+    negative peak); names whose value is None are the presets' and pass."""
+    for name in names:
+        values = getattr(args, name)
+        if values is not None and min(values if isinstance(values, list) else [values]) <= 0:
+            parser.error(f"--{name} must be positive, got {values}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpu", default="h100", help=f"preset ({', '.join(GPUS)}) or a name with both flags below")
@@ -277,6 +286,7 @@ def main(argv=None):
                                                  "below its marker (benchmarks/results_file.py)")
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--json": args.json, "--out": args.out})
+    check_positive(parser, args, ("batch", "crop", "channels", "peak_tflops", "bandwidth_tbs"))
     if args.crop % 2 ** len(args.channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(args.channels)} (one halving per level)")
     result = analyse(args)

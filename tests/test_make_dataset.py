@@ -197,6 +197,8 @@ def test_npy_only_writes_the_twins_of_an_existing_file(tmp_path, capsys):
     assert md.main(["--out", str(out), "--npy_only", "--force"]) == 0
     message = _one_line_error(["--out", str(tmp_path / "absent.h5"), "--npy_only"], capsys)
     assert "absent.h5 does not exist; --npy_only writes the .npy twins of an existing .h5 file" in message
+    message = _one_line_error(["--out", str(tmp_path), "--npy_only"], capsys)
+    assert message == f"error: {tmp_path} is a directory; --npy_only writes the .npy twins of an existing .h5 file\n"
     with pytest.raises(SystemExit) as exit_info:                          # argparse: usage line + error, status 2
         md.main(["--out", str(out), "--npy_only", "--seed", "3"])
     assert exit_info.value.code == 2

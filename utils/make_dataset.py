@@ -1011,7 +1011,8 @@ def refuse_existing(paths, force, verb):
 def _write_twins_only(path, force):
     """``--npy_only``: the .npy twins of the existing HDF5 file ``path``, atomically; exit status 0."""
     if not path.is_file():
-        raise GenerationError(f"{path} does not exist; --npy_only writes the .npy twins of an existing .h5 file")
+        raise GenerationError(f"{path} {'is a directory' if path.is_dir() else 'does not exist'}; --npy_only writes "
+                              f"the .npy twins of an existing .h5 file")
     refuse_existing(npy_paths(path), force, "replace them")
     start = time.perf_counter()
     try:
