@@ -85,7 +85,7 @@ def test_an_on_off_flag_given_a_value_as_in_yaml_is_told_its_form(argv, capsys):
 
 @pytest.mark.parametrize("run_num", ["", ".", "..", "../other", "a/b"])
 def test_a_run_num_that_is_not_one_folder_name_is_refused(run_num, capsys):
-    """`--run_num=$RUN` with RUN unset made the <N>GPU folder itself the run folder; a path left it."""
+    """`--run_num=$RUN` with RUN unset would make the <N>GPU folder itself the run folder; a path would leave it."""
     with pytest.raises(SystemExit):
         train.parse_args([f"--run_num={run_num}"])
     err = capsys.readouterr().err
@@ -111,7 +111,7 @@ def test_a_named_config_that_is_not_a_mapping_is_one_line(tmp_path, capsys):
 
 
 def test_a_resume_path_that_is_no_file_is_one_line_before_any_run_folder(tiny_argv, tmp_path, capsys, monkeypatch):
-    """A mistyped --resume PATH left an empty numbered run behind, which the next plain rerun then continued."""
+    """A mistyped --resume PATH must leave no empty numbered run behind: the next plain rerun would continue it."""
     from utils.run_dir import resume_on_restart
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)

@@ -109,8 +109,8 @@ def test_misspelt_key_is_named(tmp_path):
     ("full_scale", "yes", "'full_scale' must be true or false"),
     ("box_size", [1024], "'box_size' must be a list of 2 positive integers"),
     ("seed", -1, "'seed' must be an integer >= 0"),   # numpy's SeedSequence would fail at the first batch
-    # each of these trained on (a learning rate falling below 0, a rewarded loss term, an MFU of -1%) or failed in
-    # torch with a traceback (a negative standard deviation)
+    # unrefused, each would train on (a learning rate falling below 0, a rewarded loss term, an MFU of -1%) or fail
+    # in torch with a traceback (a negative standard deviation)
     ("lr_schedule.start_lr", 0.0, "'lr_schedule.start_lr' must be a finite number > 0, got 0.0"),
     ("lr_schedule.end_lr", -1e-4, "'lr_schedule.end_lr' must be a finite number >= 0, got -0.0001"),
     ("weight_init.conv_scale", -0.02, "'weight_init.conv_scale' must be a finite number >= 0"),

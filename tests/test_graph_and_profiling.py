@@ -223,7 +223,7 @@ def test_a_run_that_ends_well_inside_a_callers_except_block_closes_as_ending_wel
 
 
 def test_a_profile_dir_that_cannot_be_made_is_one_line_at_start_up(tmp_path):
-    """torch's trace handler made the folder only at the window, and failed there with a traceback."""
+    """torch's trace handler makes the folder only when the window begins, and fails there with a traceback."""
     (tmp_path / "a_file").write_text("")
     params = load_config("quickstart", overrides={"profile_dir": str(tmp_path / "a_file" / "traces")})
     with pytest.raises(ConfigError, match=f"^profile_dir {tmp_path}/a_file/traces cannot be created \\(Not a "

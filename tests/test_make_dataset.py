@@ -147,7 +147,7 @@ def test_cli_refuses_to_overwrite(tmp_path):
 
 
 def test_a_directory_as_out_is_refused_before_generating_even_with_force(tmp_path):
-    """It was "already exists; pass --force", and with --force the whole box was generated before the write failed."""
+    """--force cannot replace a directory, so it is not the advice, and no box is generated for a write that fails."""
     for force in ([], ["--force"]):
         with pytest.raises(GenerationError, match=f"^{tmp_path} is a directory; give a file name such as "
                                                   f"{tmp_path / 'train.h5'}$"):

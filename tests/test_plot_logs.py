@@ -82,7 +82,7 @@ def test_science_png(two_runs, tmp_path):
 
 
 def test_out_is_the_file_written_and_the_one_named(two_runs, tmp_path, capsys):
-    """savefig adds .png to a name without a suffix: the "wrote" line named a file that was not there; a folder
+    """savefig adds .png to a name without a suffix: the "wrote" line must name that file; a folder
     gets loss.png in it; another suffix is the format, and one matplotlib cannot write is one line."""
     folder = tmp_path / "plots"
     folder.mkdir()

@@ -55,7 +55,7 @@ class Profiler:
         self.trace_dir = None
         if params.profile_dir is not None:
             self.trace_dir = Path(run_dir) / Path(params.profile_dir).expanduser()  # an absolute path stays itself
-            try:  # now: torch's trace handler would fail only at the window, with a traceback
+            try:  # at start-up: torch's trace handler makes it only at the window, and fails there in a traceback
                 self.trace_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise ConfigError(f"profile_dir {self.trace_dir} cannot be created ({err.strerror}); choose another "
