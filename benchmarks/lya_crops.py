@@ -7,6 +7,7 @@ whole periodic box (every 2nd skewer of each axis) and on its non-overlapping 32
 treated as periodic along the skewer, with and without the window, and prints crop/box per mode
 (the box's P1D interpolated to the crop's k) and the time taken. science/lyman_alpha.py quotes it.
 """
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,9 @@ def crops(x, size):
 
 
 def main():
+    # No options: the figures science/lyman_alpha.py quotes are of this one box. The parser still gives --help and
+    # refuses a stray argument instead of ignoring it.
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     _, hydro = md.make_dataset(128, seed=1, progress=False)
     box = torch.from_numpy(hydro)
     whole = lya.FluxStatistics(128, lya.LymanAlphaSettings(skewer_stride=2), periodic=True)

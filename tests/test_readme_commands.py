@@ -23,14 +23,16 @@ Which commands run is decided in README.md itself, so the README cannot drift fr
   own run (section 3: "the same command continues its run").
 
 The README's other commands (GPU, many nodes, Slurm) are not run, but each must be accepted: a training command
-parses and loads its config, another script's command passes that script's argument parser, and every flag the
-prose quotes is one of those parsers' or another tool's; each section's *Code:* line names files that exist and
-what they define (fast tests).
+parses and loads its config, another script's command passes that script's argument parser with its flags spelt
+out, and every flag the prose quotes is one of those parsers' or another tool's; each section's *Code:* line names
+files that exist and what they define (fast tests). The results files' commands and the scripts' docstring usage
+lines are held to the same checks.
 
 ``test_readme_marks_the_walkthrough`` (fast) checks the extraction; ``test_readme_walkthrough_on_a_fresh_clone``
 (slow, run with --full as CI does) runs it; CI starts it first, and it takes minutes (the quickstart alone
 86 s on the quiet 2-core machine; the suite's times are in benchmarks/results/test_times.md).
 """
+import ast
 import json
 import os
 import contextlib
@@ -161,28 +163,44 @@ def test_every_conv_forms_value_the_readme_quotes_is_accepted():
         load_config("base", overrides={"conv_forms": value})  # raises ConfigError naming what was wrong
 
 
-def shown_commands(text):
-    """[(command, its words)] of every command the README shows, run or not: each line of a code block (continued
-    lines joined) and inline code naming a script with arguments. Placeholders in capitals (``CELL``) become 1, and
-    the words stop at the first shell operator or redirection."""
+COMMAND_START = re.compile(r"^(\$ )?(\w+=\S* +)*(python|torchrun|sbatch|bash) ")
+
+
+def shown_commands(text, commands_only=False):
+    """[(command, its words)] of every command a markdown text shows, run or not: each line of a code block
+    (continued lines joined) and inline code naming a script with arguments. With ``commands_only``, a code block's
+    lines that do not start like a command (``python``, ``$ torchrun``, ``VAR=x sbatch``) are dropped: the results
+    files' blocks hold printed output too. Placeholders in capitals (``CELL``) and shell variables (``$k``) become 1,
+    and the words stop at the first shell operator or redirection."""
     lines, block, prose = [], None, []
     for line in text.split("\n"):
         if line.startswith("```"):
             if block is not None:
-                lines += block_commands(block)
+                lines += [c for c in block_commands(block) if not commands_only or COMMAND_START.match(c)]
             block = [] if block is None else None
         elif block is not None:
             block.append(line)
         else:
             prose.append(line)
-    spans = re.findall(r"`([^`]*\b(?:[\w/]+\.(?:py|sh)|-m [\w.]+) -[^`]*)`", "\n".join(prose))
+    spans = [span for span in re.findall(r"`([^`]+)`", "\n".join(prose))
+             if re.search(r"\b(?:[\w/]+\.(?:py|sh)|-m [\w.]+) -", span)]
     lines += [" ".join(span.split()) for span in spans]  # inline code may wrap onto the next line
     found = []
     for line in lines:
-        words = itertools.takewhile(lambda w: w not in ("|", "&&", ";", "&") and not w.startswith(">"),
+        words = itertools.takewhile(lambda w: w not in ("|", "&&", ";", "&") and not re.match(r"\d*[<>]", w),
                                     shlex.split(line, comments=True))
-        found.append((line, ["1" if re.fullmatch(r"[A-Z][A-Z_]*", w) else w for w in words]))
+        found.append((line, ["1" if re.fullmatch(r"[A-Z][A-Z_]*|\$\w+|\$\{\w+\}", w) else w for w in words]))
     return found
+
+
+def usage_commands(path):
+    """shown_commands of a script's docstring usage lines (indented by four spaces or more), their ``[--flag value]``
+    brackets dropped and the first of ``a|b|c`` alternatives taken."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    doc = re.sub(r"\[(--[^\]]+)\]", r"\1", doc)
+    doc = re.sub(r"(?<= )([\w.]+)(?:\|[\w.]+)+", r"\1", doc)
+    usage = [line.strip() for line in doc.splitlines() if line.startswith("    ")]
+    return shown_commands("```\n" + "\n".join(usage) + "\n```", commands_only=True)
 
 
 def script_arguments(words, scripts):
@@ -193,58 +211,61 @@ def script_arguments(words, scripts):
     return None if at is None or "--help" in words else words[at + 1:]
 
 
-def test_every_training_command_the_readme_shows_parses_and_loads_its_config(capsys):
-    """Most of the README's train.py commands need a GPU or many nodes and no test runs them: each must still name
-    flags, values and a config that exist, or a reader's paste fails at start-up (world size 1 here: the batch's
-    split over ranks is checked at launch). docker/README.md's commands (containers, Shifter) too."""
-    import train
-    from utils.config import load_config
-    text = README.read_text() + "\n" + (REPO_ROOT / "docker" / "README.md").read_text()
-    commands = [(line, arguments) for line, words in shown_commands(text)
-                if (arguments := script_arguments(words, ("train.py", "train_graph.py", "submit_pm.sh"))) is not None]
-    assert len(commands) >= 20, commands  # the extraction still finds them
-    for line, arguments in commands:
-        try:
-            args = train.parse_args(arguments)
-        except SystemExit:
-            pytest.fail(f"README: {line!r} does not parse: {capsys.readouterr().err.strip()}")
-        load_config(args.config, args.yaml_config, train.config_overrides(args, 1))  # a ConfigError names the key
-    assert shown_commands("```bash\npython train.py --config=x \\\n  --seed N  # c\n```\n`x.py train.py --a`") == [
-        ("python train.py --config=x   --seed N  # c", ["python", "train.py", "--config=x", "--seed", "1"]),
-        ("x.py train.py --a", ["x.py", "train.py", "--a"])]
-    assert script_arguments(["x.py", "train.py", "--a"], ("train.py",)) is None
+TRAINING_SCRIPTS = ("train.py", "train_graph.py", "submit_pm.sh")
 
 
 class Parsed(Exception):
     """Raised in place of returning from argparse: the command line was accepted, and nothing more runs."""
 
 
-def readme_python_commands():
-    """([(command, None or its script's refusal)], the option strings of every parser asked): the README's python
-    commands but the training ones and the suite, each script run up to its argument parse, then stopped (``Parsed``);
-    train.py's parser is asked too."""
+def refusals(commands):
+    """([(command, None or why it is refused)], the option strings of every parser asked) for shown_commands' list.
+
+    A training command (train.py, train_graph.py, submit_pm.sh) must parse and load its config, at world size 1
+    (the batch's split over ranks is checked at launch). Another python command must pass its own script's argument
+    parser: the script runs up to its parse, then stops (``Parsed``). The suite's own commands and --help are not
+    asked; train.py's parser always is."""
     import argparse
     import runpy
     import train
+    from utils.config import ConfigError, load_config
     parse, results, options = argparse.ArgumentParser.parse_args, [], set()
 
     def parse_then_stop(self, args=None, namespace=None):
         options.update(self._option_string_actions)
+        self.allow_abbrev = False  # a shown command spells its flags out: `--loss_step` is a stale `--loss_steps`
         parse(self, args, namespace)
         raise Parsed
+    for line, words in commands:
+        if (arguments := script_arguments(words, TRAINING_SCRIPTS)) is None:
+            continue
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                args = train.parse_args(arguments)
+            load_config(args.config, args.yaml_config, train.config_overrides(args, 1))
+            results.append((line, None))
+        except SystemExit:
+            results.append((line, err.getvalue().strip().splitlines()[-1]))
+        except ConfigError as error:
+            results.append((line, str(error)))
     with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop), \
             mock.patch.object(sys, "path", list(sys.path)), mock.patch.object(sys, "argv", list(sys.argv)):
         with pytest.raises(Parsed):
             train.parse_args([])
-        for line, words in shown_commands(README.read_text()):
-            if "python" not in words or "--help" in words:
+        for line, words in commands:
+            after_python = words[words.index("python") + 1:] if "python" in words else []
+            if after_python[:1] == ["-m"]:  # a module, by its file: run_module would warn that the tests imported it
+                target, arguments = after_python[1].replace(".", "/") + ".py", after_python[2:]
+            elif (arguments := script_arguments(words, (".py",))) is not None:  # after python, torchrun, or alone
+                target = words[len(words) - len(arguments) - 1]
+            else:
                 continue
-            command = words[words.index("python") + 1:]
-            if command[:2] == ["-m", "pytest"] or command[0] in ("train.py", "train_graph.py"):
-                continue  # the suite itself; the training commands (the test above)
-            # a module (-m) by its file: run_module would warn that the tests imported it already
-            target, arguments = (command[1].replace(".", "/") + ".py", command[2:]) if command[0] == "-m" \
-                else (command[0], command[1:])
+            if "--help" in words or target == "pytest.py" or target.endswith(TRAINING_SCRIPTS):
+                continue  # the suite itself; the training commands (above)
+            if not (REPO_ROOT / target).is_file():
+                results.append((line, f"{target}: no such script"))
+                continue
             sys.argv = [target] + arguments  # the scripts (the scripts put the repository on sys.path)
             err = io.StringIO()
             try:
@@ -254,17 +275,49 @@ def readme_python_commands():
             except Parsed:
                 results.append((line, None))
             except SystemExit:
-                results.append((line, err.getvalue().strip().splitlines()[-1]))
+                refusal = err.getvalue().strip().splitlines()[-1]
+                # `predict.py --whole_box` in the prose names a flag, not a whole command: its flags must exist
+                whole = "python" in words or "torchrun" in words
+                results.append((line, refusal if whole or "arguments are required" not in refusal else None))
     return results, options
 
 
-def test_every_other_python_command_the_readme_shows_is_accepted_by_its_script():
-    """The benchmarks, predict.py and the modules' commands (most need a GPU): each script's own argument parser
-    accepts the README's arguments."""
-    results, _ = readme_python_commands()
-    assert len(results) >= 25, results  # the extraction still finds them
-    refused = [f"{line!r}: {refusal}" for line, refusal in results if refusal]
-    assert not refused, refused
+def refused(results):
+    """The refusals of refusals()' results, each with its command."""
+    return [f"{line!r}: {refusal}" for line, refusal in results if refusal]
+
+
+def test_every_command_the_readme_shows_is_accepted():
+    """Most of the README's commands need a GPU or many nodes and no test runs them: each must still name flags,
+    values and a config that exist, or a reader's paste fails at start-up. The training commands (train.py,
+    train_graph.py, submit_pm.sh; docker/README.md's too) parse and load their config; the benchmarks', predict.py's
+    and the modules' pass their script's parser."""
+    text = README.read_text() + "\n" + (REPO_ROOT / "docker" / "README.md").read_text()
+    results, _ = refusals(shown_commands(text))
+    assert sum(bool(script_arguments(words, TRAINING_SCRIPTS) is not None) for _, words in shown_commands(text)) \
+        >= 20  # the extraction still finds them
+    assert len(results) >= 45, results
+    assert not refused(results), refused(results)
+    assert shown_commands("```bash\npython train.py --config=x \\\n  --seed N  # c\n```\n`x.py train.py --a`") == [
+        ("python train.py --config=x   --seed N  # c", ["python", "train.py", "--config=x", "--seed", "1"]),
+        ("x.py train.py --a", ["x.py", "train.py", "--a"])]
+    assert script_arguments(["x.py", "train.py", "--a"], ("train.py",)) is None
+
+
+def test_every_command_of_the_results_files_and_the_scripts_usage_is_accepted():
+    """The results files' commands are how a reader repeats a measurement, and each script's docstring shows its
+    usage: the same checks as the README's commands. A renamed flag must update them too."""
+    docs = sorted((REPO_ROOT / "benchmarks" / "results").glob("*.md")) + [REPO_ROOT / "example_logs" / "README.md"]
+    commands = [c for doc in docs for c in shown_commands(doc.read_text(), commands_only=True)]
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=REPO_ROOT,
+                            check=True, capture_output=True, text=True).stdout.split()
+    scripts = [REPO_ROOT / name for name in listed if not name.startswith("tests/") and (REPO_ROOT / name).is_file()]
+    commands += [c for path in scripts for c in usage_commands(path)]
+    results, _ = refusals(commands)
+    assert len(results) >= 70, results  # the extraction still finds them
+    assert not refused(results), refused(results)
+    assert shown_commands("```\nlog line 'unbalanced\n$ K=1 python x.py --k $k\n```", commands_only=True) == [
+        ("$ K=1 python x.py --k $k", ["$", "K=1", "python", "x.py", "--k", "1"])]
 
 
 # Flags the README quotes of other tools: torchrun, TensorBoard, Nsight Systems, Slurm, Shifter, pytest; and the
@@ -277,7 +330,7 @@ OTHER_TOOLS_FLAGS = {"--nproc_per_node", "--max_restarts", "--logdir", "--captur
 def test_every_flag_the_readme_names_exists():
     """A flag quoted in the prose (`--no-channels_last`) is pasted too: each is one of train.py's, of a script
     the README runs, or of another tool (``OTHER_TOOLS_FLAGS``). `--num_epoch` is quoted as the typo it is."""
-    _, options = readme_python_commands()
+    _, options = refusals(shown_commands(README.read_text()))
     text = README.read_text().replace("`--num_epoch` is an error", "")
     quoted = set(re.findall(r"(?<![\w-])--[A-Za-z][\w.-]*|(?<![\w-])--no-(?![\w])", text))
     unknown = quoted - options - OTHER_TOOLS_FLAGS
