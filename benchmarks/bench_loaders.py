@@ -30,6 +30,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
+from utils.arguments import at_least, positive_int  # noqa: E402
 from utils.config import load_config, resolve_path  # noqa: E402
 from utils.data import RandomCropDataset, ShardedSampler, get_data_loader  # noqa: E402
 from utils.data.fast import crop_reader, get_fast_loader, transform_staged  # noqa: E402
@@ -44,12 +45,12 @@ LOADERS = ("straightforward lowmem", "straightforward inmem", "straightforward s
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--box", type=int, default=256, help="edge of the generated box, cells")
-    parser.add_argument("--crop", type=int, default=64, help="crop edge (data_size), cells")
-    parser.add_argument("--batch", type=int, default=16, help="batch size")
-    parser.add_argument("--workers", type=int, default=2, help="num_data_workers of every CPU loader")
-    parser.add_argument("--trials", type=int, default=5, help="timed trials per loader (after one warm-up)")
-    parser.add_argument("--batches_per_trial", type=int, default=8)
+    parser.add_argument("--box", type=at_least(2), default=256, help="edge of the generated box, cells")
+    parser.add_argument("--crop", type=positive_int, default=64, help="crop edge (data_size), cells")
+    parser.add_argument("--batch", type=positive_int, default=16, help="batch size")
+    parser.add_argument("--workers", type=at_least(0), default=2, help="num_data_workers of every CPU loader")
+    parser.add_argument("--trials", type=positive_int, default=5, help="timed trials per loader (after one warm-up)")
+    parser.add_argument("--batches_per_trial", type=positive_int, default=8)
     parser.add_argument("--data", help="HDF5 file (default data/bench_<box>.h5, generated if missing)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where batches must end up (and where the gpu loader keeps its volumes)")

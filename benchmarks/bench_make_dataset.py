@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from utils import make_dataset as md  # noqa: E402
+from utils.arguments import at_least, positive_int  # noqa: E402
 
 
 class StageTimer(tqdm):
@@ -97,11 +98,12 @@ def child(args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--box", type=int, default=512, help="cells per side (default 512)")
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs, each in a fresh process (default 1)")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--box", type=at_least(2), default=512, help="cells per side (default 512)")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="timed runs, each in a fresh process (default 1)")
+    parser.add_argument("--seed", type=at_least(0), default=1)
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--slab", type=int, default=None, help="planes per slab (default: the generator's)")
+    parser.add_argument("--slab", type=positive_int, default=None, help="planes per slab (default: the generator's)")
     parser.add_argument("--dir", default=None, help="folder for the temporary output file (default: the system's)")
     parser.add_argument("--npy", action="store_true", help="also write (and time) the .npy twins")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import positive_int  # noqa: E402
 from networks.UNet import UNet  # noqa: E402
 from networks.conv_forms import (FORMS, apply_conv_forms, describe_conv_forms, form_computes, matmul_fits,  # noqa: E402
                                  stride2_conv)
@@ -248,8 +249,8 @@ def slowest_layers(results, count=3):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=None, help="default 64 (2 with --tiny)")
-    parser.add_argument("--crop", type=int, default=None, help="default 64 (16 with --tiny)")
+    parser.add_argument("--batch", type=positive_int, default=None, help="default 64 (2 with --tiny)")
+    parser.add_argument("--crop", type=positive_int, default=None, help="default 64 (16 with --tiny)")
     parser.add_argument("--channels", type=lambda text: [int(c) for c in text.split(",")], default=None,
                         help="U-Net widths, comma-separated (default: the reference's; 8,16 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")

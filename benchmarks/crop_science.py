@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
+from utils.arguments import at_least  # noqa: E402
 from benchmarks.science_compare import THREADS, final_scalars, logged_times, table  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from science import report as science_report  # noqa: E402
@@ -155,7 +156,7 @@ def write_markdown(out, saved, flops_of):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--seeds", nargs="+", type=at_least(0), default=[0, 1])
     parser.add_argument("--expdir", default="/tmp/crop_science")
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/crop_science_cpu.md"))
     parser.add_argument("--from_json", action="store_true", help="rewrite the Markdown from --out's JSON; no runs")

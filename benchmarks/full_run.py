@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import at_least, positive_float  # noqa: E402
 from benchmarks.reference_side_by_side import EPOCH_LINE, parse_epoch_rates, steady_rate  # noqa: E402
 
 # --small: the quickstart model on small boxes for a few steps, to check the mechanics on a CPU in seconds
@@ -210,11 +211,12 @@ def parse_args(argv=None):
                                      usage="%(prog)s OUT [options] [-- train.py flags]")
     parser.add_argument("out", help="folder for the record and the run's files (created)")
     parser.add_argument("--config", default="bs64_opt", help="named config of config/UNet.yaml (default %(default)s)")
-    parser.add_argument("--box_size", type=int, nargs=2, default=[512, 256], metavar=("TRAIN", "VAL"),
+    parser.add_argument("--box_size", type=at_least(2), nargs=2, default=[512, 256], metavar=("TRAIN", "VAL"),
                         help="edges of the generated boxes (default 512 256)")
     parser.add_argument("--small", action="store_true", help="the quickstart model on 64^3/32^3 boxes, 2 short epochs")
-    parser.add_argument("--budget_s", type=float, default=560, help="the whole script's time (default %(default)s)")
-    parser.add_argument("--grace_s", type=float, default=45,
+    parser.add_argument("--budget_s", type=positive_float, default=560,
+                        help="the whole script's time (default %(default)s)")
+    parser.add_argument("--grace_s", type=at_least(0.0, float), default=45,
                         help="SIGUSR1 this long before the budget's end, for the checkpoint (default %(default)s)")
     parser.add_argument("--data_dir", help="where the boxes are (or are made); default: the temporary folder")
     parser.add_argument("--no_report", action="store_true", help="skip the science report")

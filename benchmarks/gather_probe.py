@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import positive_int  # noqa: E402
 from utils import symmetry  # noqa: E402
 from utils.data.gpu import STORAGE_DTYPES, make_crops  # noqa: E402
 from utils.data.symmetry_torch import crop_index, element_table  # noqa: E402
@@ -115,12 +116,12 @@ def timed(function, device):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--box", type=int, default=1024, help="volume edge N (default 1024, the reference's)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--crop", type=int, default=64)
+    parser.add_argument("--box", type=positive_int, default=1024, help="volume edge N (default 1024, the reference's)")
+    parser.add_argument("--batch", type=positive_int, default=64)
+    parser.add_argument("--crop", type=positive_int, default=64)
     parser.add_argument("--dtype", default="fp16", choices=sorted(STORAGE_DTYPES), help="storage dtype (default fp16)")
     parser.add_argument("--memory_format", default="channels_last", choices=("channels_last", "contiguous"))
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=positive_int, default=20)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)

@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import positive_int  # noqa: E402
 from benchmarks.conv_variants import timed  # noqa: E402
-from benchmarks.roofline import DEFAULT_CHANNELS, RESULTS, check_positive, measured_kernel_ms, model_layers  # noqa: E402
+from benchmarks.roofline import DEFAULT_CHANNELS, RESULTS, measured_kernel_ms, model_layers  # noqa: E402
 
 TINY = dict(channels=[4, 8], batch=2, crop=16)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -110,11 +111,12 @@ def markdown(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small model, batch 2, 16^3 crops: a CPU smoke test")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--crop", type=int, default=64)
-    parser.add_argument("--channels", type=int, nargs="+", default=DEFAULT_CHANNELS, help="the model's widths")
+    parser.add_argument("--batch", type=positive_int, default=64)
+    parser.add_argument("--crop", type=positive_int, default=64)
+    parser.add_argument("--channels", type=positive_int, nargs="+", default=DEFAULT_CHANNELS, help="the model's widths")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs of each product; the median counts")
+    parser.add_argument("--repeats", type=positive_int, default=10,
+                        help="timed runs of each product; the median counts")
     parser.add_argument("--measured", type=Path, help="results JSON with conv_variants.py's kernel times "
                                                        "(default: benchmarks/results/<gpu>.json on an H100/H200)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -122,7 +124,6 @@ def main(argv=None):
     check_outputs(parser, files={"--json": args.json})
     if args.tiny:
         args.channels, args.batch, args.crop = TINY["channels"], TINY["batch"], TINY["crop"]
-    check_positive(parser, args, ("batch", "crop", "channels", "repeats"))
     if args.crop % 2 ** len(args.channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(args.channels)} (one halving per level)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

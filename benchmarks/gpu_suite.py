@@ -53,6 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import at_least  # noqa: E402
 from utils.profiling import quiet_profiler  # noqa: E402
 from benchmarks.suite.core import SuiteCore  # noqa: E402
 from benchmarks.suite.part_a_probe import ProbePart  # noqa: E402
@@ -86,9 +87,9 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the training runs of parts c-f (train.py's --enable_jit, as the *_opt "
                              "configs do), with up0 in the rewritten form that compile with channels-last needs")
-    parser.add_argument("--budget_s", type=float, default=560,
+    parser.add_argument("--budget_s", type=at_least(0.0, float), default=560,
                         help="time budget in seconds: a part that would overrun it is skipped (default 560, under "
-                             "the device tool's 600 s per call)")
+                             "the device tool's 600 s per call; 0 skips every part, naming its command)")
     args = parser.parse_args(argv)
     check_outputs(parser, folders={"OUT": args.out})
     unknown = sorted(set(args.parts) - set("abcdefghij"))

@@ -38,6 +38,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import positive_int  # noqa: E402
 from utils.profiling import quiet_profiler  # noqa: E402
 
 # PyTorch's own fallback ops and kernels. Plain "im2col" would also match cuDNN's GEMM engine (im2col4d_kernel):
@@ -213,11 +214,12 @@ def environment():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=8, help="samples per pass (the kernels are chosen per shape; "
+    parser.add_argument("--batch", type=positive_int, default=8,
+                        help="samples per pass (the kernels are chosen per shape; "
                                                              "8 keeps the probe under a minute)")
-    parser.add_argument("--crop", type=int, default=64)
+    parser.add_argument("--crop", type=positive_int, default=64)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--benchmark", action="store_true", help="autotune each case as training does (slower)")
     parser.add_argument("--channels", default=",".join(map(str, REFERENCE_CHANNELS)),
                         help="U-Net widths, comma-separated (default: the reference model's)")

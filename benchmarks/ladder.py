@@ -67,6 +67,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import at_least, positive_int  # noqa: E402
 import train  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from train_graph import capturable_adam, capture_train_step  # noqa: E402
@@ -141,20 +142,20 @@ TINY = dict(model_channels=[4, 8], batch_size=2, crop_size=16,
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small model, batch 2, 16^3 crops: a CPU smoke test")
-    parser.add_argument("--batch_size", type=int, help="per-step batch (default 64; 2 with --tiny)")
-    parser.add_argument("--model_channels", type=int, nargs="+",
+    parser.add_argument("--batch_size", type=positive_int, help="per-step batch (default 64; 2 with --tiny)")
+    parser.add_argument("--model_channels", type=positive_int, nargs="+",
                         help="U-Net widths (default: the reference's 64 128 256 512 512 512; 4 8 with --tiny)")
-    parser.add_argument("--crop_size", type=int, help="crop edge (default 64; 16 with --tiny)")
-    parser.add_argument("--loss_steps", type=int, help="steps of the loss check (default 20; 3 with --tiny)")
-    parser.add_argument("--warmup_steps", type=int, help="untimed steps before the windows (default 5; 1)")
-    parser.add_argument("--windows", type=int, help="timed windows; the median is reported (default 5; 3)")
-    parser.add_argument("--steps_per_window", type=int, help="steps per timed window (default 10; 2)")
+    parser.add_argument("--crop_size", type=positive_int, help="crop edge (default 64; 16 with --tiny)")
+    parser.add_argument("--loss_steps", type=positive_int, help="steps of the loss check (default 20; 3 with --tiny)")
+    parser.add_argument("--warmup_steps", type=at_least(0), help="untimed steps before the windows (default 5; 1)")
+    parser.add_argument("--windows", type=positive_int, help="timed windows; the median is reported (default 5; 3)")
+    parser.add_argument("--steps_per_window", type=positive_int, help="steps per timed window (default 10; 2)")
     parser.add_argument("--rungs", help="comma-separated subset of: " + ", ".join(r.name for r in RUNGS))
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated batch")
     parser.add_argument("--conv_forms", default="native",
                         help="the convolution forms of every rung but the last two, which set their own "
                              "(train.py's --conv_forms; networks/conv_forms.py)")
-    parser.add_argument("--cudnn_benchmark_limit", type=int,
+    parser.add_argument("--cudnn_benchmark_limit", type=at_least(0),
                         help="cuDNN engines timed per convolution shape in every rung (train.py's key; default 10, "
                              "0: all). cuDNN's choices last for the process: compare values in separate runs")
     parser.add_argument("--out", type=Path, help="results .json (a .md beside it); "
@@ -165,11 +166,6 @@ def parse_args(argv=None):
     for key, value in (TINY if args.tiny else FULL).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    for key in ("batch_size", "crop_size", "loss_steps", "windows", "steps_per_window"):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key} must be at least 1")
-    if args.warmup_steps < 0:
-        parser.error("--warmup_steps must be at least 0")
     names = [r.name for r in RUNGS]
     args.rungs = args.rungs.split(",") if args.rungs else names
     unknown = [name for name in args.rungs if name not in names]

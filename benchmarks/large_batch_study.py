@@ -50,6 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
+from utils.arguments import at_least, positive_float  # noqa: E402
 from benchmarks.scaling_study import machine_description  # noqa: E402
 from train import initial_lr, warmup_steps  # noqa: E402
 from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks, run_label  # noqa: E402
@@ -88,12 +89,13 @@ def parse_args(argv=None):
                                      epilog=__doc__.split("\n", 1)[1])
     parser.add_argument("--arm", type=parse_arm, action="append", default=[], metavar="BATCH:SCALING:EPOCHS[:RANKS]",
                         help="one training setting (repeat the flag; the tables keep this order)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per arm and seed")
+    parser.add_argument("--seeds", type=at_least(0), nargs="+", default=[0], help="one run per arm and seed")
     parser.add_argument("--runs", type=Path, nargs="+", metavar="RUN_DIR",
                         help="tabulate these train.py run directories instead of training arms")
     parser.add_argument("--config", default="quickstart", help="named config of train.py for the arms")
     parser.add_argument("--expdir", type=Path, default=REPO_ROOT / "logs", help="root of the arms' run folders")
-    parser.add_argument("--target", type=float, help="validation loss to reach (default: the highest final loss)")
+    parser.add_argument("--target", type=positive_float,
+                        help="validation loss to reach (default: the highest final loss)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "large_batch",
                         help="output path without suffix: writes .md, .png and .json")
     parser.add_argument("train_args", nargs="*", help="after --: extra arguments for every train.py run")

@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import at_least, positive_int  # noqa: E402
 from benchmarks.conv_variants import timed  # noqa: E402
 from utils.data.fast import DevicePrefetcher  # noqa: E402
 
@@ -127,10 +128,11 @@ def measure(batches, step, steps, device):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--crop", type=int, default=64)
+    parser.add_argument("--batch", type=positive_int, default=64)
+    parser.add_argument("--crop", type=positive_int, default=64)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--compute_ms", type=float, default=60.0, help="the GPU step's length (default 60 ms)")
+    parser.add_argument("--compute_ms", type=at_least(0.0, float), default=60.0,
+                        help="the GPU step's length (default 60 ms)")
     parser.add_argument("--step_kinds", default="sleep,conv", help="comma-separated: sleep, conv (default both)")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)

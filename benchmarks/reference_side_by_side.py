@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import at_least, positive_float, positive_int  # noqa: E402
 
 COMMIT = "21ea7dc"
 DEFAULT_DIR = ".reference/sc22-dl-tutorial"
@@ -229,11 +230,11 @@ def parse_args(argv=None):
                         help=f"write the reference at {COMMIT} into DIR (default {DEFAULT_DIR}) and exit")
     parser.add_argument("--from_git", metavar="PATH_OR_URL", help="git repository to export from")
     parser.add_argument("--reference_dir", default=DEFAULT_DIR, help="the exported reference (default %(default)s)")
-    parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=4, help="epochs of each run; the first is not counted")
-    parser.add_argument("--Nsamples", type=int, default=4096, help="crops per epoch, both codes")
-    parser.add_argument("--num_data_workers", type=int, default=8, help="host loader workers, both codes")
-    parser.add_argument("--timeout_s", type=float, default=240, help="limit of each training run")
+    parser.add_argument("--batch_size", type=positive_int, default=64)
+    parser.add_argument("--epochs", type=at_least(2), default=4, help="epochs of each run; the first is not counted")
+    parser.add_argument("--Nsamples", type=positive_int, default=4096, help="crops per epoch, both codes")
+    parser.add_argument("--num_data_workers", type=at_least(0), default=8, help="host loader workers, both codes")
+    parser.add_argument("--timeout_s", type=positive_float, default=240, help="limit of each training run")
     parser.add_argument("--no_benchy", action="store_true", help="skip our benchmark mode (compute-only rate)")
     parser.add_argument("--out", help="JSON record to write")
     parser.add_argument("--log_dir", help="where each run's output goes (default: the temporary run folder)")

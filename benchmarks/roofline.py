@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
+from utils.arguments import positive_float, positive_int  # noqa: E402
 from networks.UNet import UNet  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -261,23 +262,15 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
-def check_positive(parser, args, names):
-    """A one-line parser error for a size or rate given as zero or less (a division by zero, or a ceiling from a
-    negative peak); names whose value is None are the presets' and pass."""
-    for name in names:
-        values = getattr(args, name)
-        if values is not None and min(values if isinstance(values, list) else [values]) <= 0:
-            parser.error(f"--{name} must be positive, got {values}")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpu", default="h100", help=f"preset ({', '.join(GPUS)}) or a name with both flags below")
-    parser.add_argument("--peak_tflops", type=float, help="dense peak for --dtype (default: the preset's bf16)")
-    parser.add_argument("--bandwidth_tbs", type=float, help="memory bandwidth, TB/s (default: the preset's)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--crop", type=int, default=64)
-    parser.add_argument("--channels", type=int, nargs="+", default=DEFAULT_CHANNELS, help="the model's widths")
+    parser.add_argument("--peak_tflops", type=positive_float,
+                        help="dense peak for --dtype (default: the preset's bf16)")
+    parser.add_argument("--bandwidth_tbs", type=positive_float, help="memory bandwidth, TB/s (default: the preset's)")
+    parser.add_argument("--batch", type=positive_int, default=64)
+    parser.add_argument("--crop", type=positive_int, default=64)
+    parser.add_argument("--channels", type=positive_int, nargs="+", default=DEFAULT_CHANNELS, help="the model's widths")
     parser.add_argument("--dtype", choices=DTYPE_BYTES, default="bf16", help="activations' and weights' dtype")
     parser.add_argument("--measured", type=Path, help="results JSON with part h's kernel times "
                                                        "(default: benchmarks/results/<gpu>.json)")
@@ -286,7 +279,6 @@ def main(argv=None):
                                                  "below its marker (benchmarks/results_file.py)")
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--json": args.json, "--out": args.out})
-    check_positive(parser, args, ("batch", "crop", "channels", "peak_tflops", "bandwidth_tbs"))
     if args.crop % 2 ** len(args.channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(args.channels)} (one halving per level)")
     result = analyse(args)

@@ -39,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import positive_int  # noqa: E402
 
 EPOCH_LINE = re.compile(r"Time taken for epoch (\d+) is ([\d.]+) sec, avg ([\d.]+) samples/sec")
 
@@ -50,16 +51,16 @@ class StudyError(RuntimeError):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="rank counts; must include 1")
+    parser.add_argument("--ranks", type=positive_int, nargs="+", default=[1, 2], help="rank counts; must include 1")
     parser.add_argument("--launcher", choices=["torchrun", "slurm"], default="torchrun",
                         help="torchrun on this machine, or srun inside a Slurm allocation")
     parser.add_argument("--config", default="quickstart", help="named config of train.py")
-    parser.add_argument("--local_batch_size", type=int, default=4, help="samples per rank per step")
-    parser.add_argument("--steps", type=int, default=16, help="optimiser steps per epoch")
-    parser.add_argument("--num_epochs", type=int, default=2, help="epochs per run; the last one is measured")
+    parser.add_argument("--local_batch_size", type=positive_int, default=4, help="samples per rank per step")
+    parser.add_argument("--steps", type=positive_int, default=16, help="optimiser steps per epoch")
+    parser.add_argument("--num_epochs", type=positive_int, default=2, help="epochs per run; the last one is measured")
     parser.add_argument("--metric", choices=["epoch", "benchy"], default="epoch")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per point; the median is reported")
-    parser.add_argument("--threads_per_rank", type=int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1, help="runs per point; the median is reported")
+    parser.add_argument("--threads_per_rank", type=positive_int, default=1,
                         help="OMP_NUM_THREADS of every rank (torchrun sets 1 for N > 1 only; the same for "
                              "every N keeps CPU runs comparable)")
     parser.add_argument("--expdir", type=Path, help="root of the run folders (default: a new temporary folder)")

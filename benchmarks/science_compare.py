@@ -37,6 +37,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
+from utils.arguments import at_least  # noqa: E402
 from networks.UNet import build_model, loss_func  # noqa: E402
 from science import report as science_report  # noqa: E402
 from utils.config import load_config  # noqa: E402
@@ -200,8 +201,8 @@ def comparison_figure(boxes, options, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--options", nargs="+", default=["transposed", "transposed_blur"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--long_epochs", type=int, default=16, help="epochs of the longer run (0: none)")
+    parser.add_argument("--seeds", nargs="+", type=at_least(0), default=[0, 1])
+    parser.add_argument("--long_epochs", type=at_least(0), default=16, help="epochs of the longer run (0: none)")
     parser.add_argument("--expdir", default="/tmp/science_compare")
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/science_cpu.md"))
     parser.add_argument("--from_json", help="rewrite the Markdown and figures from an earlier run's JSON (the run "

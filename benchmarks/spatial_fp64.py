@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import positive_int  # noqa: E402
 
 
 def rank_main(argv):
@@ -74,7 +75,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--expdir", default="/tmp/spatial_fp64", help="where the runs go")
     parser.add_argument("--out", help="also write the table to this Markdown file")
-    parser.add_argument("--nsamples", type=int, default=2048, help="training crops (quickstart's 2048: 256 steps)")
+    parser.add_argument("--nsamples", type=positive_int, default=2048,
+                        help="training crops (quickstart's 2048: 256 steps)")
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--out": args.out})
     common = ["--config", "quickstart", "--num_epochs", "1", "--Nsamples", str(args.nsamples), "--resume", "never",

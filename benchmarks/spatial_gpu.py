@@ -47,6 +47,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import positive_int  # noqa: E402
 import utils.spatial as spatial_module  # noqa: E402
 from networks.UNet import build_model, loss_func  # noqa: E402
 from utils.config import load_config  # noqa: E402
@@ -331,8 +332,9 @@ def main(argv=None):
     parser.add_argument("--crops", help="memory: comma-separated whole-crop edges, tried in order until one does "
                                         f"not fit (default {','.join(map(str, WHOLE_CROPS))})")
     parser.add_argument("--slabs", help=f"memory: comma-separated crop:S (default {SLABS})")
-    parser.add_argument("--steps", type=int, default=5, help="memory: timed steps per case (median)")
-    parser.add_argument("--batch", type=int, default=1, help="memory: crops per step (the layers a slab runs whole "
+    parser.add_argument("--steps", type=positive_int, default=5, help="memory: timed steps per case (median)")
+    parser.add_argument("--batch", type=positive_int, default=1,
+                        help="memory: crops per step (the layers a slab runs whole "
                                                              "share them between the S ranks when S divides it)")
     parser.add_argument("--parts", default="spatial,spatial_compile,ddp_compile",
                         help="check: spatial, spatial_compile, ddp_compile")

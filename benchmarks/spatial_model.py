@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
+from utils.arguments import at_least, fraction, positive_float, positive_int  # noqa: E402
 from benchmarks.comm_model import Network, exposed_comm_time, ring_allreduce_time  # noqa: E402
 from benchmarks.roofline import (DEFAULT_CHANNELS, DTYPE_BYTES, GPUS, RESULTS, ConvLayer, measured_kernel_ms,  # noqa
                                  parameter_bytes)
@@ -467,20 +468,21 @@ def plot(setup, measured, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=Setup.batch, help="crops per data rank (one spatial group)")
+    parser.add_argument("--batch", type=positive_int, default=Setup.batch,
+                        help="crops per data rank (one spatial group)")
     parser.add_argument("--dtype", choices=DTYPE_BYTES, default=Setup.dtype, help="activations and halos")
-    parser.add_argument("--intra_bw", type=float, default=H100_NODE.intra_bw / 1e9, help="GB/s, NVLink per GPU")
-    parser.add_argument("--node_bw", type=float, default=H100_NODE.node_bw / 1e9, help="GB/s per node")
-    parser.add_argument("--alpha_us", type=float, default=H100_NODE.alpha * 1e6, help="latency per message, us")
-    parser.add_argument("--gpus_per_node", type=int, default=H100_NODE.gpus_per_node)
-    parser.add_argument("--overlap", type=float, default=0.0, help="share of communication hidden by compute")
+    parser.add_argument("--intra_bw", type=positive_float, default=H100_NODE.intra_bw / 1e9,
+                        help="GB/s, NVLink per GPU")
+    parser.add_argument("--node_bw", type=positive_float, default=H100_NODE.node_bw / 1e9, help="GB/s per node")
+    parser.add_argument("--alpha_us", type=at_least(0.0, float), default=H100_NODE.alpha * 1e6,
+                        help="latency per message, us")
+    parser.add_argument("--gpus_per_node", type=positive_int, default=H100_NODE.gpus_per_node)
+    parser.add_argument("--overlap", type=fraction, default=0.0, help="share of communication hidden by compute")
     parser.add_argument("--bf16_gradients", action="store_true", help="DDP all-reduces bf16 gradients")
     parser.add_argument("--out", type=Path, help="markdown file to write (e.g. benchmarks/results/spatial_model.md)")
     parser.add_argument("--plot", type=Path, help="PNG of efficiency against S")
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--out": args.out, "--plot": args.plot})
-    if not 0 <= args.overlap <= 1:
-        parser.error(f"--overlap is a fraction in [0, 1], got {args.overlap}")
     network = Network(args.intra_bw * 1e9, args.node_bw * 1e9, args.alpha_us * 1e-6, args.gpus_per_node)
     setup = Setup(args.batch, args.dtype, network, args.overlap, 2 if args.bf16_gradients else 4)
     measured = measured_layer_ms()

@@ -32,6 +32,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 from utils import inference
 from science import check_normalisation, lyman_alpha as lya
 from utils import CheckpointError, DataError, run as run_cli
+from utils.arguments import positive_float, positive_int
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
 from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density, format_fit,
@@ -52,11 +53,13 @@ def parse_args(argv=None):
                                         "config's val_path)")
     parser.add_argument("--truth", help="prediction mode: HDF5 file with the true Hydro (default: the prediction's "
                                         "input attribute)")
-    parser.add_argument("--lya_stride", type=int, help="flux skewers at every n-th cell (default: N/64, at least 1)")
-    parser.add_argument("--cell_size_mpc_h", type=float, help="comoving Mpc/h per cell (default: the run config's "
+    parser.add_argument("--lya_stride", type=positive_int,
+                        help="flux skewers at every n-th cell (default: N/64, at least 1)")
+    parser.add_argument("--cell_size_mpc_h", type=positive_float,
+                        help="comoving Mpc/h per cell (default: the run config's "
                                                               "lyman_alpha.cell_size_mpc_h, else the data file's)")
     parser.add_argument("--device", choices=["cuda", "cpu"], help="(default: cuda when available)")
-    parser.add_argument("--dpi", type=int, default=100)
+    parser.add_argument("--dpi", type=positive_int, default=100)
     return parser.parse_args(argv)
 
 

@@ -33,8 +33,8 @@ def test_the_full_model_on_a_cpu_is_refused_in_one_line(capsys, monkeypatch):
 
 
 def test_sizes_and_repeats_below_one_are_refused_in_one_line(capsys):
-    for argv, message in ((["--tiny", "--repeats", "0"], "--repeats must be positive, got 0"),
-                          (["--batch", "0"], "--batch must be positive, got 0")):
+    for argv, message in ((["--tiny", "--repeats", "0"], "argument --repeats: must be positive, got 0"),
+                          (["--batch", "0"], "argument --batch: must be positive, got 0")):
         with pytest.raises(SystemExit) as stop:
             main(argv)
         assert stop.value.code == 2 and capsys.readouterr().err.endswith(f" error: {message}\n")

@@ -142,9 +142,10 @@ def test_json_output(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [(["--crop", "48"], "divisible by 2^6"),
                                            (["--gpu", "a100"], "give --peak_tflops and --bandwidth_tbs"),
-                                           (["--batch", "0"], "--batch must be positive, got 0"),  # else 1 / 0
-                                           (["--channels", "8", "0"], "--channels must be positive, got [8, 0]"),
-                                           (["--peak_tflops", "-1"], "--peak_tflops must be positive, got -1.0")])
+                                           (["--batch", "0"], "argument --batch: must be positive, got 0"),  # 1 / 0
+                                           (["--channels", "8", "0"], "argument --channels: must be positive, got 0"),
+                                           (["--peak_tflops", "-1"],
+                                            "argument --peak_tflops: must be positive, got -1")])
 def test_bad_arguments_say_what_to_do(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)

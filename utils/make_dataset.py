@@ -91,6 +91,7 @@ import torch
 from tqdm import tqdm
 
 from utils import GenerationError, run
+from utils.arguments import at_least, positive_float, positive_int
 from utils.out_of_memory import is_out_of_memory
 from utils.units import (CLIP, DEFAULT_CELL_SIZE, DENSITY_FLOOR, DENSITY_LOG_SCALE, TEMPERATURE_LOG10_OFFSET,
                          TEMPERATURE_LOG10_SCALE, VELOCITY_SCALE, physical_attrs)
@@ -938,20 +939,20 @@ class Interrupted(GenerationError):
 def main(argv=None):
     """The command line; a failure raises GenerationError (``run(main)`` makes it one line and exit status 2)."""
     parser = argparse.ArgumentParser(prog="python -m utils.make_dataset", description=__doc__.split("\n")[0])
-    parser.add_argument("--box", type=int, default=None, help="cells per side (default 256)")
+    parser.add_argument("--box", type=at_least(2), default=None, help="cells per side (default 256)")
     parser.add_argument("--seed", type=int, default=None, help="white-noise seed (default 1)")
     parser.add_argument("--out", required=True, help="output .h5 path")
     parser.add_argument("--npy", action="store_true", help="also write <stem>_data.npy / <stem>_label.npy")
     parser.add_argument("--npy_only", action="store_true",
                         help="write only the .npy twins (DALI's input) of the existing --out file, e.g. your own "
                              "HDF5 data; takes no generation flags")
-    parser.add_argument("--box_length", type=float, default=None,
+    parser.add_argument("--box_length", type=positive_float, default=None,
                         help=f"box side in Mpc/h (default box * {DEFAULT_CELL_SIZE:g})")
-    parser.add_argument("--smoothing", type=float, default=None,
+    parser.add_argument("--smoothing", type=at_least(0.0, float), default=None,
                         help=f"gas filtering scale, Gaussian sigma in cells (default {DEFAULT_SMOOTHING})")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where the FFTs and scatter-adds run (default auto: CUDA when available)")
-    parser.add_argument("--slab", type=int, default=None,
+    parser.add_argument("--slab", type=positive_int, default=None,
                         help="planes per slab (default: from the memory budget; the result does not depend on it)")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     args = parser.parse_args(argv)
@@ -964,10 +965,6 @@ def main(argv=None):
     args.box = 256 if args.box is None else args.box
     args.seed = 1 if args.seed is None else args.seed
     args.smoothing = DEFAULT_SMOOTHING if args.smoothing is None else args.smoothing
-    if args.box < 2:
-        parser.error(f"--box must be >= 2, got {args.box}")
-    if args.slab is not None and args.slab < 1:
-        parser.error(f"--slab must be >= 1, got {args.slab}")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0 (numpy's generators take no negative seeds), got {args.seed}")
 

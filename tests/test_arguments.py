@@ -1,0 +1,103 @@
+"""The tools' numeric flags are refused out of range in argparse's one line, before any work (utils/arguments.py).
+
+Found by pasting bad values: ``comm_model.py --samples_per_sec 0`` was a ZeroDivisionError, and ``--samples_per_sec -5``
+printed efficiencies of 300% and overwrote benchmarks/results/comm_model.md with them; ``bench_loaders.py --trials 0``
+ended in statistics' "no median for empty data"; ``make_dataset --box_length 0`` in a ValueError traceback.
+"""
+import argparse
+import ast
+import contextlib
+import io
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from utils.arguments import at_least, fraction, positive_float, positive_int
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_types_accept_their_range_and_say_what_they_want():
+    assert positive_int("3") == 3 and positive_float("0.5") == 0.5 and fraction("1") == 1.0 and at_least(2)("2") == 2
+    assert at_least(0.0, float)("0") == 0.0
+    for convert, text, wants in ((positive_int, "0", "positive"), (positive_float, "-1.5", "positive"),
+                                 (fraction, "1.01", "a fraction in [0, 1]"), (fraction, "nan", "a fraction in [0, 1]"),
+                                 (at_least(2), "1", "at least 2"), (at_least(0.0, float), "-0.1", "at least 0.0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"^must be {wants.replace('[', '.').replace(']', '.')}, "
+                                                             rf"got {text}$"):
+            convert(text)
+    parser = argparse.ArgumentParser(prog="tool")
+    parser.add_argument("--batch", type=positive_int)
+    parser.add_argument("--widths", type=positive_int, nargs="+")
+    for argv, message in ((["--batch", "x"], "argument --batch: invalid int value: 'x'"),
+                          (["--batch", "0"], "argument --batch: must be positive, got 0"),
+                          (["--widths", "8", "-8"], "argument --widths: must be positive, got -8")):
+        err = io.StringIO()
+        with pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(err):
+            parser.parse_args(argv)
+        assert stop.value.code == 2 and err.getvalue().endswith(f"tool: error: {message}\n")
+
+
+# (script or module, arguments, the refusal); each would otherwise fail late or print nonsense
+REFUSED = [
+    ("benchmarks/comm_model.py", ["--samples_per_sec", "0"], "argument --samples_per_sec: must be positive, got 0"),
+    ("benchmarks/comm_model.py", ["--samples_per_sec", "-5"], "argument --samples_per_sec: must be positive, got -5"),
+    ("benchmarks/comm_model.py", ["--overlap", "2"], "argument --overlap: must be a fraction in [0, 1], got 2"),
+    ("benchmarks/comm_model.py", ["--node_bw", "0"], "argument --node_bw: must be positive, got 0"),
+    ("benchmarks/spatial_model.py", ["--batch", "0"], "argument --batch: must be positive, got 0"),
+    ("benchmarks/spatial_model.py", ["--overlap", "1.5"], "argument --overlap: must be a fraction in [0, 1], got 1.5"),
+    ("benchmarks/bench_loaders.py", ["--trials", "0"], "argument --trials: must be positive, got 0"),
+    ("benchmarks/bench_make_dataset.py", ["--repeats", "0"], "argument --repeats: must be positive, got 0"),
+    ("benchmarks/ladder.py", ["--tiny", "--windows", "0"], "argument --windows: must be positive, got 0"),
+    ("benchmarks/ladder.py", ["--model_channels", "4", "0"], "argument --model_channels: must be positive, got 0"),
+    ("benchmarks/scaling_study.py", ["--ranks", "1", "0"], "argument --ranks: must be positive, got 0"),
+    ("benchmarks/reference_side_by_side.py", ["--epochs", "1"], "argument --epochs: must be at least 2, got 1"),
+    ("benchmarks/full_run.py", ["OUT", "--budget_s", "0"], "argument --budget_s: must be positive, got 0"),
+    ("utils/make_dataset.py", ["--out", "x.h5", "--box_length", "0"], "argument --box_length: must be positive, got 0"),
+    ("utils/make_dataset.py", ["--out", "x.h5", "--smoothing", "-1"],
+     "argument --smoothing: must be at least 0.0, got -1"),
+    ("utils/make_dataset.py", ["--out", "x.h5", "--box", "1"], "argument --box: must be at least 2, got 1"),
+    ("science/report.py", ["run", "--dpi", "0"], "argument --dpi: must be positive, got 0"),
+]
+
+
+@pytest.mark.parametrize("script, argv, message", REFUSED, ids=[f"{s} {' '.join(a)}" for s, a, _ in REFUSED])
+def test_a_value_out_of_range_is_one_line_before_any_work(script, argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative outputs (OUT, x.h5) would land here: nothing may
+    err = io.StringIO()
+    with mock.patch.object(sys, "argv", [script] + argv), mock.patch.object(sys, "path", list(sys.path)), \
+            pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(err):
+        runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
+    assert stop.value.code == 2 and err.getvalue().endswith(f"error: {message}\n"), err.getvalue()
+    assert not any(tmp_path.iterdir())
+
+
+# Numeric flags left as plain int or float, each with its own check (a reason in the message) or none needed
+PLAIN = {
+    ("predict.py", "--tile"), ("predict.py", "--overlap"), ("predict.py", "--batch_size"),  # ConfigErrors naming
+    ("predict.py", "--spatial_parallel"), ("predict.py", "--lya_stride"),  # the checkpoint's limits (test_predict)
+    ("train.py", "--local_batch_size"),  # the config schema's check, as for every key
+    ("benchmarks/prefetch_probe.py", "--steps"),  # at least 3: the first copy has no step to hide under
+    ("utils/make_dataset.py", "--seed"),  # at least 0: numpy's generators take no negative seeds
+    ("benchmarks/ladder.py", "--seed"),  # any seed torch takes
+}
+
+
+def test_every_numeric_flag_of_the_tools_is_bounded():
+    """A new `type=int` flag is a new 1 / 0 waiting: each tool's numeric flags use utils/arguments.py's types, or are
+    in PLAIN with their reason."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=REPO_ROOT,
+                            check=True, capture_output=True, text=True).stdout.split()
+    plain = set()
+    for name in (n for n in listed if not n.startswith("tests/") and (REPO_ROOT / n).is_file()):
+        for call in ast.walk(ast.parse((REPO_ROOT / name).read_text())):
+            if isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "add_argument" and call.args \
+                    and isinstance(call.args[0], ast.Constant):
+                kind = next((k.value for k in call.keywords if k.arg == "type"), None)
+                if isinstance(kind, ast.Name) and kind.id in ("int", "float"):
+                    plain.add((name, call.args[0].value))
+    assert plain == PLAIN, f"unbounded: {sorted(plain - PLAIN)}; no longer plain: {sorted(PLAIN - plain)}"

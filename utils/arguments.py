@@ -1,0 +1,28 @@
+"""argparse types for the tools' numeric flags (benchmarks, make_dataset, science.report).
+
+A batch of 0 or a bandwidth of -1 is argparse's own one-line error at parse time
+(``error: argument --batch: must be positive, got 0``), before any work, instead of a ZeroDivisionError after
+minutes of it, or a table of nonsense. train.py's flags are checked against the config schema instead.
+"""
+import argparse
+
+
+def bounded(kind, accepts, wants):
+    """An argparse ``type``: the text as ``kind``, refused unless ``accepts(value)``; ``wants`` says what is."""
+    def convert(text):
+        value = kind(text)  # not a number: argparse's "invalid int value: 'x'" (it reads the name below)
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {wants}, got {text}")
+        return value
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def at_least(minimum, kind=int):
+    """``kind`` no smaller than ``minimum`` (a box of at least 2 cells, a seed or worker count of at least 0)."""
+    return bounded(kind, lambda value: value >= minimum, f"at least {minimum}")
+
+
+positive_int = bounded(int, lambda value: value > 0, "positive")  # sizes, batches, counts of repeats
+positive_float = bounded(float, lambda value: value > 0, "positive")  # rates, bandwidths, peaks, time limits
+fraction = bounded(float, lambda value: 0 <= value <= 1, "a fraction in [0, 1]")  # NaN is refused too
