@@ -64,7 +64,11 @@ def main(argv=None):
     parser.add_argument("--all", action="store_true", help="count imports inside functions too")
     parser.add_argument("--files", action="store_true", help="list the files")
     args = parser.parse_args(argv)
-    files = reach(REPO_ROOT / args.entry, inside_functions=args.all)
+    entry = (REPO_ROOT / args.entry).resolve()
+    if not (entry.is_file() and entry.suffix == ".py" and entry.is_relative_to(REPO_ROOT)):
+        parser.error(f"{args.entry} is not a Python file of this repository; give its path from the repository's "
+                     f"root, e.g. train.py")
+    files = reach(entry, inside_functions=args.all)
     if args.files:
         for path, lines in sorted(files.items()):
             print(f"{lines:6d}  {path.relative_to(REPO_ROOT)}")

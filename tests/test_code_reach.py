@@ -3,13 +3,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import code_reach
 from utils.config import REPO_ROOT
 
 # Imported inside the function that uses them, when their key is on: never by `import train` alone.
 EXTRAS = ("science", "utils.benchy", "utils.profiling", "utils.comm_hooks", "utils.data.fast", "utils.data.gpu",
           "utils.data.dali", "utils.pinned_copy", "utils.data.batches", "utils.data.symmetry_torch", "utils.units", "utils.make_dataset",
-          "utils.cpu_amp", "matplotlib")
+          "utils.cpu_amp", "utils.arguments", "matplotlib")
 
 
 def test_reach_counts_the_files_an_import_chain_reaches(tmp_path):
@@ -24,6 +26,15 @@ def test_reach_counts_the_files_an_import_chain_reaches(tmp_path):
         "main.py": 1, "pkg/__init__.py": 0, "pkg/a.py": 6, "pkg/b.py": 2}  # os is not the project's
     everything = code_reach.reach(tmp_path / "main.py", root=tmp_path, inside_functions=True)
     assert tmp_path / "pkg" / "c.py" in everything and len(everything) == 5
+
+
+def test_an_entry_that_is_no_python_file_here_is_one_line(capsys):
+    """Each was a traceback (FileNotFoundError, IsADirectoryError, a SyntaxError from parsing the README)."""
+    for entry in ("nonexist.py", "README.md", "utils", "/"):
+        with pytest.raises(SystemExit) as stop:
+            code_reach.main([entry])
+        assert stop.value.code == 2
+        assert f"error: {entry} is not a Python file of this repository" in capsys.readouterr().err
 
 
 def test_train_reaches_no_extra_at_module_level():
