@@ -150,3 +150,18 @@ def test_bad_arguments_say_what_to_do(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert message in str(stop.value.code) + capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_the_committed_reports_are_what_their_commands_write(gpu, tmp_path, capsys):
+    """benchmarks/results/roofline_<gpu>.md names its command on its third line; run again, it writes the same
+    report above the hand-written notes (new kernel times in <gpu>.json change it: rerun that command with --out)."""
+    import shlex
+    from benchmarks.results_file import NOTES_MARKER
+    from benchmarks.roofline import RESULTS
+    committed = (RESULTS / f"roofline_{gpu}.md").read_text()
+    command = shlex.split(committed.split("\n")[2].strip("`"))
+    assert command[:2] == ["python", "benchmarks/roofline.py"], command
+    main(command[2:] + ["--out", str(tmp_path / "report.md")])
+    assert (tmp_path / "report.md").read_text().rstrip("\n") == committed.split(NOTES_MARKER)[0].rstrip("\n"), \
+        f"stale: rerun {' '.join(command)} --out benchmarks/results/roofline_{gpu}.md"

@@ -144,3 +144,15 @@ def test_cli_writes_markdown_and_plot(tmp_path, capsys):
 def test_cli_rejects_an_overlap_outside_0_1():
     with pytest.raises(SystemExit):
         main(["--overlap", "1.5"])
+
+
+def test_the_committed_table_is_what_its_command_writes(tmp_path, capsys):
+    """benchmarks/results/spatial_model.md names its command; run again, it writes the same table (new kernel times
+    in h100.json change it: regenerate it with that command)."""
+    from pathlib import Path
+    committed = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "spatial_model.md"
+    out, png = tmp_path / "spatial_model.md", tmp_path / "spatial_model.png"
+    main(["--out", str(out), "--plot", str(png)])
+    written = out.read_text().replace(str(out), "benchmarks/results/spatial_model.md") \
+        .replace(str(png), "benchmarks/results/spatial_model.png")
+    assert written == committed.read_text(), "stale: rerun the command its second paragraph names"
