@@ -151,7 +151,7 @@ def parse_args(argv=None):
     parser.add_argument("--windows", type=positive_int, help="timed windows; the median is reported (default 5; 3)")
     parser.add_argument("--steps_per_window", type=positive_int, help="steps per timed window (default 10; 2)")
     parser.add_argument("--rungs", help="comma-separated subset of: " + ", ".join(r.name for r in RUNGS))
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated batch")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="seed of the generated batch (numpy's: 0 or more)")
     parser.add_argument("--conv_forms", default="native",
                         help="the convolution forms of every rung but the last two, which set their own "
                              "(train.py's --conv_forms; networks/conv_forms.py)")

@@ -83,7 +83,6 @@ PLAIN = {
     ("train.py", "--local_batch_size"),  # the config schema's check, as for every key
     ("benchmarks/prefetch_probe.py", "--steps"),  # at least 3: the first copy has no step to hide under
     ("utils/make_dataset.py", "--seed"),  # at least 0: numpy's generators take no negative seeds
-    ("benchmarks/ladder.py", "--seed"),  # any seed torch takes
 }
 
 
