@@ -25,8 +25,8 @@ Which commands run is decided in README.md itself, so the README cannot drift fr
 The README's other commands (GPU, many nodes, Slurm) are not run, but each must be accepted: a training command
 parses and loads its config, another script's command passes that script's argument parser with its flags spelt
 out, and every flag the prose quotes is one of those parsers' or another tool's; each section's *Code:* line names
-files that exist and what they define (fast tests). The results files' commands and the scripts' docstring usage
-lines are held to the same checks.
+files that exist and what they define (fast tests). The results files' commands and the scripts' usage lines (the
+Python scripts' docstrings, submit_pm.sh's header) are held to the same checks.
 
 ``test_readme_marks_the_walkthrough`` (fast) checks the extraction; ``test_readme_walkthrough_on_a_fresh_clone``
 (slow, run with --full as CI does) runs it; CI starts it first, and it takes minutes (the quickstart alone
@@ -194,9 +194,13 @@ def shown_commands(text, commands_only=False):
 
 
 def usage_commands(path):
-    """shown_commands of a script's docstring usage lines (indented by four spaces or more), their ``[--flag value]``
-    brackets dropped and the first of ``a|b|c`` alternatives taken."""
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    """shown_commands of a script's usage lines: a Python script's docstring lines indented by four spaces or more, a
+    shell script's comment lines indented by three (``#   sbatch ...``); their ``[--flag value]`` brackets dropped and
+    the first of ``a|b|c`` alternatives taken."""
+    if path.suffix == ".sh":
+        doc = "\n".join(" " + line[1:] for line in path.read_text().splitlines() if line.startswith("#   "))
+    else:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     doc = re.sub(r"\[(--[^\]]+)\]", r"\1", doc)
     doc = re.sub(r"(?<= )([\w.]+)(?:\|[\w.]+)+", r"\1", doc)
     usage = [line.strip() for line in doc.splitlines() if line.startswith("    ")]
@@ -305,12 +309,12 @@ def test_every_command_the_readme_shows_is_accepted():
 
 
 def test_every_command_of_the_results_files_and_the_scripts_usage_is_accepted():
-    """The results files' commands are how a reader repeats a measurement, and each script's docstring shows its
-    usage: the same checks as the README's commands. A renamed flag must update them too."""
+    """The results files' commands are how a reader repeats a measurement, and each script's docstring (or shell
+    header) shows its usage: the same checks as the README's commands. A renamed flag must update them too."""
     docs = sorted((REPO_ROOT / "benchmarks" / "results").glob("*.md")) + [REPO_ROOT / "example_logs" / "README.md"]
     commands = [c for doc in docs for c in shown_commands(doc.read_text(), commands_only=True)]
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=REPO_ROOT,
-                            check=True, capture_output=True, text=True).stdout.split()
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py", "*.sh"],
+                            cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout.split()
     scripts = [REPO_ROOT / name for name in listed if not name.startswith("tests/") and (REPO_ROOT / name).is_file()]
     commands += [c for path in scripts for c in usage_commands(path)]
     results, _ = refusals(commands)
