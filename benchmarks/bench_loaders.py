@@ -16,7 +16,6 @@ import argparse
 import importlib.util
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
+from benchmarks.results_file import check_outputs, command_line, write_keeping_notes  # noqa: E402
 from utils.arguments import at_least, positive_int  # noqa: E402
 from utils.config import load_config, resolve_path  # noqa: E402
 from utils.data import RandomCropDataset, ShardedSampler, get_data_loader  # noqa: E402
@@ -233,7 +232,7 @@ def main(argv=None):
               file=sys.stderr)
 
     median = {name: statistics.median(rate for rate, _ in trials) for name, trials in results.items()}
-    command = shlex.join(["python", "benchmarks/bench_loaders.py"] + (sys.argv[1:] if argv is None else argv))
+    command = command_line(__file__, argv)
     lines = [f"IO throughput, samples/s: {args.box}^3 box, {args.crop}^3 crops, batch {args.batch}, "
              f"{args.workers} workers, batches end on {device.type}; median of {args.trials} trials of "
              f"{args.batches_per_trial} batches (after one warm-up epoch).",

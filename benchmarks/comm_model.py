@@ -17,7 +17,6 @@ bandwidth (Perlmutter: 4 x 25 GB/s) is the bus bandwidth. ``overlap`` is the sha
 all-reduce that DDP hides behind the backward pass (it cannot hide more than the backward time).
 """
 import argparse
-import shlex
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +25,7 @@ from scipy.optimize import minimize_scalar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchmarks.results_file import check_outputs  # noqa: E402
+from benchmarks.results_file import check_outputs, command_line  # noqa: E402
 from utils.arguments import at_least, fraction, positive_float, positive_int  # noqa: E402
 
 NUM_PARAMS = 116_977_029          # the full-scale U-Net
@@ -195,7 +194,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--out": args.out})
     network = Network(args.intra_bw * 1e9, args.node_bw * 1e9, args.alpha_us * 1e-6, args.gpus_per_node)
-    command = shlex.join(["python", "benchmarks/comm_model.py"] + (sys.argv[1:] if argv is None else argv))
+    command = command_line(__file__, argv)
     text = report(args.samples_per_sec, network, args.overlap, command)
     print(text)
     if args.out:

@@ -4,9 +4,17 @@ rewrites such a file keeps the notes: everything from the marker line on stays a
 ``check_outputs`` is every benchmark's first step after parsing: a run of minutes on a GPU must not fail at its
 last write."""
 import os
+import shlex
+import sys
 from pathlib import Path
 
 NOTES_MARKER = "<!-- written by hand from here on: scripts that rewrite this file keep it -->"
+
+
+def command_line(script, argv=None):
+    """The command that ran ``script`` (a benchmark's ``__file__``) with ``argv`` (default: the process's), as a
+    results file names it: ``python benchmarks/<name>.py ...``, from the repository's root."""
+    return shlex.join(["python", f"benchmarks/{Path(script).name}"] + list(sys.argv[1:] if argv is None else argv))
 
 
 def write_keeping_notes(path, generated):

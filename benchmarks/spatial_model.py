@@ -22,7 +22,6 @@ import argparse
 import functools
 import json
 import math
-import shlex
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.results_file import check_outputs  # noqa: E402
+from benchmarks.results_file import check_outputs, command_line  # noqa: E402
 from utils.arguments import at_least, fraction, positive_float, positive_int  # noqa: E402
 from benchmarks.comm_model import Network, exposed_comm_time, ring_allreduce_time  # noqa: E402
 from benchmarks.roofline import (DEFAULT_CHANNELS, DTYPE_BYTES, GPUS, RESULTS, ConvLayer, measured_kernel_ms,  # noqa
@@ -487,8 +486,7 @@ def main(argv=None):
     network = Network(args.intra_bw * 1e9, args.node_bw * 1e9, args.alpha_us * 1e-6, args.gpus_per_node)
     setup = Setup(args.batch, args.dtype, network, args.overlap, 2 if args.bf16_gradients else 4)
     measured = measured_layer_ms()
-    text = report(setup, measured, shlex.join(["python", "benchmarks/spatial_model.py"]
-                                              + (sys.argv[1:] if argv is None else argv)))
+    text = report(setup, measured, command_line(__file__, argv))
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
