@@ -141,6 +141,9 @@ class Profiler:
             activities=self.activities,
             schedule=torch.profiler.schedule(wait=0, warmup=1, active=self.stop - self.start, repeat=1),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.trace_dir)),
+            # One cycle (repeat=1), so nothing accumulates; without it torch 2.11 warns at start that events of
+            # earlier cycles are cleared, which a one-window trace has none of.
+            acc_events=True,
         )
         self.torch_profiler.start()
 
