@@ -216,7 +216,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=positive_int, default=8,
                         help="samples per pass (the kernels are chosen per shape; "
-                                                             "8 keeps the probe under a minute)")
+                             "8 keeps the probe under a minute)")
     parser.add_argument("--crop", type=positive_int, default=64)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     parser.add_argument("--repeats", type=positive_int, default=5)

@@ -335,7 +335,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=positive_int, default=5, help="memory: timed steps per case (median)")
     parser.add_argument("--batch", type=positive_int, default=1,
                         help="memory: crops per step (the layers a slab runs whole "
-                                                             "share them between the S ranks when S divides it)")
+                             "share them between the S ranks when S divides it)")
     parser.add_argument("--parts", default="spatial,spatial_compile,ddp_compile",
                         help="check: spatial, spatial_compile, ddp_compile")
     parser.add_argument("--out", type=Path, help="JSON file to write")

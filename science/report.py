@@ -57,7 +57,7 @@ def parse_args(argv=None):
                         help="flux skewers at every n-th cell (default: N/64, at least 1)")
     parser.add_argument("--cell_size_mpc_h", type=positive_float,
                         help="comoving Mpc/h per cell (default: the run config's "
-                                                              "lyman_alpha.cell_size_mpc_h, else the data file's)")
+                             "lyman_alpha.cell_size_mpc_h, else the data file's)")
     parser.add_argument("--device", choices=["cuda", "cpu"], help="(default: cuda when available)")
     parser.add_argument("--dpi", type=positive_int, default=100)
     return parser.parse_args(argv)

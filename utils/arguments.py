@@ -8,7 +8,8 @@ import argparse
 
 
 def bounded(kind, accepts, wants):
-    """An argparse ``type``: the text as ``kind``, refused unless ``accepts(value)``; ``wants`` says what is."""
+    """An argparse ``type``: the text as ``kind``, refused unless ``accepts(value)``; ``wants`` says what it
+    accepts, in the message."""
     def convert(text):
         value = kind(text)  # not a number: argparse's "invalid int value: 'x'" (it reads the name below)
         if not accepts(value):
