@@ -100,3 +100,19 @@ def test_every_numeric_flag_of_the_tools_is_bounded():
                 if isinstance(kind, ast.Name) and kind.id in ("int", "float"):
                     plain.add((name, call.args[0].value))
     assert plain == PLAIN, f"unbounded: {sorted(plain - PLAIN)}; no longer plain: {sorted(PLAIN - plain)}"
+
+
+def test_every_script_answers_help_with_its_usage():
+    """`--help` of every script and module with a command line prints its usage and exits 0, on any machine: a
+    GPU-only script that imported a GPU-only package at the top, or parsed after its work began, fails here."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=REPO_ROOT,
+                            check=True, capture_output=True, text=True).stdout.split()
+    scripts = [name for name in listed if not name.startswith("tests/") and (REPO_ROOT / name).is_file()
+               and '__name__ == "__main__"' in (REPO_ROOT / name).read_text()]
+    assert len(scripts) >= 25, scripts
+    for script in scripts:
+        out = io.StringIO()
+        with mock.patch.object(sys, "argv", [script, "--help"]), mock.patch.object(sys, "path", list(sys.path)), \
+                pytest.raises(SystemExit) as stop, contextlib.redirect_stdout(out):
+            runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
+        assert stop.value.code == 0 and "usage:" in out.getvalue(), (script, stop.value.code, out.getvalue()[-300:])
