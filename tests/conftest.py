@@ -1,5 +1,6 @@
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,6 +47,14 @@ def run_triton_script(test_file, **env):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def project_files(*patterns):
+    """The repository's files matching the git ``patterns`` ("*.py"), tests/ left out: tracked, or new and not ignored
+    (what the next commit holds), so a check sees new scripts before they are committed and never a venv or data."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", *patterns], cwd=REPO_ROOT,
+                            check=True, capture_output=True, text=True).stdout.split()
+    return [REPO_ROOT / name for name in listed if not name.startswith("tests/") and (REPO_ROOT / name).is_file()]
 
 
 def free_port():

@@ -1,21 +1,21 @@
 """The tools' numeric flags are refused out of range in argparse's one line, before any work (utils/arguments.py).
 
-Found by pasting bad values: ``comm_model.py --samples_per_sec 0`` was a ZeroDivisionError, and ``--samples_per_sec -5``
-printed efficiencies of 300% and overwrote benchmarks/results/comm_model.md with them; ``bench_loaders.py --trials 0``
-ended in statistics' "no median for empty data"; ``make_dataset --box_length 0`` in a ValueError traceback.
+Unchecked, such a value fails late or lies: ``comm_model.py --samples_per_sec 0`` divides by zero and ``-5`` prints
+efficiencies of 300%; ``bench_loaders.py --trials 0`` ends, after the work, in statistics' "no median for empty
+data"; ``make_dataset --box_length 0`` in a ValueError traceback.
 """
 import argparse
 import ast
 import contextlib
 import io
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
 
 import pytest
 
+from conftest import project_files
 from utils.arguments import at_least, fraction, positive_float, positive_int
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -89,11 +89,10 @@ PLAIN = {
 def test_every_numeric_flag_of_the_tools_is_bounded():
     """A new `type=int` flag is a new 1 / 0 waiting: each tool's numeric flags use utils/arguments.py's types, or are
     in PLAIN with their reason."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=REPO_ROOT,
-                            check=True, capture_output=True, text=True).stdout.split()
     plain = set()
-    for name in (n for n in listed if not n.startswith("tests/") and (REPO_ROOT / n).is_file()):
-        for call in ast.walk(ast.parse((REPO_ROOT / name).read_text())):
+    for path in project_files("*.py"):
+        name = path.relative_to(REPO_ROOT).as_posix()
+        for call in ast.walk(ast.parse(path.read_text())):
             if isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "add_argument" and call.args \
                     and isinstance(call.args[0], ast.Constant):
                 kind = next((k.value for k in call.keywords if k.arg == "type"), None)
@@ -105,10 +104,8 @@ def test_every_numeric_flag_of_the_tools_is_bounded():
 def test_every_script_answers_help_with_its_usage():
     """`--help` of every script and module with a command line prints its usage and exits 0, on any machine: a
     GPU-only script that imported a GPU-only package at the top, or parsed after its work began, fails here."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=REPO_ROOT,
-                            check=True, capture_output=True, text=True).stdout.split()
-    scripts = [name for name in listed if not name.startswith("tests/") and (REPO_ROOT / name).is_file()
-               and '__name__ == "__main__"' in (REPO_ROOT / name).read_text()]
+    scripts = [path.relative_to(REPO_ROOT).as_posix() for path in project_files("*.py")
+               if '__name__ == "__main__"' in path.read_text()]
     assert len(scripts) >= 25, scripts
     for script in scripts:
         out = io.StringIO()

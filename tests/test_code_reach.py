@@ -29,7 +29,7 @@ def test_reach_counts_the_files_an_import_chain_reaches(tmp_path):
 
 
 def test_an_entry_that_is_no_python_file_here_is_one_line(capsys):
-    """Each was a traceback (FileNotFoundError, IsADirectoryError, a SyntaxError from parsing the README)."""
+    """Unchecked, each is a traceback (FileNotFoundError, IsADirectoryError, a SyntaxError from parsing the README)."""
     for entry in ("nonexist.py", "README.md", "utils", "/"):
         with pytest.raises(SystemExit) as stop:
             code_reach.main([entry])

@@ -171,7 +171,7 @@ def trace_event_names(trace_dir):
         return [event.get("name") for event in json.load(f)["traceEvents"]]
 
 
-# torch's warnings are a user's noise: torch 2.11 (the GPU image's) warned at the window's start without acc_events
+# torch's warnings are a user's noise: torch 2.11 (the GPU image's) warns at the window's start without acc_events
 @pytest.mark.filterwarnings("error::UserWarning")
 @pytest.mark.parametrize("num_steps, recorded", [(6, 2), (3, 1)], ids=["whole window", "run ends inside"])
 def test_profile_window_writes_a_trace_of_exactly_its_steps(tmp_path, num_steps, recorded):

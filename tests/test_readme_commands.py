@@ -51,6 +51,8 @@ from unittest import mock
 import pytest
 import torch
 
+from conftest import project_files
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
 
@@ -313,10 +315,7 @@ def test_every_command_of_the_results_files_and_the_scripts_usage_is_accepted():
     header) shows its usage: the same checks as the README's commands. A renamed flag must update them too."""
     docs = sorted((REPO_ROOT / "benchmarks" / "results").glob("*.md")) + [REPO_ROOT / "example_logs" / "README.md"]
     commands = [c for doc in docs for c in shown_commands(doc.read_text(), commands_only=True)]
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py", "*.sh"],
-                            cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout.split()
-    scripts = [REPO_ROOT / name for name in listed if not name.startswith("tests/") and (REPO_ROOT / name).is_file()]
-    commands += [c for path in scripts for c in usage_commands(path)]
+    commands += [c for path in project_files("*.py", "*.sh") for c in usage_commands(path)]
     results, _ = refusals(commands)
     assert len(results) >= 70, results  # the extraction still finds them
     assert not refused(results), refused(results)
