@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
+from benchmarks.results_file import check_outputs, shown_path, write_keeping_notes  # noqa: E402
 from utils.arguments import at_least  # noqa: E402
 from benchmarks.science_compare import THREADS, final_scalars, logged_times, table  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
@@ -128,7 +128,8 @@ def write_markdown(out, saved, flops_of):
     arms, results = [Arm(**a) for a in saved["arms"]], saved["results"]
     names = [arm.name for arm in arms]
     lines = ["# Crop size and science at equal training FLOPs, on the CPU", "",
-             f"Command: `python benchmarks/crop_science.py --seeds {' '.join(map(str, saved['seeds']))}`", "",
+             f"Command: `python benchmarks/crop_science.py --seeds {' '.join(map(str, saved['seeds']))} --out "
+             f"{shown_path(out)}`", "",
              f"Hardware: {saved['cpu']}, {os.cpu_count()} cores (shared), torch {saved['torch']}, one thread per "
              f"process (the 64^3 arms: 2 processes). quickstart model, 4 epochs, cosine LR 2e-3 to 0.", "",
              "Budget: the training FLOPs of quickstart (convolutions, forward x 3, utils/metrics.py); the 64^3 "
@@ -154,13 +155,20 @@ def write_markdown(out, saved, flops_of):
     print(f"wrote {out}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", nargs="+", type=at_least(0), default=[0, 1])
     parser.add_argument("--expdir", default="/tmp/crop_science")
-    parser.add_argument("--out", default=str(REPO / "benchmarks/results/crop_science_cpu.md"))
+    # The committed table is written only when named, so that a trial run cannot replace it.
+    parser.add_argument("--out", help="the Markdown table (its JSON beside it; default: <expdir>/crop_science.md)")
     parser.add_argument("--from_json", action="store_true", help="rewrite the Markdown from --out's JSON; no runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.out = args.out or str(Path(args.expdir) / "crop_science.md")
+    if len(set(args.seeds)) < len(args.seeds):
+        parser.error(f"--seeds repeats a value: {' '.join(map(str, args.seeds))}")
+    if args.from_json and not Path(args.out).with_suffix(".json").is_file():
+        parser.error(f"--from_json reads {Path(args.out).with_suffix('.json')}, which does not exist; name the "
+                     f"table of an earlier run with --out")
     check_outputs(parser, files={"--out": args.out})
     out, expdir = Path(args.out), Path(args.expdir)
     model = build_model(QUICKSTART)

@@ -17,6 +17,14 @@ def command_line(script, argv=None):
     return shlex.join(["python", f"benchmarks/{Path(script).name}"] + list(sys.argv[1:] if argv is None else argv))
 
 
+def shown_path(path):
+    """``path`` as a results file's command names it: from the repository's root when inside it, so that the
+    command pastes on any clone; as given otherwise."""
+    path = Path(path)
+    root = Path(__file__).resolve().parent.parent
+    return str(path.resolve().relative_to(root)) if path.resolve().is_relative_to(root) else str(path)
+
+
 def write_keeping_notes(path, generated):
     """Write ``generated`` to ``path``, followed by the hand-written part of the file already there, if any."""
     path = Path(path)

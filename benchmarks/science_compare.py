@@ -36,11 +36,11 @@ sys.path.insert(0, str(REPO))
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
-from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
+from benchmarks.results_file import check_outputs, shown_path, write_keeping_notes  # noqa: E402
 from utils.arguments import at_least  # noqa: E402
 from networks.UNet import build_model, loss_func  # noqa: E402
 from science import report as science_report  # noqa: E402
-from utils.config import load_config  # noqa: E402
+from utils.config import SCHEMA, load_config  # noqa: E402
 from science.lyman_alpha import LymanAlphaSettings  # noqa: E402
 
 QUICKSTART_SAMPLES = 2048       # Nsamples of quickstart: 256 steps of 8 per epoch
@@ -198,17 +198,32 @@ def comparison_figure(boxes, options, path):
     fig.savefig(path, dpi=80)
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--options", nargs="+", default=["transposed", "transposed_blur"])
+    parser.add_argument("--options", nargs="+", default=["transposed", "transposed_blur"],
+                        choices=SCHEMA["upsample"].choices, metavar="OPTION",
+                        help=f"values of the config key upsample: {', '.join(SCHEMA['upsample'].choices)}")
     parser.add_argument("--seeds", nargs="+", type=at_least(0), default=[0, 1])
     parser.add_argument("--long_epochs", type=at_least(0), default=16, help="epochs of the longer run (0: none)")
     parser.add_argument("--expdir", default="/tmp/science_compare")
-    parser.add_argument("--out", default=str(REPO / "benchmarks/results/science_cpu.md"))
+    # The committed table is written only when named, so that a trial run cannot replace it.
+    parser.add_argument("--out", help="the Markdown table (JSON and figures beside it; default: "
+                                      "<expdir>/science_compare.md)")
     parser.add_argument("--from_json", help="rewrite the Markdown and figures from an earlier run's JSON (the run "
                                             "directories must still exist); no training")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.out = args.out or str(Path(args.expdir) / "science_compare.md")
+    for flag in ("options", "seeds"):
+        if len(set(getattr(args, flag))) < len(getattr(args, flag)):
+            parser.error(f"--{flag} repeats a value: {' '.join(map(str, getattr(args, flag)))}")
+    if args.from_json and not Path(args.from_json).is_file():
+        parser.error(f"--from_json {args.from_json} does not exist; give the JSON an earlier run wrote")
     check_outputs(parser, files={"--out": args.out})
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     expdir, out = Path(args.expdir), Path(args.out)
     options = args.options
     if args.from_json:
@@ -288,7 +303,7 @@ def write_markdown(out, args, costs, samples, results, options):
         "# Upsampling options and science metrics on the 2-core CPU machine",
         "",
         f"Command: `python benchmarks/science_compare.py --options {' '.join(options)} --seeds "
-        f"{' '.join(map(str, seeds))} --long_epochs {long_epochs}`"
+        f"{' '.join(map(str, seeds))} --long_epochs {long_epochs} --out {shown_path(out)}`"
         + (" (tables and figures rewritten with `--from_json`)" if args.from_json else ""),
         f"Hardware: {os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}, Python {platform.python_version()}, "
         f"one thread per run; a shared machine, so wall times vary.",

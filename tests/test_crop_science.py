@@ -1,9 +1,10 @@
 """benchmarks/crop_science.py: the equal-FLOP budget of its arms and the commands that train them."""
+import shutil
 from pathlib import Path
 
 import pytest
 
-from benchmarks.crop_science import QUICKSTART, equal_flop_samples, make_arms, train_command
+from benchmarks.crop_science import QUICKSTART, equal_flop_samples, main, make_arms, train_command
 from networks.UNet import build_model
 from utils.metrics import flops_per_sample
 
@@ -42,3 +43,23 @@ def test_shared_crops_launch_under_torchrun_and_whole_crops_alone():
     flags = dict(zip(launched[7::2], launched[8::2]))   # after train.py and --config=quickstart
     assert flags["--spatial_parallel"] == "2" and flags["--data_size"] == "64" and flags["--Nsamples"] == "256"
     assert flags["--seed"] == "1" and flags["--global_batch_size"] == "8" and flags["--Nsamples_val"] == "32"
+
+
+def test_the_committed_table_is_what_its_json_gives(tmp_path):
+    """``--from_json`` rewrites the committed table from the committed JSON unchanged, so the table cannot drift
+    from its numbers or from the code that formats them."""
+    committed = Path(__file__).resolve().parent.parent / "benchmarks/results/crop_science_cpu.md"
+    for suffix in (".md", ".json"):
+        shutil.copy(committed.with_suffix(suffix), tmp_path / f"table{suffix}")
+    main(["--from_json", "--out", str(tmp_path / "table.md")])
+    written = (tmp_path / "table.md").read_text()
+    assert f"--out {tmp_path / 'table.md'}`" in written  # its command names the table it wrote
+    assert written.replace(str(tmp_path / "table.md"), "benchmarks/results/crop_science_cpu.md") == committed.read_text()
+
+
+def test_without_out_nothing_committed_is_written(tmp_path, capsys):
+    """The default table goes under --expdir: a trial run cannot replace benchmarks/results/crop_science_cpu.md."""
+    with pytest.raises(SystemExit) as stop:
+        main(["--from_json", "--expdir", str(tmp_path)])
+    assert stop.value.code == 2
+    assert f"{tmp_path / 'crop_science.json'}, which does not exist" in capsys.readouterr().err
