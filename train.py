@@ -167,6 +167,8 @@ def build_training(params, info, make_optimizer=build_optimizer, run_dir=None):
         ddp_note = describe_ddp(params)
     elif info.enabled:
         ddp_note = "NO gradient synchronisation (--noddp: measures compute without communication; NOT real training)"
+    if train_model is model and params.ddp_comm_hook != "none":  # said, not silently dropped
+        ddp_note += f"; ddp_comm_hook {params.ddp_comm_hook} unused: no gradient all-reduce"
 
     loss_fn = loss_func
     if params.enable_jit:  # compile what the step calls: the (wrapped) model and the loss

@@ -28,6 +28,13 @@ def test_one_step_lowers_the_loss_on_a_fixed_batch(tiny_params):
     assert after < before
 
 
+def test_a_comm_hook_without_an_all_reduce_is_said_to_be_unused(tiny_params):
+    """One process has no gradient all-reduce to compress: the start-up log says so rather than dropping it."""
+    notes = train.build_training(tiny_params(ddp_comm_hook="bf16"), init_distributed("cpu")).notes
+    assert "single process; ddp_comm_hook bf16 unused: no gradient all-reduce" in "; ".join(notes)
+    assert "unused" not in "; ".join(train.build_training(tiny_params(), init_distributed("cpu")).notes)
+
+
 def ddp_worker(rank, world_size, port, runs, out_dir, num_steps):
     """Train each (name, params) of ``runs`` for a few steps in one process group; save the weights."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
