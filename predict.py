@@ -50,7 +50,7 @@ from utils.spatial import SpatialGroup, spatial_mesh
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--checkpoint", required=True,
                         help="a ckpt_step*.pt file, or a run directory (its newest valid checkpoint)")
     parser.add_argument("--input", required=True, help="HDF5 file with dataset Nbody (4, N, N, N)")

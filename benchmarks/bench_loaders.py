@@ -42,7 +42,7 @@ LOADERS = ("straightforward lowmem", "straightforward inmem", "straightforward s
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--box", type=at_least(2), default=256, help="edge of the generated box, cells")
     parser.add_argument("--crop", type=positive_int, default=64, help="crop edge (data_size), cells")

@@ -97,7 +97,7 @@ def child(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--box", type=at_least(2), default=512, help="cells per side (default 512)")
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="timed runs, each in a fresh process (default 1)")

@@ -59,7 +59,7 @@ def reach(entry, root=REPO_ROOT, inside_functions=False):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("entry", help="the script to start from, e.g. train.py")
     parser.add_argument("--all", action="store_true", help="count imports inside functions too")
     parser.add_argument("--files", action="store_true", help="list the files")

@@ -178,7 +178,7 @@ def report(samples_per_sec, network, overlap, command="python benchmarks/comm_mo
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--samples_per_sec", type=positive_float, default=REFERENCE_THROUGHPUTS[1],
                         help="single-GPU compute throughput (default: the reference's SC22 A100 SYNTHETIC)")
     parser.add_argument("--intra_bw", type=positive_float, default=Network.intra_bw / 1e9,

@@ -248,7 +248,7 @@ def slowest_layers(results, count=3):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--batch", type=positive_int, default=None, help="default 64 (2 with --tiny)")
     parser.add_argument("--crop", type=positive_int, default=None, help="default 64 (16 with --tiny)")
     parser.add_argument("--channels", type=lambda text: [int(c) for c in text.split(",")], default=None,

@@ -156,7 +156,7 @@ def write_markdown(out, saved, flops_of):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--seeds", nargs="+", type=at_least(0), default=[0, 1])
     parser.add_argument("--expdir", default="/tmp/crop_science")
     # The committed table is written only when named, so that a trial run cannot replace it.

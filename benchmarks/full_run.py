@@ -207,7 +207,7 @@ def print_summary(record, small):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                      usage="%(prog)s OUT [options] [-- train.py flags]")
     parser.add_argument("out", help="folder for the record and the run's files (created)")
     parser.add_argument("--config", default="bs64_opt", help="named config of config/UNet.yaml (default %(default)s)")

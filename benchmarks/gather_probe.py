@@ -115,7 +115,7 @@ def timed(function, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--box", type=positive_int, default=1024, help="volume edge N (default 1024, the reference's)")
     parser.add_argument("--batch", type=positive_int, default=64)
     parser.add_argument("--crop", type=positive_int, default=64)

@@ -74,7 +74,7 @@ class Suite(SuiteCore, ProbePart, LadderPart, BenchyPart, TrainingParts, Profile
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("out", type=Path, help="folder for the (at most 8) result files")
     parser.add_argument("--small", action="store_true", help="CPU smoke mode: tiny model, few steps, GPU parts skip")
     parser.add_argument("--parts", default=DEFAULT_PARTS,

@@ -213,7 +213,7 @@ def environment():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--batch", type=positive_int, default=8,
                         help="samples per pass (the kernels are chosen per shape; "
                              "8 keeps the probe under a minute)")

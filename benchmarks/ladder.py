@@ -140,7 +140,7 @@ TINY = dict(model_channels=[4, 8], batch_size=2, crop_size=16,
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--tiny", action="store_true", help="small model, batch 2, 16^3 crops: a CPU smoke test")
     parser.add_argument("--batch_size", type=positive_int, help="per-step batch (default 64; 2 with --tiny)")
     parser.add_argument("--model_channels", type=positive_int, nargs="+",

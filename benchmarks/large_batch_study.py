@@ -84,7 +84,7 @@ def parse_arm(text):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n", 1)[1])
     parser.add_argument("--arm", type=parse_arm, action="append", default=[], metavar="BATCH:SCALING:EPOCHS[:RANKS]",

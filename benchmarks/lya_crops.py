@@ -29,7 +29,7 @@ def crops(x, size):
 def main():
     # No options: the figures science/lyman_alpha.py quotes are of this one box. The parser still gives --help and
     # refuses a stray argument instead of ignoring it.
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False).parse_args()
     _, hydro = md.make_dataset(128, seed=1, progress=False)
     box = torch.from_numpy(hydro)
     whole = lya.FluxStatistics(128, lya.LymanAlphaSettings(skewer_stride=2), periodic=True)

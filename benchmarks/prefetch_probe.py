@@ -127,7 +127,7 @@ def measure(batches, step, steps, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--batch", type=positive_int, default=64)
     parser.add_argument("--crop", type=positive_int, default=64)
     parser.add_argument("--steps", type=int, default=12)

@@ -225,7 +225,7 @@ def side_by_side(args, reference_dir, workdir, log_dir):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--export", nargs="?", const=DEFAULT_DIR, metavar="DIR",
                         help=f"write the reference at {COMMIT} into DIR (default {DEFAULT_DIR}) and exit")
     parser.add_argument("--from_git", metavar="PATH_OR_URL", help="git repository to export from")

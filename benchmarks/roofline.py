@@ -263,7 +263,7 @@ def markdown(result):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--gpu", default="h100", help=f"preset ({', '.join(GPUS)}) or a name with both flags below")
     parser.add_argument("--peak_tflops", type=positive_float,
                         help="dense peak for --dtype (default: the preset's bf16)")

@@ -49,7 +49,7 @@ class StudyError(RuntimeError):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--ranks", type=positive_int, nargs="+", default=[1, 2], help="rank counts; must include 1")
     parser.add_argument("--launcher", choices=["torchrun", "slurm"], default="torchrun",

@@ -199,7 +199,7 @@ def comparison_figure(boxes, options, path):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--options", nargs="+", default=["transposed", "transposed_blur"],
                         choices=SCHEMA["upsample"].choices, metavar="OPTION",
                         help=f"values of the config key upsample: {', '.join(SCHEMA['upsample'].choices)}")

@@ -72,7 +72,7 @@ def cpu_name():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--expdir", default="/tmp/spatial_fp64", help="where the runs go")
     parser.add_argument("--out", help="also write the table to this Markdown file")
     parser.add_argument("--nsamples", type=positive_int, default=2048,

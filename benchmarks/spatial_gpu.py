@@ -326,7 +326,7 @@ def run_check(parts, out_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("mode", choices=("memory", "check"))
     parser.add_argument("--tiny", action="store_true", help="memory: a small model and crops (CPU smoke test)")
     parser.add_argument("--crops", help="memory: comma-separated whole-crop edges, tried in order until one does "

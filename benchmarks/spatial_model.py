@@ -467,7 +467,7 @@ def plot(setup, measured, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--batch", type=positive_int, default=Setup.batch,
                         help="crops per data rank (one spatial group)")
     parser.add_argument("--dtype", choices=DTYPE_BYTES, default=Setup.dtype, help="activations and halos")

@@ -45,7 +45,8 @@ NUM_SKEWER_EXAMPLES = 3
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m science.report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m science.report", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("source", help="a train.py run directory or checkpoint file, or a predict.py output (.h5)")
     parser.add_argument("--output", help="figure to write: a file (its suffix the format; none: .png) or a folder "
                                          "(default: RUN_DIR/science_report.png or <prediction>_report.png)")

@@ -101,9 +101,13 @@ def test_every_numeric_flag_of_the_tools_is_bounded():
     assert plain == PLAIN, f"unbounded: {sorted(plain - PLAIN)}; no longer plain: {sorted(PLAIN - plain)}"
 
 
-def test_every_script_answers_help_with_its_usage():
+def test_every_script_answers_help_with_its_usage_and_takes_no_abbreviation():
     """`--help` of every script and module with a command line prints its usage and exits 0, on any machine: a
-    GPU-only script that imported a GPU-only package at the top, or parsed after its work began, fails here."""
+    GPU-only script that imported a GPU-only package at the top, or parsed after its work began, fails here.
+
+    `--hel` is refused (exit 2), as every abbreviated flag is (allow_abbrev=False): a pasted `--budget` must not
+    stand for `--budget_s` today and fail as ambiguous once a `--budget_gb` exists, and the commands the
+    documentation shows are checked spelt out (test_readme_commands.py)."""
     scripts = [path.relative_to(REPO_ROOT).as_posix() for path in project_files("*.py")
                if '__name__ == "__main__"' in path.read_text()]
     assert len(scripts) >= 25, scripts
@@ -113,3 +117,8 @@ def test_every_script_answers_help_with_its_usage():
                 pytest.raises(SystemExit) as stop, contextlib.redirect_stdout(out):
             runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
         assert stop.value.code == 0 and "usage:" in out.getvalue(), (script, stop.value.code, out.getvalue()[-300:])
+        err = io.StringIO()
+        with mock.patch.object(sys, "argv", [script, "--hel"]), mock.patch.object(sys, "path", list(sys.path)), \
+                pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
+        assert stop.value.code == 2 and "error:" in err.getvalue(), (script, stop.value.code, err.getvalue()[-300:])

@@ -238,8 +238,7 @@ def refusals(commands):
     parse, results, options = argparse.ArgumentParser.parse_args, [], set()
 
     def parse_then_stop(self, args=None, namespace=None):
-        options.update(self._option_string_actions)
-        self.allow_abbrev = False  # a shown command spells its flags out: `--loss_step` is a stale `--loss_steps`
+        options.update(self._option_string_actions)  # every parser refuses abbreviations (test_arguments.py)
         parse(self, args, namespace)
         raise Parsed
     for line, words in commands:

@@ -938,7 +938,8 @@ class Interrupted(GenerationError):
 
 def main(argv=None):
     """The command line; a failure raises GenerationError (``run(main)`` makes it one line and exit status 2)."""
-    parser = argparse.ArgumentParser(prog="python -m utils.make_dataset", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m utils.make_dataset", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("--box", type=at_least(2), default=None, help="cells per side (default 256)")
     parser.add_argument("--seed", type=int, default=None, help="white-noise seed (default 1)")
     parser.add_argument("--out", required=True, help="output .h5 path")

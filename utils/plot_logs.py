@@ -121,7 +121,8 @@ def science_figure(runs, walltime=False):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m utils.plot_logs", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m utils.plot_logs", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="train.py run directories (with logs/)")
     parser.add_argument("--out", help="loss figure: a file (its suffix the format; none: .png) or a folder for "
                                       "loss.png (default: RUN_DIR/loss.png of the first run)")
