@@ -171,6 +171,14 @@ def test_crop_larger_than_box_and_divisibility():
         load_config("base", overrides={"data_size": 48})
 
 
+def test_fewer_samples_than_one_batch_is_refused_before_a_run_folder_exists(tmp_path):
+    import train
+    with pytest.raises(ConfigError, match=r"^Nsamples=4 is smaller than global_batch_size=8: an epoch would have no "
+                                          r"step$"):
+        train.main(["--config=quickstart", "--Nsamples", "4", "--expdir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"spatial_parallel": 3}, "spatial_parallel 3 does not divide the crop depth data_size=64; use a data_size"),
     ({"spatial_parallel": 2, "upsample": "resize_conv"}, "shards only plain convolutions; use upsample: transposed"),

@@ -173,12 +173,9 @@ class ShardedSampler(Sampler):
 
 def build_sampler(spec):
     """This rank's ShardedSampler for ``spec``'s split, shared by every loader."""
-    sampler = ShardedSampler(spec.num_samples, spec.global_batch_size, spec.rank, spec.world_size, spec.split,
-                             plan=spec.plan)
-    if spec.split == "train" and sampler.steps_per_epoch == 0:
-        raise DataError(f"Nsamples={spec.num_samples} is smaller than global_batch_size={spec.global_batch_size}: "
-                        f"an epoch would have no step")
-    return sampler
+    # at least one step per epoch: Nsamples >= global_batch_size is a config check (utils/config.py)
+    return ShardedSampler(spec.num_samples, spec.global_batch_size, spec.rank, spec.world_size, spec.split,
+                          plan=spec.plan)
 
 
 # --- the dataset and its loader -----------------------------------------------------------------------------------
