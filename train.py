@@ -31,7 +31,7 @@ from networks.UNet import build_model, conv_input_sizes, loss_func
 from utils import ConfigError, OneLineParser, ReportedError, first_line, metrics, run as cli  # cli: errors as one line
 from utils.checkpoint import CheckpointManager, RunControl
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
-                          load_config)
+                          config_yaml, load_config)
 from utils.data import get_data_loader, prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, describe_ddp, env_world_size,
                                init_distributed, peer_lost)
@@ -409,6 +409,9 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
         check_world_size(params, world_size)
         if check is not None:
             check(params, world_size)
+        if args.print_config:  # what this command would run, as its run folder's config.yaml would record it
+            print(config_yaml(params), end="")
+            return None
         resume, resume_fallback, restart_note = resume_on_restart(args.resume)
         info = init_distributed(params.device)
         control.attach(info)
@@ -485,6 +488,8 @@ def parse_args(argv=None):
     parser.add_argument("--local_batch_size", type=int, metavar="N",
                         help="per-rank batch (crops per data rank); sets global_batch_size = N x world size "
                              "(/ --spatial_parallel)")
+    parser.add_argument("--print_config", action="store_true",
+                        help="print the resolved config (base < named config < $EXPDIR < flags) and exit")
     add_config_arguments(parser, FLAG_ALIASES)
     args = parser.parse_args(argv)
     if args.run_num is not None and (args.run_num in ("", "..") or Path(args.run_num).name != args.run_num):

@@ -102,6 +102,18 @@ def test_expdir_precedence_config_then_environment_then_flag(tmp_path, monkeypat
     assert load_config("base", overrides=overrides(["--expdir", "flag"])).expdir == str(tmp_path / "flag")
 
 
+def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """The named config, $EXPDIR and the flags, resolved as the run folder's config.yaml would record them."""
+    monkeypatch.setenv("EXPDIR", str(tmp_path / "from_env"))
+    assert train.main(["--config=bs64_opt", "--print_config", "--num_epochs", "2", "--no-enable_jit"]) is None
+    printed = yaml.safe_load(capsys.readouterr().out)
+    want = dict(load_config("bs64_opt", overrides={"num_epochs": 2, "enable_jit": False,
+                                                   "expdir": str(tmp_path / "from_env")}))
+    assert printed == want and printed["amp_mode"] == "bf16" and printed["config_name"] == "bs64_opt"
+    assert list(printed) == list(SCHEMA) + ["config_name"]  # the schema's order, as config/UNet.yaml reads
+    assert not any(tmp_path.iterdir())  # no run folder, no data
+
+
 # --- one-line errors ----------------------------------------------------------------------------
 def test_a_named_config_that_is_not_a_mapping_is_one_line(tmp_path, capsys):
     path = tmp_path / "list.yaml"

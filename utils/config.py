@@ -261,6 +261,11 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
     return params
 
 
+def config_yaml(params):
+    """The resolved config as YAML, in the schema's order: a run folder's config.yaml, and --print_config."""
+    return yaml.safe_dump(dict(params), sort_keys=False)
+
+
 def config_flags():
     """{flag name: Key} of every config key; flags name a section's keys ``section.key``."""
     return {name: entry for key, top in SCHEMA.items() for name, entry in

@@ -23,7 +23,7 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from utils import ConfigError, StorageError, storage_cause
-from utils.config import SCHEMA, resolve_path
+from utils.config import SCHEMA, config_yaml, resolve_path
 
 
 def resume_on_restart(resume, environ=os.environ):
@@ -54,7 +54,7 @@ def same_command(run_dir, params):
         return False
     if not isinstance(saved, dict):
         return False
-    current = yaml.safe_load(yaml.safe_dump(dict(params)))  # the same round trip the saved file took
+    current = yaml.safe_load(config_yaml(params))  # the same round trip the saved file took
     ignored = {"expdir"} | {key for key in current if key not in saved and key in SCHEMA
                             and not SCHEMA[key].defines_run}
     return ({k: v for k, v in saved.items() if k not in ignored}
@@ -176,8 +176,7 @@ def save_config(params, path):
     """Write the resolved config atomically: the run folder's record of the command that made it."""
     tmp = Path(path).with_name(f".{Path(path).name}.tmp")
     try:
-        with open(tmp, "w") as f:
-            yaml.safe_dump(dict(params), f, sort_keys=False)
+        tmp.write_text(config_yaml(params))
         os.replace(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)
