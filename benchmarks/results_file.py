@@ -20,9 +20,8 @@ def command_line(script, argv=None):
 def shown_path(path):
     """``path`` as a results file's command names it: from the repository's root when inside it, so that the
     command pastes on any clone; as given otherwise."""
-    path = Path(path)
-    root = Path(__file__).resolve().parent.parent
-    return str(path.resolve().relative_to(root)) if path.resolve().is_relative_to(root) else str(path)
+    resolved, root = Path(path).resolve(), Path(__file__).resolve().parent.parent
+    return str(resolved.relative_to(root)) if resolved.is_relative_to(root) else str(path)
 
 
 def write_keeping_notes(path, generated):
