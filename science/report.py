@@ -95,7 +95,7 @@ def load_from_run(source, input_path, device, cell_size=None):
         nbody = f["Nbody"][...].astype(np.float32)
     box, tile = nbody.shape[1], params.data_size
     inference.check_tiling(tile, 2 * (tile // 8), box, model.num_levels)
-    prediction = inference.predict_array(model, nbody, tile, 2 * (tile // 8), device=device)
+    prediction = inference.predict_array(model, nbody, tile, 2 * (tile // 8), device=device, progress=True)
     run = checkpoint.parent.parent.name if checkpoint.parent.name == "checkpoints" else checkpoint.parent.name
     description = (f"run {run}, {checkpoint.name} (step {step}), U-Net {params.model_channels} upsample="
                    f"{params.get('upsample', 'transposed')}, on {path.name} ({box}^3)")

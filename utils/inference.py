@@ -161,7 +161,6 @@ def predict_array(model, nbody, tile, overlap, **kwargs):
     return hydro
 
 
-
 def check_whole_box(box, num_levels, spatial_parallel=1):
     """One-line ConfigError unless the U-Net can run on the whole ``box``^3 box in ``spatial_parallel`` slabs."""
     divisor = 2 ** num_levels
