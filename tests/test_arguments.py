@@ -42,6 +42,15 @@ def test_the_types_accept_their_range_and_say_what_they_want():
         assert stop.value.code == 2 and err.getvalue().endswith(f"tool: error: {message}\n")
 
 
+def run_script(script, argv):
+    """(exit code, stdout, stderr) of ``python script argv``, run in this process; the script must exit."""
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.object(sys, "argv", [script] + argv), mock.patch.object(sys, "path", list(sys.path)), \
+            pytest.raises(SystemExit) as stop, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
+    return stop.value.code, out.getvalue(), err.getvalue()
+
+
 # (script or module, arguments, the refusal); each would otherwise fail late or print nonsense
 REFUSED = [
     ("benchmarks/comm_model.py", ["--samples_per_sec", "0"], "argument --samples_per_sec: must be positive, got 0"),
@@ -68,11 +77,8 @@ REFUSED = [
 @pytest.mark.parametrize("script, argv, message", REFUSED, ids=[f"{s} {' '.join(a)}" for s, a, _ in REFUSED])
 def test_a_value_out_of_range_is_one_line_before_any_work(script, argv, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative outputs (OUT, x.h5) would land here: nothing may
-    err = io.StringIO()
-    with mock.patch.object(sys, "argv", [script] + argv), mock.patch.object(sys, "path", list(sys.path)), \
-            pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(err):
-        runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
-    assert stop.value.code == 2 and err.getvalue().endswith(f"error: {message}\n"), err.getvalue()
+    code, _, err = run_script(script, argv)
+    assert code == 2 and err.endswith(f"error: {message}\n"), err
     assert not any(tmp_path.iterdir())
 
 
@@ -112,13 +118,7 @@ def test_every_script_answers_help_with_its_usage_and_takes_no_abbreviation():
                if '__name__ == "__main__"' in path.read_text()]
     assert len(scripts) >= 25, scripts
     for script in scripts:
-        out = io.StringIO()
-        with mock.patch.object(sys, "argv", [script, "--help"]), mock.patch.object(sys, "path", list(sys.path)), \
-                pytest.raises(SystemExit) as stop, contextlib.redirect_stdout(out):
-            runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
-        assert stop.value.code == 0 and "usage:" in out.getvalue(), (script, stop.value.code, out.getvalue()[-300:])
-        err = io.StringIO()
-        with mock.patch.object(sys, "argv", [script, "--hel"]), mock.patch.object(sys, "path", list(sys.path)), \
-                pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
-        assert stop.value.code == 2 and "error:" in err.getvalue(), (script, stop.value.code, err.getvalue()[-300:])
+        code, out, _ = run_script(script, ["--help"])
+        assert code == 0 and "usage:" in out, (script, code, out[-300:])
+        code, _, err = run_script(script, ["--hel"])
+        assert code == 2 and "error:" in err, (script, code, err[-300:])
