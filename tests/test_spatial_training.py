@@ -99,6 +99,7 @@ def assert_same_training(spatial_run, data_parallel_run):
         np.testing.assert_allclose(spatial_science[tag], values, rtol=1e-4, atol=1e-6, err_msg=tag)
 
 
+@pytest.mark.slow  # integration (three training processes; test_spatial.py checks the sharding fast)
 def test_one_data_by_two_spatial_ranks_train_as_one_rank(spatial_yaml, tmp_path):
     # The one rank runs alongside the pair of ranks, which leave a core of a 2-core machine idle while they wait on
     # each other

@@ -93,6 +93,7 @@ def test_ddp_two_ranks_match_one_rank_over_the_same_global_batch(ddp_weights):
         assert (rank0[name] - single[name]).norm() <= 1e-5 * single[name].norm() + 1e-12, name
 
 
+@pytest.mark.slow  # integration (two spawned DDP ranks training): run with --full
 def test_ddp_in_micro_batches_matches_one_rank_with_every_knob_too(ddp_weights):
     """Each rank's 2 crops in 2 chunks, DDP's all-reduce skipped (no_sync) for the first: the 1-rank run's weights;
     with gradient buckets as views and the bf16 hook, the knobs run's (static_graph aside)."""
@@ -104,6 +105,7 @@ def test_ddp_in_micro_batches_matches_one_rank_with_every_knob_too(ddp_weights):
             assert (rank0[name] - want[name]).norm() <= rtol * want[name].norm() + 1e-12, f"{run}: {name}"
 
 
+@pytest.mark.slow  # integration (two spawned DDP ranks training): run with --full
 def test_ddp_knobs_bf16_hook_keeps_ranks_identical_and_tracks_fp32(ddp_weights):
     initial, weights = ddp_weights
     for key in initial:
