@@ -165,7 +165,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.out = args.out or str(Path(args.expdir) / "crop_science.md")
     if len(set(args.seeds)) < len(args.seeds):
-        parser.error(f"--seeds repeats a value: {' '.join(map(str, args.seeds))}")
+        parser.error(f"--seeds repeats a value: {' '.join(map(str, args.seeds))}; give each seed once")
     if args.from_json and not Path(args.out).with_suffix(".json").is_file():
         parser.error(f"--from_json reads {Path(args.out).with_suffix('.json')}, which does not exist; name the "
                      f"table of an earlier run with --out")

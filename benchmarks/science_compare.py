@@ -215,7 +215,7 @@ def parse_args(argv=None):
     args.out = args.out or str(Path(args.expdir) / "science_compare.md")
     for flag in ("options", "seeds"):
         if len(set(getattr(args, flag))) < len(getattr(args, flag)):
-            parser.error(f"--{flag} repeats a value: {' '.join(map(str, getattr(args, flag)))}")
+            parser.error(f"--{flag} repeats a value: {' '.join(map(str, getattr(args, flag)))}; give each once")
     if args.from_json and not Path(args.from_json).is_file():
         parser.error(f"--from_json {args.from_json} does not exist; give the JSON an earlier run wrote")
     check_outputs(parser, files={"--out": args.out})

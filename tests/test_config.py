@@ -174,7 +174,7 @@ def test_crop_larger_than_box_and_divisibility():
 def test_fewer_samples_than_one_batch_is_refused_before_a_run_folder_exists(tmp_path):
     import train
     with pytest.raises(ConfigError, match=r"^Nsamples=4 is smaller than global_batch_size=8: an epoch would have no "
-                                          r"step$"):
+                                          r"step; raise Nsamples or lower the batch$"):
         train.main(["--config=quickstart", "--Nsamples", "4", "--expdir", str(tmp_path)])
     assert not any(tmp_path.iterdir())
 

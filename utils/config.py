@@ -337,7 +337,7 @@ def _check_consistency(params):
                               f"({box}); lower data_size or use a larger box")
     if params.Nsamples < params.global_batch_size:
         raise ConfigError(f"Nsamples={params.Nsamples} is smaller than global_batch_size={params.global_batch_size}: "
-                          f"an epoch would have no step")
+                          f"an epoch would have no step; raise Nsamples or lower the batch")
     if params.static_graph and params.micro_batches > 1:  # DDP's reducer asserts, or stops all-reducing
         raise ConfigError("static_graph does not work with micro_batches > 1 (DDP's no_sync, pytorch#143580); use "
                           "--no-static_graph, or micro_batches 1")
