@@ -12,25 +12,21 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import free_port
+from slurm_jobs import FINISHED, REPO_ROOT, SlurmJobs, make_quickstart_data
 
 # integration: run with --full (CI does); under pytest-xdist both Slurm modules run on one worker (--dist
 # loadgroup), one after the other: the one-node and the two-node clusters would share daemons' ports
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm"), pytest.mark.longest]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SETUP = REPO_ROOT / ".ci" / "setup_slurm.sh"
 # The CPU-only submission documented in submit_pm.sh: command-line options override its GPU #SBATCH lines.
-CPU_SBATCH = ["sbatch", "--parsable", "-n", "2", "--ntasks-per-node=2", "-c", "1", "--gpus-per-node=0",
-              "--constraint="]
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+JOBS = SlurmJobs(["sbatch", "--parsable", "-n", "2", "--ntasks-per-node=2", "-c", "1", "--gpus-per-node=0",
+                 "--constraint="])
 
 
 def slurm_is_up():
@@ -56,52 +52,14 @@ def slurm():
         subprocess.run(["bash", str(SETUP), "stop"], check=True, timeout=60)
 
 
-def job_fields(job_id):
-    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
-                         check=True).stdout
-    return dict(item.split("=", 1) for item in out.split() if "=" in item)
-
-
-def wait_for_job(job_id, until, timeout, output):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fields = job_fields(job_id)
-        if until(fields):
-            return fields
-        time.sleep(0.3)
-    subprocess.run(["scancel", job_id])
-    log = output.read_text() if output.exists() else "(no output file)"
-    pytest.fail(f"job {job_id} still {fields['JobState']} after {timeout} s; its output:\n{log}")
-
-
-def submit(args, export, output, chdir=REPO_ROOT):
-    exports = ",".join(["ALL"] + [f"{k}={v}" for k, v in export.items()])
-    command = CPU_SBATCH + [f"--export={exports}", f"--output={output}", f"--chdir={chdir}",
-                            str(chdir / "submit_pm.sh"), *args]
-    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
-
-
 @pytest.fixture(scope="module")
 def quickstart_data(tmp_path_factory):
-    """quickstart's box sizes (128^3 train, 64^3 val) from the generator: train.py checks them against box_size."""
-    folder = tmp_path_factory.mktemp("slurm_data")
-    for name, box, seed in (("train.h5", 128, 1), ("val.h5", 64, 2)):
-        subprocess.run([sys.executable, "-m", "utils.make_dataset", "--box", str(box), "--seed", str(seed),
-                        "--out", str(folder / name), "--device", "cpu"],
-                       cwd=REPO_ROOT, check=True, capture_output=True)
-    return folder
-
-
-def wait_for_requeue(job_id, output):
-    fields = wait_for_job(job_id, lambda f: f["Restarts"] == "1" and f["JobState"] == "PENDING"
-                          or f["JobState"] in FINISHED, timeout=240, output=output)
-    assert fields["Restarts"] == "1", f"job {job_id} ended {fields['JobState']} unrequeued:\n{output.read_text()}"
-    # The job starts again once its old credential expired (cred_expire=10 in .ci/setup_slurm.sh).
+    return make_quickstart_data(tmp_path_factory.mktemp("slurm_data"))
 
 
 def test_submit_pm_trains_two_ranks_and_resumes_after_preemption(slurm, quickstart_data, tmp_path):
     output = tmp_path / "job.out"
-    job_id = submit(["--config=quickstart", "--num_epochs", "1", "--Nsamples", "256", "--Nsamples_val", "16",
+    job_id = JOBS.submit(["--config=quickstart", "--num_epochs", "1", "--Nsamples", "256", "--Nsamples_val", "16",
                      "--num_data_workers", "1", "--global_batch_size", "4", "--log_every_n_steps", "4",
                      "--run_num", "slurm"],
                     {"CPU_ONLY": 1, "DATADIR": quickstart_data, "LOGDIR": tmp_path / "runs",
@@ -109,12 +67,12 @@ def test_submit_pm_trains_two_ranks_and_resumes_after_preemption(slurm, quicksta
     run_dir = tmp_path / "runs" / "quickstart" / "2GPU" / "slurm"
     log_file = run_dir / "out.log"
     # Preempt as --signal=USR1@90 does: SIGUSR1 to every process of the job step (not the batch shell).
-    fields = wait_for_job(job_id, lambda f: f["JobState"] in FINISHED
+    fields = JOBS.wait(job_id, lambda f: f["JobState"] in FINISHED
                           or log_file.exists() and "step 8/64" in log_file.read_text(), timeout=240, output=output)
     assert fields["JobState"] == "RUNNING", f"job {job_id} ended before it was preempted:\n{output.read_text()}"
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
-    wait_for_requeue(job_id, output)
-    fields = wait_for_job(job_id, lambda f: f["JobState"] in FINISHED, timeout=240, output=output)
+    JOBS.wait_for_requeue(job_id, output)
+    fields = JOBS.wait_until_finished(job_id, timeout=240, output=output)
     text = output.read_text()  # --open-mode=append: both runs are in the file
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
     assert f"requeueing job {job_id}" in text
@@ -148,11 +106,11 @@ def test_preempted_job_is_requeued_with_the_same_arguments(slurm, tmp_path):
         shutil.copy(REPO_ROOT / name, repo / name)
     (repo / "train.py").write_text(STUB_TRAIN)
     output, port = tmp_path / "job.out", free_port()
-    job_id = submit(["--config=short", "--note", "two words"],
+    job_id = JOBS.submit(["--config=short", "--note", "two words"],
                     {"CPU_ONLY": 1, "DATADIR": "/data/nbody", "LOGDIR": tmp_path / "logs", "MASTER_PORT": port,
                      "BENCHY_OUTPUT": "bench.json"}, output, chdir=repo)
-    wait_for_requeue(job_id, output)
-    fields = wait_for_job(job_id, lambda f: f["JobState"] in FINISHED, timeout=60, output=output)
+    JOBS.wait_for_requeue(job_id, output)
+    fields = JOBS.wait_until_finished(job_id, timeout=60, output=output)
     text = output.read_text()  # --open-mode=append: both runs are in the file
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
     assert f"requeueing job {job_id}" in text

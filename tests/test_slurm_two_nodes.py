@@ -15,22 +15,18 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from slurm_jobs import FINISHED, REPO_ROOT, SlurmJobs, make_quickstart_data
+
 SETUP = REPO_ROOT / ".ci" / "setup_slurm_two_nodes.sh"
 BASE = Path("/run/slurm-ci2n")  # where the set-up script keeps config, state and logs
 SLURM_CONF = BASE / "slurm.conf"
 NAMESPACES = ("ci2n-ctl", "ci2n-node1", "ci2n-node2")
 FIRST_NODE_ADDR = "10.231.0.11"
-# Two nodes, one task each; the rest overrides submit_pm.sh's GPU #SBATCH lines as in its header.
-TWO_NODE_SBATCH = ["sbatch", "--parsable", "-N", "2", "--ntasks-per-node=1", "-c", "1", "--gpus-per-node=0",
-                   "--constraint="]
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 # 64 steps of 4 samples (2 per rank): long enough to be preempted at step 8, a few seconds on 2 cores.
 TRAIN_ARGS = ["--config=quickstart", "--num_epochs", "1", "--Nsamples", "256", "--Nsamples_val", "16",
               "--global_batch_size", "4", "--num_data_workers", "0", "--device", "cpu", "--deterministic",
@@ -75,28 +71,9 @@ def daemon_logs():
     return "".join(f"--- {log}\n{log.read_text()[-3000:]}\n" for log in sorted((BASE / "log").glob("*.log")))
 
 
-def job_fields(job_id):
-    out = client("scontrol", "-o", "show", "job", job_id).stdout
-    return dict(item.split("=", 1) for item in out.split() if "=" in item)
-
-
-def wait_for_job(job_id, until, timeout, output):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fields = job_fields(job_id)
-        if until(fields):
-            return fields
-        time.sleep(0.3)
-    client("scancel", job_id, check=False)
-    log = output.read_text() if output.exists() else "(no output file)"
-    pytest.fail(f"job {job_id} still {fields['JobState']} after {timeout} s; its output:\n{log}\n{daemon_logs()}")
-
-
-def submit(args, export, output, chdir=REPO_ROOT):
-    exports = ",".join(["ALL"] + [f"{k}={v}" for k, v in export.items()])
-    command = TWO_NODE_SBATCH + [f"--export={exports}", f"--output={output}", f"--chdir={chdir}",
-                                 str(chdir / "submit_pm.sh"), *args]
-    return client(*command).stdout.strip().split(";")[0]
+# Two nodes, one task each; the rest overrides submit_pm.sh's GPU #SBATCH lines as in its header.
+JOBS = SlurmJobs(["sbatch", "--parsable", "-N", "2", "--ntasks-per-node=1", "-c", "1", "--gpus-per-node=0",
+                  "--constraint="], client=client, diagnostics=daemon_logs)
 
 
 # Each task writes its own file: lines two tasks print to the job's output can interleave (with
@@ -122,9 +99,9 @@ def test_one_task_per_node_and_master_addr_is_the_first_node(cluster, tmp_path):
         shutil.copy(REPO_ROOT / name, repo / name)
     (repo / "train.py").write_text(STUB_TRAIN)
     output = tmp_path / "job.out"
-    job_id = submit(["--config=quickstart"], {"CPU_ONLY": 1, "LOGDIR": tmp_path / "logs", "STUB_OUT": tmp_path},
+    job_id = JOBS.submit(["--config=quickstart"], {"CPU_ONLY": 1, "LOGDIR": tmp_path / "logs", "STUB_OUT": tmp_path},
                     output, chdir=repo)
-    fields = wait_for_job(job_id, lambda f: f["JobState"] in FINISHED, timeout=120, output=output)
+    fields = JOBS.wait_until_finished(job_id, timeout=120, output=output)
     text = output.read_text()
     assert (fields["JobState"], fields["ExitCode"], fields["NodeList"]) == ("COMPLETED", "0:0", "node[1-2]"), text
     runs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -140,13 +117,7 @@ def test_one_task_per_node_and_master_addr_is_the_first_node(cluster, tmp_path):
 
 @pytest.fixture(scope="module")
 def quickstart_data(tmp_path_factory):
-    """quickstart's box sizes (128^3 train, 64^3 val) from the generator: train.py checks them against box_size."""
-    folder = tmp_path_factory.mktemp("slurm2n_data")
-    for name, box, seed in (("train.h5", 128, 1), ("val.h5", 64, 2)):
-        subprocess.run([sys.executable, "-m", "utils.make_dataset", "--box", str(box), "--seed", str(seed),
-                        "--out", str(folder / name), "--device", "cpu"],
-                       cwd=REPO_ROOT, check=True, capture_output=True)
-    return folder
+    return make_quickstart_data(tmp_path_factory.mktemp("slurm2n_data"))
 
 
 def newest_weights(run_dir):
@@ -166,7 +137,7 @@ def test_two_node_run_is_preempted_requeued_and_ends_like_a_one_node_run(cluster
 
     # No --run_num: the requeued job must find and continue the run of the same command.
     output, logdir = tmp_path / "job.out", tmp_path / "runs"
-    job_id = submit(TRAIN_ARGS, {"CPU_ONLY": 1, "DATADIR": quickstart_data, "LOGDIR": logdir}, output)
+    job_id = JOBS.submit(TRAIN_ARGS, {"CPU_ONLY": 1, "DATADIR": quickstart_data, "LOGDIR": logdir}, output)
     run_parent = logdir / "quickstart" / "2GPU"
 
     def reached_step_8(fields):
@@ -174,15 +145,12 @@ def test_two_node_run_is_preempted_requeued_and_ends_like_a_one_node_run(cluster
         return fields["JobState"] in FINISHED or bool(logs) and "step 8/64" in logs[0].read_text()
 
     # Preempt as --signal=USR1@90 does: SIGUSR1 to every process of the job step, on both nodes.
-    fields = wait_for_job(job_id, reached_step_8, timeout=240, output=output)
+    fields = JOBS.wait(job_id, reached_step_8, timeout=240, output=output)
     assert fields["JobState"] == "RUNNING", f"job {job_id} ended before it was preempted:\n{output.read_text()}"
     assert fields["NodeList"] == "node[1-2]"
     client("scancel", "--signal=USR1", job_id)
-    fields = wait_for_job(job_id, lambda f: f["Restarts"] == "1" and f["JobState"] == "PENDING"
-                          or f["JobState"] in FINISHED, timeout=240, output=output)
-    assert fields["Restarts"] == "1", f"job {job_id} ended {fields['JobState']} unrequeued:\n{output.read_text()}"
-    # It starts again once its old credential expired (cred_expire=10 in the set-up script).
-    fields = wait_for_job(job_id, lambda f: f["JobState"] in FINISHED, timeout=240, output=output)
+    JOBS.wait_for_requeue(job_id, output)
+    fields = JOBS.wait_until_finished(job_id, timeout=240, output=output)
     text = output.read_text()  # --open-mode=append: both runs are in the file
     assert (fields["JobState"], fields["ExitCode"], fields["NodeList"]) == ("COMPLETED", "0:0", "node[1-2]"), text
     assert f"requeueing job {job_id}" in text
