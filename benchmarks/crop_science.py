@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.results_file import check_outputs, shown_path, write_keeping_notes  # noqa: E402
-from utils.arguments import at_least  # noqa: E402
+from utils.arguments import at_least, refuse_repeats  # noqa: E402
 from benchmarks.science_compare import THREADS, final_scalars, logged_times, table  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from science import report as science_report  # noqa: E402
@@ -164,8 +164,7 @@ def main(argv=None):
     parser.add_argument("--from_json", action="store_true", help="rewrite the Markdown from --out's JSON; no runs")
     args = parser.parse_args(argv)
     args.out = args.out or str(Path(args.expdir) / "crop_science.md")
-    if len(set(args.seeds)) < len(args.seeds):
-        parser.error(f"--seeds repeats a value: {' '.join(map(str, args.seeds))}; give each seed once")
+    refuse_repeats(parser, "seeds", args.seeds)
     if args.from_json and not Path(args.out).with_suffix(".json").is_file():
         parser.error(f"--from_json reads {Path(args.out).with_suffix('.json')}, which does not exist; name the "
                      f"table of an earlier run with --out")

@@ -50,7 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
-from utils.arguments import at_least, positive_float  # noqa: E402
+from utils.arguments import at_least, positive_float, refuse_repeats  # noqa: E402
 from benchmarks.scaling_study import machine_description  # noqa: E402
 from train import initial_lr, warmup_steps  # noqa: E402
 from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks, run_label  # noqa: E402
@@ -109,8 +109,9 @@ def parse_args(argv=None):
     if owned:
         parser.error(f"{', '.join(owned)} after -- would override what the study sets for each run; use --arm, "
                      f"--seeds, --config and --expdir instead")
-    if len(set(args.seeds)) < len(args.seeds):
-        parser.error("--seeds repeats a seed")
+    refuse_repeats(parser, "seeds", args.seeds)
+    refuse_repeats(parser, "arm", [f"{a['batch']}:{a['scaling']}:{a['epochs']}:{a['ranks']}" for a in args.arm])
+    refuse_repeats(parser, "runs", [run.resolve() for run in args.runs or []])
     return args
 
 

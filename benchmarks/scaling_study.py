@@ -39,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere
 
 from benchmarks.results_file import check_outputs  # noqa: E402
-from utils.arguments import positive_int  # noqa: E402
+from utils.arguments import positive_int, refuse_repeats  # noqa: E402
 
 EPOCH_LINE = re.compile(r"Time taken for epoch (\d+) is ([\d.]+) sec, avg ([\d.]+) samples/sec")
 
@@ -69,6 +69,7 @@ def parse_args(argv=None):
     parser.add_argument("train_args", nargs="*", help="after --: extra arguments for train.py")
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--out": args.out})
+    refuse_repeats(parser, "ranks", args.ranks)
     if 1 not in args.ranks:
         parser.error("--ranks must include 1: efficiency is relative to one rank")
     if args.metric == "epoch" and args.num_epochs < 2:

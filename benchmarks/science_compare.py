@@ -37,7 +37,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from benchmarks.results_file import check_outputs, shown_path, write_keeping_notes  # noqa: E402
-from utils.arguments import at_least  # noqa: E402
+from utils.arguments import at_least, refuse_repeats  # noqa: E402
 from networks.UNet import build_model, loss_func  # noqa: E402
 from science import report as science_report  # noqa: E402
 from utils.config import SCHEMA, load_config  # noqa: E402
@@ -213,9 +213,8 @@ def parse_args(argv=None):
                                             "directories must still exist); no training")
     args = parser.parse_args(argv)
     args.out = args.out or str(Path(args.expdir) / "science_compare.md")
-    for flag in ("options", "seeds"):
-        if len(set(getattr(args, flag))) < len(getattr(args, flag)):
-            parser.error(f"--{flag} repeats a value: {' '.join(map(str, getattr(args, flag)))}; give each once")
+    refuse_repeats(parser, "options", args.options)
+    refuse_repeats(parser, "seeds", args.seeds)
     if args.from_json and not Path(args.from_json).is_file():
         parser.error(f"--from_json {args.from_json} does not exist; give the JSON an earlier run wrote")
     check_outputs(parser, files={"--out": args.out})

@@ -51,7 +51,7 @@ def run_script(script, argv):
     return stop.value.code, out.getvalue(), err.getvalue()
 
 
-# (script or module, arguments, the refusal); each would otherwise fail late or print nonsense
+# (script or module, arguments, the refusal); each would otherwise fail late, print nonsense or run twice
 REFUSED = [
     ("benchmarks/comm_model.py", ["--samples_per_sec", "0"], "argument --samples_per_sec: must be positive, got 0"),
     ("benchmarks/comm_model.py", ["--samples_per_sec", "-5"], "argument --samples_per_sec: must be positive, got -5"),
@@ -64,6 +64,8 @@ REFUSED = [
     ("benchmarks/ladder.py", ["--tiny", "--windows", "0"], "argument --windows: must be positive, got 0"),
     ("benchmarks/ladder.py", ["--model_channels", "4", "0"], "argument --model_channels: must be positive, got 0"),
     ("benchmarks/scaling_study.py", ["--ranks", "1", "0"], "argument --ranks: must be positive, got 0"),
+    ("benchmarks/scaling_study.py", ["--ranks", "1", "2", "1", "2"], "--ranks repeats 1 2; give each once"),
+    ("benchmarks/crop_science.py", ["--seeds", "3", "3"], "--seeds repeats 3; give each once"),
     ("benchmarks/reference_side_by_side.py", ["--epochs", "1"], "argument --epochs: must be at least 2, got 1"),
     ("benchmarks/full_run.py", ["OUT", "--budget_s", "0"], "argument --budget_s: must be positive, got 0"),
     ("utils/make_dataset.py", ["--out", "x.h5", "--box_length", "0"], "argument --box_length: must be positive, got 0"),

@@ -33,7 +33,10 @@ def test_arms_parse_and_bad_ones_say_the_form():
     ([], "give either --arm"), (["--arm", "8:none:1", "--runs", "x"], "give either --arm"),
     (["--runs", "x", "--", "--lr_schedule.start_lr", "1"], "--runs trains nothing"),
     (["--arm", "8:none:1", "--", "--num_epochs=2", "--seed", "1"], "--num_epochs=2, --seed after -- would override"),
-    (["--arm", "8:none:1", "--seeds", "1", "1"], "--seeds repeats a seed")])
+    (["--arm", "8:none:1", "--seeds", "1", "1"], "--seeds repeats 1; give each once"),
+    (["--arm", "8:none:1", "--arm", "8:sqrt:1", "--arm", "8:none:1:1"], "--arm repeats 8:none:1:1; give each once"),
+    (["--runs", "logs/a", "logs/b", "logs/a/"], "--runs repeats "),  # one folder, however it is written
+])
 def test_bad_command_lines_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
         study.parse_args(argv)

@@ -12,8 +12,8 @@ def test_without_out_the_table_goes_under_expdir(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--options", "bilinear"], "argument --options: invalid choice: 'bilinear' (choose from "),
-    (["--options", "transposed", "transposed"], "--options repeats a value: transposed transposed"),
-    (["--seeds", "0", "0"], "--seeds repeats a value: 0 0"),
+    (["--options", "transposed", "transposed"], "--options repeats transposed; give each once"),
+    (["--seeds", "0", "0"], "--seeds repeats 0; give each once"),
     (["--from_json", "missing.json"], "--from_json missing.json does not exist; give the JSON an earlier run wrote"),
 ])
 def test_a_bad_paste_is_one_line_before_any_training(argv, message, tmp_path, monkeypatch, capsys):

@@ -3,6 +3,7 @@
 A batch of 0 or a bandwidth of -1 is argparse's own one-line error at parse time
 (``error: argument --batch: must be positive, got 0``), before any work, instead of a ZeroDivisionError after
 minutes of it, or a table of nonsense. train.py's flags are checked against the config schema instead.
+``refuse_repeats`` does the same for a list flag that names one seed, rank count or run twice.
 """
 import argparse
 
@@ -27,3 +28,15 @@ def at_least(minimum, kind=int):
 positive_int = bounded(int, lambda value: value > 0, "positive")  # sizes, batches, counts of repeats
 positive_float = bounded(float, lambda value: value > 0, "positive")  # rates, bandwidths, peaks, time limits
 fraction = bounded(float, lambda value: 0 <= value <= 1, "a fraction in [0, 1]")  # NaN is refused too
+
+
+def refuse_repeats(parser, flag, values):
+    """``parser.error`` when a list flag names one value twice: a study would run it (or count it) twice, under
+    one run name."""
+    seen, repeated = set(), []
+    for value in values:
+        if value in seen and value not in repeated:
+            repeated.append(value)
+        seen.add(value)
+    if repeated:
+        parser.error(f"--{flag} repeats {' '.join(map(str, repeated))}; give each once")
