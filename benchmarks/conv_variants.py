@@ -142,6 +142,23 @@ def layer_inputs(model, batch, crop, device):
     return inputs
 
 
+def train_step_ms(channels, spec, data, device, repeats):
+    """(median ms, the forms chosen) of one bf16 training step of a fresh model with ``--conv_forms spec``."""
+    torch.manual_seed(0)
+    model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
+    chosen = apply_conv_forms(model, spec)  # as train.py's --conv_forms sets them
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            prediction = model(data[0])
+        F.l1_loss(prediction.float(), data[1]).backward()
+        optimizer.step()
+
+    return timed(step, device, repeats=max(3, repeats + 5), warmup=5), chosen
+
+
 def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10):
     """Per-layer form timings and whole-step timings; returns {"layers": [...], "steps": {...}, ...}."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,27 +223,14 @@ def measure(batch=64, crop=64, channels=None, device=None, log=print, repeats=10
     data = tuple(t.contiguous(memory_format=torch.channels_last_3d) for t in data)
     variants = {"native": "native", "rewritten": "rewritten", "best": describe_conv_forms(best), **OPT_STEPS}
     for variant, spec in variants.items():
-        torch.manual_seed(0)
-        model = UNet(channels).to(device, memory_format=torch.channels_last_3d)
-        chosen = apply_conv_forms(model, spec)  # as train.py's --conv_forms sets them
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                prediction = model(data[0])
-            F.l1_loss(prediction.float(), data[1]).backward()
-            optimizer.step()
-
-        ms = timed(step, device, repeats=max(3, repeats + 5), warmup=5)
+        ms, chosen = train_step_ms(channels, spec, data, device, repeats)
         results["steps"][variant] = {"ms": round(ms, 2), "samples_per_s": round(batch * 1e3 / ms, 1),
                                      "conv_forms": spec,
                                      "forms": {name: form for name, form in chosen.items() if form != "native"}}
         log(f"train step, {variant:10s}: {ms:7.2f} ms = {batch * 1e3 / ms:6.0f} samples/s (not native: "
             f"{', '.join(f'{n} {f}' for n, f in results['steps'][variant]['forms'].items()) or 'none'})")
-        del model, optimizer
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the variant's model and optimizer state, freed on train_step_ms's return
     native_sum = sum(row["ms"]["native"] for row in results["layers"])
     results["conv_share_of_native_step"] = round(native_sum / results["steps"]["native"]["ms"], 3)
     log(f"the convolutions (forward + backward, timed alone) add up to {native_sum:.2f} ms, "

@@ -49,9 +49,7 @@ def gemm_times(layer, dtype, device, repeats):
     passes = {"forward": lambda: x @ w, "input_grad": lambda: dy @ w.T, "weight_grad": lambda: x.T @ dy}
     if not layer.needs_input_grad:
         del passes["input_grad"]
-    times = {name: timed(fn, device, repeats) for name, fn in passes.items()}
-    del x, w, dy
-    return times
+    return {name: timed(fn, device, repeats) for name, fn in passes.items()}  # the operands die on return
 
 
 def gpu_kind(device):

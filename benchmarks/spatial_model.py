@@ -398,7 +398,8 @@ def goal_lines(setup, measured):
                  replace(setup, recompute=True)), ("as modelled", setup),
                 ("+ bf16 gradients, all communication hidden behind compute (overlap 1)", hidden),
                 ("+ batch 64 per data rank", replace(hidden, batch=64))]
-    lines += ["", row("what if (below 'as modelled', each row adds to the one above)", "efficiency"), row("---", "---:")]
+    lines += ["", row("what if (below 'as modelled', each row adds to the one above)", "efficiency"),
+              row("---", "---:")]
     lines += [row(label, f"{100 * efficiency(crop, spatial, v, measured):.1f}%") for label, v in variants]
     return lines
 

@@ -107,7 +107,8 @@ class LymanAlphaSettings:
 
     @classmethod
     def from_config(cls, section, cell_size=None):
-        """From the config's ``lyman_alpha`` mapping; ``cell_size`` (e.g. a data file's) fills a null cell_size_mpc_h."""
+        """From the config's ``lyman_alpha`` mapping; ``cell_size`` (e.g. a data file's) fills a null
+        cell_size_mpc_h."""
         size = section["cell_size_mpc_h"] if section["cell_size_mpc_h"] is not None else cell_size
         return cls(redshift=section["redshift"], omega_m=section["omega_m"], hubble=section["hubble_km_s_mpc_h"],
                    cell_size=size if size is not None else DEFAULT_CELL_SIZE, mean_flux=section["mean_flux"],
@@ -425,10 +426,15 @@ class FluxStatistics:
         return scalars
 
 
+def format_bands(scalars, prefix):
+    """'2-4: 8.19, 4-8: 0.945, ...' from the scalars ``<prefix>wavelength_<band>_cells``, in their order."""
+    return ", ".join(f"{tag.removeprefix(prefix + 'wavelength_').removesuffix('_cells')}: {value:.3g}"
+                     for tag, value in scalars.items() if tag.startswith(prefix))
+
+
 def format_summary(scalars):
     """One log line from the ``lyman_alpha/`` scalars."""
-    bands = [(tag.removeprefix("lyman_alpha/p1d_ratio/wavelength_").removesuffix("_cells"), value)
-             for tag, value in scalars.items() if tag.startswith("lyman_alpha/p1d_ratio/")]
-    return (f"mean flux {scalars['lyman_alpha/mean_flux_pred']:.4f} (target {scalars['lyman_alpha/mean_flux_true']:.4f})"
-            f" | flux PDF distance KS {scalars['lyman_alpha/flux_pdf_ks']:.4f}, W1 {scalars['lyman_alpha/flux_pdf_w1']:.4f}"
-            f" | P1D_pred/P1D_true at wavelengths [cells] " + ", ".join(f"{band}: {value:.3g}" for band, value in bands))
+    return (f"mean flux {scalars['lyman_alpha/mean_flux_pred']:.4f} "
+            f"(target {scalars['lyman_alpha/mean_flux_true']:.4f}) | flux PDF distance "
+            f"KS {scalars['lyman_alpha/flux_pdf_ks']:.4f}, W1 {scalars['lyman_alpha/flux_pdf_w1']:.4f} | "
+            f"P1D_pred/P1D_true at wavelengths [cells] {format_bands(scalars, 'lyman_alpha/p1d_ratio/')}")

@@ -60,7 +60,7 @@ import math
 import numpy as np
 import torch
 
-from science.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_for
+from science.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_for, format_bands
 from utils.distributed import sum_over_ranks
 from utils.units import (DENSITY_LOG_SCALE, HYDRO_CHANNELS, TEMPERATURE_LOG10_OFFSET, TEMPERATURE_LOG10_SCALE,
                          to_physical)
@@ -299,12 +299,10 @@ def format_fit(value, spec, unit="", why=" (densities fill < 2 bins of the fit)"
 
 def format_summary(scalars):
     """One log line from ``compute()``'s scalars: density and temperature L1, gamma, power ratios."""
-    ratios = [(tag.removeprefix("power_ratio/wavelength_").removesuffix("_cells"), value)
-              for tag, value in scalars.items() if tag.startswith("power_ratio/")]
     return (f"L1 gas density {scalars['L1/gas_density']:.5f}, temperature {scalars['L1/temperature']:.5f} | "
             f"T-rho gamma {format_fit(scalars['T_rho/gamma_pred'], '.3f')} "
             f"(target {format_fit(scalars['T_rho/gamma_true'], '.3f')}) | "
-            f"P_pred/P_true at wavelengths [cells] " + ", ".join(f"{band}: {value:.3g}" for band, value in ratios))
+            f"P_pred/P_true at wavelengths [cells] {format_bands(scalars, 'power_ratio/')}")
 
 
 def lyman_alpha_settings(params, data_path=None):

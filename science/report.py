@@ -83,7 +83,8 @@ def _units(section, path, cell_size):
 
 
 def load_from_run(source, input_path, device, cell_size=None):
-    """(prediction, truth, description, settings section, cell size) by predicting the box with the newest checkpoint."""
+    """(prediction, truth, description, settings section, cell size): the box predicted with the newest
+    checkpoint."""
     model, params, checkpoint, step = inference.load_trained_model(source, device)
     path = Path(input_path) if input_path else resolve_path(params.val_path)
     truth, attrs = _read_hydro(path, "input", "give a file with Nbody and the true Hydro with --input")
@@ -202,19 +203,13 @@ def _plot_temperature_density(axes, metrics):
 
 
 def _header(scalars):
-    bands = ", ".join(f"{tag.split('_')[-2]}: {value:.3g}" for tag, value in scalars.items()
-                      if tag.startswith("power_ratio/"))
-    p1d = ", ".join(f"{tag.split('_')[-2]}: {value:.3g}" for tag, value in scalars.items()
-                    if tag.startswith("lyman_alpha/p1d_ratio/"))
     return (f"L1 (normalised) gas density {scalars['L1/gas_density']:.5f}, vx {scalars['L1/gas_vx']:.5f}, temperature "
             f"{scalars['L1/temperature']:.5f} | gamma {format_fit(scalars['T_rho/gamma_pred'], '.3f')} (target "
             f"{format_fit(scalars['T_rho/gamma_true'], '.3f')}), "
             f"T0 {format_fit(scalars['T_rho/T0_pred_K'], '.0f', ' K', '')} "
             f"(target {format_fit(scalars['T_rho/T0_true_K'], '.0f', ' K', '')})\n"
-            f"P_pred/P_true by wavelength [cells] {bands}\n"
-            f"mean flux {scalars['lyman_alpha/mean_flux_pred']:.4f} (target {scalars['lyman_alpha/mean_flux_true']:.4f}) | "
-            f"flux PDF distance KS {scalars['lyman_alpha/flux_pdf_ks']:.4f}, W1 {scalars['lyman_alpha/flux_pdf_w1']:.4f} | "
-            f"P1D_pred/P1D_true by wavelength [cells] {p1d}")
+            f"P_pred/P_true at wavelengths [cells] {lya.format_bands(scalars, 'power_ratio/')}\n"
+            f"{lya.format_summary(scalars)}")  # the log's own words
 
 
 def report_figure(prediction, truth, metrics, description):

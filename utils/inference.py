@@ -287,7 +287,8 @@ class WholeBoxScience:
             spectra, pdf = stats.p1d(), stats.flux_pdf()
             group["p1d_k_s_per_km"], group["p1d_pred_km_s"] = spectra["k"], spectra["pred"]
             group["flux_pdf_edges"], group["flux_pdf_pred"] = pdf["edges"], pdf["pred"]
-            group.attrs.update(settings=self.settings.describe(), skewer_stride=self.stride, tau_amplitude=stats.amplitude)
+            group.attrs.update(settings=self.settings.describe(), skewer_stride=self.stride,
+                               tau_amplitude=stats.amplitude)
             num_skewers = round(stats.p1d_count() / self.box)
             if self.truth is not None:
                 group["p1d_true_km_s"], group["flux_pdf_true"] = spectra["true"], pdf["true"]

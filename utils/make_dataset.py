@@ -958,7 +958,8 @@ def main(argv=None):
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     args = parser.parse_args(argv)
     if args.npy_only:
-        given = [f"--{key}" for key in ("box", "seed", "box_length", "smoothing", "slab") if getattr(args, key) is not None]
+        given = [f"--{key}" for key in ("box", "seed", "box_length", "smoothing", "slab")
+                 if getattr(args, key) is not None]
         given += ["--npy"] * args.npy + [f"--device {args.device}"] * (args.device != "auto")
         if given:
             parser.error(f"--npy_only copies the existing file; it takes no generation flags ({', '.join(given)})")
