@@ -398,8 +398,8 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
 def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_optimizer, check=None):
     """Parse, load the config, set up the run folder, data and model, and train.
 
-    train_graph.py passes its step (``make_step``), its optimizer (``make_optimizer``) and ``check(params,
-    world_size)``, which refuses what it cannot run before any work is done."""
+    train_graph.py passes its step, its optimizer and ``check(params, world_size, here)``, which refuses what it
+    cannot run before any work (``here``: on this machine too, not only the config as for ``--print_config``)."""
     control = RunControl()  # one stop-signal handler from the first second on: exit code 3 outside the loop
     try:
         args = parse_args(argv)
@@ -408,7 +408,7 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
         params = load_config(args.config, args.yaml_config, config_overrides(args, world_size))
         check_world_size(params, world_size)
         if check is not None:
-            check(params, world_size)
+            check(params, world_size, here=not args.print_config)
         if args.print_config:  # what this command would run, as its run folder's config.yaml would record it
             print(config_yaml(params), end="")
             return None
@@ -489,7 +489,7 @@ def parse_args(argv=None):
                         help="per-rank batch (crops per data rank); sets global_batch_size = N x world size "
                              "(/ --spatial_parallel)")
     parser.add_argument("--print_config", action="store_true",
-                        help="print the resolved config (base < named config < $EXPDIR < flags) and exit")
+                        help="print the resolved config (named config < $EXPDIR < flags) and exit; no GPU needed")
     add_config_arguments(parser, FLAG_ALIASES)
     args = parser.parse_args(argv)
     if args.run_num is not None and (args.run_num in ("", "..") or Path(args.run_num).name != args.run_num):

@@ -35,9 +35,10 @@ from utils.snapshot import restore_training_state, snapshot_training_state
 NUM_WARMUP_STEPS = 3  # eager steps before capture: cuDNN autotuning, lazy optimizer state, compilation
 
 
-def check_graph_support(params, world_size):
-    """Refuse, before any work, what a whole-step CUDA graph cannot run (see the module docstring)."""
-    if not torch.cuda.is_available():
+def check_graph_support(params, world_size, here=True):
+    """Refuse, before any work, what a whole-step CUDA graph cannot run (see the module docstring); ``here=False``
+    (``--print_config``, as on a login node without GPUs) checks the config alone."""
+    if here and not torch.cuda.is_available():
         raise ConfigError("train_graph.py captures the training step in a CUDA graph and needs a CUDA GPU, "
                           "but none is visible (torch.cuda.is_available() is False); use train.py here")
     if params.device == "cpu":

@@ -34,6 +34,21 @@ def test_train_graph_without_cuda_exits_with_one_line_before_any_work(tmp_path, 
     assert not runs.exists() and not data.exists()  # no run folder, no generated data
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU, as a login node")
+def test_train_graph_print_config_needs_no_gpu_but_still_checks_the_config(tmp_path, monkeypatch, capsys):
+    """On a login node a reader sees what a GPU job would run; a config the graph cannot run is still refused."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config=bs64_opt", "--num_epochs", "2", "--print_config"]
+    assert train_graph.main(argv) is None
+    printed = capsys.readouterr().out
+    assert train.main(argv) is None and printed == capsys.readouterr().out  # what train.py prints for it
+    assert "num_epochs: 2\n" in printed
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(lambda: train_graph.main(argv + ["--amp_mode=fp16"]))
+    assert exit_info.value.code == 2 and "use --amp_mode=bf16" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("flags, world_size, expected", [
     (["--amp_mode=fp16"], 1, "use --amp_mode=bf16"),
     (["--enable_amp"], 1, "use --amp_mode=bf16"),
