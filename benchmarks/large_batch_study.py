@@ -96,10 +96,12 @@ def parse_args(argv=None):
     parser.add_argument("--expdir", type=Path, default=REPO_ROOT / "logs", help="root of the arms' run folders")
     parser.add_argument("--target", type=positive_float,
                         help="validation loss to reach (default: the highest final loss)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "large_batch",
-                        help="output path without suffix: writes .md, .png and .json")
+    # Beside the runs (the git-ignored logs/) unless named, so that a trial cannot replace the committed results.
+    parser.add_argument("--out", type=Path, help="output path without suffix: writes .md, .png and .json "
+                                                 "(default: EXPDIR/large_batch)")
     parser.add_argument("train_args", nargs="*", help="after --: extra arguments for every train.py run")
     args = parser.parse_args(argv)
+    args.out = args.out or args.expdir / "large_batch"
     check_outputs(parser, files={"--out": args.out})
     if bool(args.arm) == bool(args.runs):
         parser.error("give either --arm (one or more, to train) or --runs (existing run directories)")

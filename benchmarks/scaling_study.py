@@ -64,7 +64,8 @@ def parse_args(argv=None):
                         help="OMP_NUM_THREADS of every rank (torchrun sets 1 for N > 1 only; the same for "
                              "every N keeps CPU runs comparable)")
     parser.add_argument("--expdir", type=Path, help="root of the run folders (default: a new temporary folder)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "scaling",
+    # Into the git-ignored logs/ unless named, so that a trial cannot add to (or replace) the committed results.
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "logs" / "scaling",
                         help="output path without suffix: writes .md, .png and .json")
     parser.add_argument("train_args", nargs="*", help="after --: extra arguments for train.py")
     args = parser.parse_args(argv)
@@ -240,6 +241,7 @@ def main(argv=None):
     args.out.with_suffix(".json").write_text(json.dumps(
         {"machine": machine, "command": command_line, "settings": {k: str(v) for k, v in vars(args).items()},
          "rows": rows}, indent=2))
+    print(f"wrote {args.out.with_suffix('.md')}, .png and .json")
 
 
 if __name__ == "__main__":

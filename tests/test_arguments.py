@@ -9,6 +9,7 @@ import ast
 import contextlib
 import io
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -124,3 +125,17 @@ def test_every_script_answers_help_with_its_usage_and_takes_no_abbreviation():
         assert code == 0 and "usage:" in out, (script, code, out[-300:])
         code, _, err = run_script(script, ["--hel"])
         assert code == 2 and "error:" in err, (script, code, err[-300:])
+
+
+def test_a_study_writes_into_the_repository_only_where_git_ignores_it_unless_told():
+    """A trial run with the defaults cannot add to, or replace, the committed benchmarks/results/ (a test once
+    committed a scaling study it ran by accident)."""
+    from benchmarks import large_batch_study, scaling_study, science_compare
+    outs = [scaling_study.parse_args([]).out.with_suffix(".md"),
+            large_batch_study.parse_args(["--arm", "8:none:1"]).out.with_suffix(".md"),
+            Path(science_compare.parse_args([]).out)]  # crop_science's: in its --expdir, /tmp/crop_science
+    for out in outs:
+        inside = out.resolve().is_relative_to(REPO_ROOT)
+        assert not inside or subprocess.run(["git", "check-ignore", "-q", str(out)], cwd=REPO_ROOT).returncode == 0, \
+            f"{out} is in the repository and not git-ignored"
+    assert outs[0] == REPO_ROOT / "logs" / "scaling.md" and outs[1] == REPO_ROOT / "logs" / "large_batch.md"
