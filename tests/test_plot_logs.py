@@ -83,11 +83,13 @@ def test_science_png(two_runs, tmp_path):
 
 def test_out_is_the_file_written_and_the_one_named(two_runs, tmp_path, capsys):
     """savefig adds .png to a name without a suffix: the "wrote" line must name that file; a folder
-    gets loss.png in it; another suffix is the format, and one matplotlib cannot write is one line."""
+    (one that exists, or a new one named with a trailing /) gets loss.png in it; another suffix is the format, and
+    one matplotlib cannot write is one line."""
     folder = tmp_path / "plots"
     folder.mkdir()
     for out, written in ((folder, folder / "loss.png"), (tmp_path / "curves", tmp_path / "curves.png"),
-                         (tmp_path / "curves.pdf", tmp_path / "curves.pdf")):
+                         (tmp_path / "curves.pdf", tmp_path / "curves.pdf"),
+                         (f"{tmp_path / 'new' / 'folder'}/", tmp_path / "new" / "folder" / "loss.png")):  # a slash
         assert plot_logs.main([str(two_runs[0]), "--out", str(out)]) == 0
         assert capsys.readouterr().out == f"wrote {written}\n" and written.is_file()
     with pytest.raises(SystemExit, match=r"error: --out .*curves\.v2: matplotlib writes no \.v2 files; end the name "
