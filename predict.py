@@ -81,8 +81,8 @@ def parse_args(argv=None):
 def check_arguments(args, output, input_path):
     """One-line ConfigErrors for flags that contradict each other or the launch (before any file is read)."""
     # what --force cannot overwrite comes first, so that it is never the advice
-    if output.is_dir():
-        raise ConfigError(f"--output {output} is a directory; give a file name such as {output / 'hydro.h5'}")
+    if output.is_dir() or args.output.endswith(os.sep):  # Path() drops the slash that says "a folder"
+        raise ConfigError(f"--output {args.output} is a directory; give a file name such as {output / 'hydro.h5'}")
     if output.exists() and output.resolve() == input_path.resolve():
         raise ConfigError(f"--output {output} is the input file; write the prediction to another file")
     if output.exists() and not args.force:

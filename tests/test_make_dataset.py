@@ -152,6 +152,10 @@ def test_a_directory_as_out_is_refused_before_generating_even_with_force(tmp_pat
         with pytest.raises(GenerationError, match=f"^{tmp_path} is a directory; give a file name such as "
                                                   f"{tmp_path / 'train.h5'}$"):
             md.main(["--box", "16", "--out", str(tmp_path), "--device", "cpu", *force])
+    new_folder = f"{tmp_path / 'new'}/"  # not yet made: the slash alone says it is one, where Path() would drop it
+    with pytest.raises(SystemExit):
+        md.main(["--box", "16", "--out", new_folder, "--device", "cpu"])
+    assert not (tmp_path / "new").exists()
 
 
 def test_ensure_dataset_generates_only_when_missing(tmp_path):

@@ -291,6 +291,7 @@ def error_files(tmp_path, run_dir):
         "no_nbody": hydro_only,
         "nan_input": write_nbody(tmp_path / "nan.h5", not_a_number),
         "out": tmp_path / "new.h5", "under_a_file": tmp_path / "exists.h5" / "hydro.h5",
+        "new_folder": f"{tmp_path / 'new'}/",  # not yet made: only its slash says it is a folder
     }
 
 
@@ -316,6 +317,8 @@ ERROR_CASES = {
     # not "pass --force", which could not help
     "output is input, no force": ({"--output": "good"}, "--output {good} is the input file; write the"),
     "output is a directory, no force": ({"--output": "empty_run"}, "--output {empty_run} is a directory;"),
+    "output names a new folder": ({"--output": "new_folder"}, "--output {new_folder} is a directory; give a file "
+                                                             "name such as {new_folder}hydro.h5"),  # not a file
     "output not writable": ({"--output": "under_a_file"}, "cannot write {under_a_file} (EEXIST: File exists); choose another"),
     "no batch": ({"--batch_size": "0"}, "--batch_size must be positive, got 0"),
 }

@@ -957,6 +957,8 @@ def main(argv=None):
                         help="planes per slab (default: from the memory budget; the result does not depend on it)")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     args = parser.parse_args(argv)
+    if args.out.endswith(os.sep):  # a folder, made or not: Path() would drop the slash and write a file of its name
+        parser.error(f"--out {args.out} is a directory; give a file name such as {Path(args.out) / 'train.h5'}")
     if args.npy_only:
         given = [f"--{key}" for key in ("box", "seed", "box_length", "smoothing", "slab")
                  if getattr(args, key) is not None]
