@@ -16,6 +16,7 @@ from benchmarks import ladder
 from networks.UNet import UNet, loss_func
 from utils import Preempted, StorageError
 from utils.config import REPO_ROOT, ConfigError, load_config
+from utils import profiling
 from utils.profiling import Profiler
 
 
@@ -196,6 +197,24 @@ def test_profile_window_writes_a_trace_of_exactly_its_steps(tmp_path, num_steps,
     for name in ("step", "data copy", "forward", "backward", "optimizer"):
         assert names.count(name) == recorded, name  # the warm-up step (1) and steps after the window: not recorded
     assert sum(1 for name in names if name and name.startswith("ProfilerStep#")) == recorded
+
+
+@pytest.mark.parametrize("first, last, trained", [(0, 1, "global steps 0 to 1"), (0, 2, "global steps 0 to 2"),
+                                                   (5, 7, "global steps 5 to 7"), (None, None, "no steps")],
+                         ids=["short", "ends at the window", "resumed after it", "no step"])
+def test_a_window_the_run_never_reached_is_said_not_silent(tmp_path, monkeypatch, first, last, trained):
+    """A short run (or one resumed past the window) used to end without a word, as if a trace were somewhere."""
+    params = load_config("quickstart", overrides={"profile_dir": "profile", "profile_window": [3, 5]})
+    profiler = Profiler(params, tmp_path, torch.device("cpu"))
+    said = []
+    monkeypatch.setattr(profiling.logger, "info", said.append)
+    for global_step in range(first, last + 1) if first is not None else ():
+        profiler.step(global_step)
+    profiler.close()
+    assert said == [f"profile_window [3, 5] not reached: this run trained {trained}; no torch.profiler "
+                               f"trace written (choose a --profile_window inside those steps; a trace also warms up on "
+                               f"the step before its window)"]
+    assert not list((tmp_path / "profile").iterdir())
 
 
 @pytest.mark.parametrize("ending_with", [None, Preempted("stop signal")], ids=["alone", "while a stop ends the run"])

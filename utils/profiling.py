@@ -70,7 +70,8 @@ class Profiler:
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.torch_profiler = None
         self.cuda_profiler_running = False
-        self.last_step = None
+        self.first_step = self.last_step = None
+        self.trace_started = self.cuda_profiler_started = False  # a short or resumed run can miss the window
         self.cuda_window = device.type == "cuda" and (self.nvtx or self.trace_dir is not None)
 
     def range(self, name):
@@ -94,6 +95,7 @@ class Profiler:
                 torch.cuda.nvtx.range_pop()
 
     def step(self, global_step):
+        self.first_step = global_step if self.first_step is None else self.first_step
         self.last_step = global_step
         if self.cuda_window and global_step in (self.start, self.stop):
             # The host runs steps ahead of the GPU (as far as the loader and CUDA's launch queue let it), so at
@@ -113,7 +115,7 @@ class Profiler:
         if self.nvtx:
             if global_step == self.start:
                 torch.cuda.profiler.start()  # cudaProfilerStart: nsys --capture-range=cudaProfilerApi begins here
-                self.cuda_profiler_running = True
+                self.cuda_profiler_running = self.cuda_profiler_started = True
             elif global_step == self.stop:
                 self._stop_cuda_profiler()
 
@@ -128,12 +130,24 @@ class Profiler:
                 self._stop_trace(self.last_step + 1)
             if self.cuda_profiler_running:
                 self._stop_cuda_profiler()
+            if self.trace_dir is not None and not self.trace_started:
+                logger.info(self._missed("no torch.profiler trace written"))
+            if self.nvtx and not self.cuda_profiler_started:
+                logger.info(self._missed("the CUDA profiler window (nsys --capture-range=cudaProfilerApi) "
+                                         "never opened"))
         except Exception as err:
             if ending_with is None:
                 raise
             logger.warning(f"profiler: closing it failed too ({type(err).__name__}: {err})".splitlines()[0])
 
+    def _missed(self, what):
+        """The log line of a window that this run's steps did not reach: silence would look like a trace."""
+        trained = "no steps" if self.last_step is None else f"global steps {self.first_step} to {self.last_step}"
+        return (f"profile_window {[self.start, self.stop]} not reached: this run trained {trained}; {what} (choose "
+                f"a --profile_window inside those steps; a trace also warms up on the step before its window)")
+
     def _start_trace(self):
+        self.trace_started = True
         self.traces_before = set(self.trace_dir.glob("*.pt.trace.json")) if self.trace_dir.is_dir() else set()
         # Step start - 1 is the profiler's warm-up (tracing set up, events discarded), so the first
         # recorded step does not carry the profiler's start-up cost; steps start .. stop - 1 are recorded.
@@ -152,7 +166,7 @@ class Profiler:
         self.torch_profiler.stop()
         self.torch_profiler = None
         if end <= self.start:
-            logger.info(f"Run ended before profile_window {[self.start, self.stop]}; no torch.profiler trace written")
+            logger.info(self._missed("no torch.profiler trace written"))
             return
         self._check_trace_written()
         logger.info(f"torch.profiler trace of steps [{self.start}, {end}) written to {self.trace_dir} "
