@@ -56,6 +56,11 @@ PROFILE_OUTPUT=${PROFILE_OUTPUT:-profile}  # nsys report name: <name>.rank<R>.ns
 die() { echo "submit_pm.sh: $*" >&2; exit 2; }
 
 [[ -f train.py && -f export_DDP_vars.sh ]] || die "no train.py in $PWD; submit from the repository root"
+# Outside a job srun would ask for an allocation of its own, without the #SBATCH lines' nodes, GPUs and signal.
+if [[ -z ${SLURM_JOB_ID:-} ]]; then
+    printf -v args ' %q' "$@"  # quoted to paste back
+    die "not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh$args"
+fi
 [[ $CPU_ONLY == 0 || $CPU_ONLY == 1 ]] || die "CPU_ONLY must be 0 or 1, got '$CPU_ONLY'"
 [[ $ENABLE_PROFILING == 0 || $ENABLE_PROFILING == 1 ]] || die "ENABLE_PROFILING must be 0 or 1, got '$ENABLE_PROFILING'"
 [[ $REVERSE_GPUS == 0 || $REVERSE_GPUS == 1 ]] || die "REVERSE_GPUS must be 0 or 1, got '$REVERSE_GPUS'"

@@ -197,7 +197,7 @@ def test_export_ddp_vars_refuses_outside_a_slurm_task():
 ])
 def test_submit_pm_rejects_bad_settings_before_launching(env, message, tmp_path):
     result = subprocess.run(["bash", str(REPO_ROOT / "submit_pm.sh")], cwd=REPO_ROOT, capture_output=True,
-                            text=True, env={**os.environ, "LOGDIR": str(tmp_path), **env})
+                            text=True, env={**os.environ, "LOGDIR": str(tmp_path), "SLURM_JOB_ID": "1", **env})
     assert result.returncode == 2 and message in result.stderr
     assert "srun" not in result.stderr  # stopped before the launch line
 
@@ -206,6 +206,16 @@ def test_submit_pm_must_be_submitted_from_the_repository(tmp_path):
     result = subprocess.run(["bash", str(REPO_ROOT / "submit_pm.sh")], cwd=tmp_path, capture_output=True,
                             text=True)
     assert result.returncode == 2 and "submit from the repository root" in result.stderr
+
+
+def test_submit_pm_run_outside_a_job_says_to_submit_it_before_srun_allocates_its_own(tmp_path):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    env["PATH"] = stub_commands(tmp_path / "bin", stubs=("srun",))
+    result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh"), "--config=short", "--note", "two words"],
+                            cwd=fake_repository(tmp_path), capture_output=True, text=True, env=env)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == "submit_pm.sh: not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh --config=short " \
+                            "--note two\\ words\n"  # quoted to paste back
 
 
 def stub_commands(folder, stubs=(), links=("realpath", "mkdir")):
@@ -230,7 +240,7 @@ def fake_repository(tmp_path):
 
 def test_submit_pm_names_a_missing_container_runtime_before_launching(tmp_path):
     env = {**os.environ, "PATH": stub_commands(tmp_path / "bin", stubs=("srun",)), "CONTAINER_RUNTIME": "shifter",
-           "CONTAINER_IMAGE": "registry/user/nbody2hydro:latest"}
+           "CONTAINER_IMAGE": "registry/user/nbody2hydro:latest", "SLURM_JOB_ID": "1"}
     result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh")], cwd=fake_repository(tmp_path),
                             capture_output=True, text=True, env=env)
     assert result.returncode == 2 and "srun" not in result.stdout + result.stderr
@@ -242,7 +252,8 @@ def test_submit_pm_gives_apptainer_and_train_py_absolute_paths(tmp_path):
     apptainer are stand-ins that print their arguments)."""
     repo = fake_repository(tmp_path)
     env = {**os.environ, "PATH": f"{stub_commands(tmp_path / 'bin', stubs=('srun', 'apptainer'))}:{os.environ['PATH']}",
-           "CONTAINER_RUNTIME": "apptainer", "CONTAINER_IMAGE": "image.sif", "LOGDIR": "runs", "DATADIR": "../boxes"}
+           "CONTAINER_RUNTIME": "apptainer", "CONTAINER_IMAGE": "image.sif", "LOGDIR": "runs", "DATADIR": "../boxes",
+           "SLURM_JOB_ID": "1"}
     result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh"), "--config=short"], cwd=repo,
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
