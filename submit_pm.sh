@@ -59,7 +59,7 @@ die() { echo "submit_pm.sh: $*" >&2; exit 2; }
 # Outside a job srun would ask for an allocation of its own, without the #SBATCH lines' nodes, GPUs and signal.
 if [[ -z ${SLURM_JOB_ID:-} ]]; then
     printf -v args ' %q' "$@"  # quoted to paste back
-    die "not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh$args"
+    die "not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh$args (more in its header, CPU-only too)"
 fi
 [[ $CPU_ONLY == 0 || $CPU_ONLY == 1 ]] || die "CPU_ONLY must be 0 or 1, got '$CPU_ONLY'"
 [[ $ENABLE_PROFILING == 0 || $ENABLE_PROFILING == 1 ]] || die "ENABLE_PROFILING must be 0 or 1, got '$ENABLE_PROFILING'"

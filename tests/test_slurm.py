@@ -215,7 +215,7 @@ def test_submit_pm_run_outside_a_job_says_to_submit_it_before_srun_allocates_its
                             cwd=fake_repository(tmp_path), capture_output=True, text=True, env=env)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == "submit_pm.sh: not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh --config=short " \
-                            "--note two\\ words\n"  # quoted to paste back
+                            "--note two\\ words (more in its header, CPU-only too)\n"  # quoted to paste back
 
 
 def stub_commands(folder, stubs=(), links=("realpath", "mkdir")):
