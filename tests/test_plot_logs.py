@@ -102,6 +102,12 @@ def test_errors_are_one_line(tmp_path, two_runs):
     (empty / "logs").mkdir(parents=True)
     with pytest.raises(SystemExit, match=r"error: no TensorBoard event files in .*empty/logs; pass run directories"):
         plot_logs.main([str(empty)])
+    benchmark = tmp_path / "benchmark"  # --enable_benchy: out.log, config.yaml, benchy.json and no logs/
+    benchmark.mkdir()
+    (benchmark / "benchy.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"error: .*benchmark is a benchmark-mode run \(--enable_benchy\), which "
+                                         r"writes no TensorBoard events: its throughputs are in benchy.json"):
+        plot_logs.main([str(benchmark)])
     with pytest.raises(SystemExit, match="is not a directory"):
         plot_logs.main([str(tmp_path / "missing")])
     no_science = two_runs[1]
