@@ -489,7 +489,7 @@ def parse_args(argv=None):
                         help="per-rank batch (crops per data rank); sets global_batch_size = N x world size "
                              "(/ --spatial_parallel)")
     parser.add_argument("--print_config", action="store_true",
-                        help="print the resolved config (named config < $EXPDIR < flags) and exit; no GPU needed")
+                        help="print the resolved config (base < --config < $EXPDIR < flags) and exit; no GPU needed")
     add_config_arguments(parser, FLAG_ALIASES)
     args = parser.parse_args(argv)
     if args.run_num is not None and (args.run_num in ("", "..") or Path(args.run_num).name != args.run_num):

@@ -242,7 +242,7 @@ def figure_path(path, default_name, flag):
     """The file ``Figure.savefig`` writes for the command line's ``flag`` (``--out PATH``): a folder (one that
     exists, or any name ending in /) gets ``default_name`` in it, a name without a suffix gets .png (savefig adds it
     unasked, and the "wrote" line must name the real file); another suffix must be a format matplotlib writes."""
-    if str(path).endswith(("/", os.sep)) or Path(path).is_dir():  # Path() drops the slash that says "a folder"
+    if str(path).endswith(os.sep) or Path(path).is_dir():  # Path() drops the slash that says "a folder"
         return Path(path) / default_name
     path = Path(path)
     if not path.suffix:
