@@ -281,12 +281,14 @@ def error_files(tmp_path, run_dir):
     save_checkpoint(nan_weights, payload, 7, keep_last=1)
     (tmp_path / "exists.h5").write_text("")
     (tmp_path / "empty_run").mkdir()
+    (tmp_path / "logs_only").mkdir()  # as example_logs/ keeps a run: out.log, config.yaml, no checkpoints/
+    (tmp_path / "logs_only" / "config.yaml").write_text("num_epochs: 1\n")
     hydro_only = tmp_path / "hydro_only.h5"
     with h5py.File(hydro_only, "w") as f:
         f["Hydro"] = np.zeros((5, 8, 8, 8), dtype=np.float32)
     return {
         "run": run_dir, "good": good, "missing": tmp_path / "missing.h5", "broken": broken,
-        "empty_run": tmp_path / "empty_run", "nan_weights": nan_weights, "exists": tmp_path / "exists.h5",
+        "empty_run": tmp_path / "empty_run", "logs_only": tmp_path / "logs_only", "nan_weights": nan_weights, "exists": tmp_path / "exists.h5",
         "three_channels": write_nbody(tmp_path / "three.h5", nbody(8, channels=3)),
         "no_nbody": hydro_only,
         "nan_input": write_nbody(tmp_path / "nan.h5", not_a_number),
@@ -300,6 +302,8 @@ ERROR_CASES = {
     "missing checkpoint": ({"--checkpoint": "missing"}, "cannot read checkpoint {missing}: No such file or directory"),
     "broken checkpoint": ({"--checkpoint": "broken"}, "{broken} is truncated or not a checkpoint (no complete zip"),
     "no checkpoint in run": ({"--checkpoint": "empty_run"}, "no valid checkpoint (ckpt_step*.pt) in {empty_run};"),
+    "run kept without checkpoints": ({"--checkpoint": "logs_only"}, "{logs_only} is a run folder without "
+                                     "checkpoints/ (example_logs/ keeps none); run its command again"),
     "NaN weights": ({"--checkpoint": "nan_weights"}, "holds NaN or Inf weights (conv_last.bias); use an earlier"),
     "missing input": ({"--input": "missing"}, "input file {missing} does not exist;"),
     "no Nbody": ({"--input": "no_nbody"}, "{no_nbody} has no dataset 'Nbody' (found: Hydro)"),
