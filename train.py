@@ -435,7 +435,13 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
             control.agree()  # a log write that failed on rank 0 after the loop's last agreement stops every rank
             finished = True
             return result
-        except (RuntimeError, MemoryError) as err:  # out of memory, or a peer rank went away: one line, not a traceback
+        except Exception as err:
+            stop = control.stop_behind(err)  # a stop signal is the cause, whatever it interrupted turned it into
+            if stop is not None:
+                raise stop from None
+            if not isinstance(err, (RuntimeError, MemoryError)):
+                raise
+            # Out of memory, or a peer rank went away: one line, not a traceback.
             from utils.out_of_memory import training_report  # read only when a run fails
             report = training_report(err, params, info) or peer_lost(err, info)
             if report is None:

@@ -382,6 +382,26 @@ def test_ctrl_c_during_start_up_exits_130_naming_the_last_checkpoint(tiny_argv, 
     assert signal.getsignal(signal.SIGINT) is handler_before  # the caller's handler is back
 
 
+def test_a_stop_signal_that_the_interrupted_code_turns_into_another_error_still_exits_3(tiny_argv, capsys,
+                                                                                       monkeypatch, tmp_path):
+    """The handler raises Preempted wherever the main thread is. Raised inside threading's Condition.wait (a thread
+    pool's result(), as the data generator waits on), it left the lock unheld, and the wait's own exit then failed
+    with "cannot release un-acquired lock": a traceback, exit code 1 and no requeue (seen in CI, under load)."""
+    def interrupted_start(*args):
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs here, in the main thread
+            pytest.fail("the signal should have stopped the start-up")
+        finally:
+            raise RuntimeError("cannot release un-acquired lock")  # what the interrupted wait raised in its place
+
+    monkeypatch.setattr(train, "prepare_data", interrupted_start)
+    code, err = run_train_cli(tiny_argv + ["--run_num", "0"], capsys)
+    assert code == 3 and err == ("stopped: stopped by SIGUSR1 outside the training steps (start-up, or the final "
+                                 "validation); no checkpoint was written yet; rerun the same command to continue")
+    logged = (tmp_path / "runs" / "tiny" / "1GPU" / "0" / "out.log").read_text()
+    assert "stopped: stopped by SIGUSR1" in logged and "crashed" not in logged  # the run's own record agrees
+
+
 def test_a_second_ctrl_c_stops_at_once_but_torchruns_echo_of_the_first_does_not(monkeypatch, capfd):
     """In the training loop a first Ctrl-C asks for a checkpoint and a stop; one a second or more later stops at once.
     torchrun passes the terminal's Ctrl-C on to its workers, which so get it twice within milliseconds: one press."""

@@ -440,6 +440,14 @@ class RunControl:
                                          else "outside the training steps (start-up, or the final validation)")
         raise self.stop_error(f"{where}; {resume}")
 
+    def stop_behind(self, err):
+        """The stop error this handler raised, when the code it interrupted turned it into ``err`` (threading's
+        Condition.wait, in a thread pool's result(), fails with "cannot release un-acquired lock"); else None."""
+        cause = err.__context__
+        while cause is not None and not isinstance(cause, (Preempted, Interrupted)):
+            cause = cause.__context__
+        return cause
+
     def stop_error(self, when):
         """The error that ends a run stopped by a signal: Preempted, or Interrupted for Ctrl-C."""
         return (Interrupted if self.signal_name == "SIGINT" else Preempted)(
