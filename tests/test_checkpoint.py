@@ -151,7 +151,8 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
 def test_incomplete_or_unsafe_payloads_are_refused(tmp_path):
     incomplete = tmp_path / "ckpt_step00000001.pt"
     torch.save({"step": 1, "model": {}}, incomplete)
-    with pytest.raises(CheckpointError, match=r"is not a training checkpoint of this code \(missing config, optimizer\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"is not a training checkpoint of this code \(missing config, optimizer\)"):
         load_checkpoint(incomplete)
     unsafe = tmp_path / "ckpt_step00000002.pt"
     torch.save({**payload(2), "config": load_config("quickstart")}, unsafe)  # a Params object, not a dict
@@ -227,8 +228,8 @@ def test_checkpoint_of_another_model_is_refused():
     with pytest.raises(CheckpointError, match=r"shape down\.0\.0\.weight \(16, 4, 4, 4, 4\) vs \(4, 4, 4, 4, 4\) here.*"
                                               r"different model config"):
         load_model_state(model, tiny_model(channels=(16, 8)).state_dict(), source="checkpoint ckpt_step1.pt")
-    with pytest.raises(CheckpointError, match=r"^the checkpoint holds weights of a different model \("
-                                              r"unexpected down\.2\.0\.weight, down\.2\.0\.bias, up\.1\.0\.weight \.\.\."):
+    with pytest.raises(CheckpointError, match=r"^the checkpoint holds weights of a different model \(unexpected "
+                                              r"down\.2\.0\.weight, down\.2\.0\.bias, up\.1\.0\.weight \.\.\."):
         load_model_state(model, tiny_model(channels=(4, 8, 8)).state_dict())
     with pytest.raises(CheckpointError, match=r"missing down\.2\.0\.weight"):
         load_model_state(tiny_model(channels=(4, 8, 8)), model.state_dict())

@@ -42,7 +42,8 @@ def test_flags_of_every_kind_reach_the_config():
                        "--no-enable_augmentation", "--amp_mode", "bf16", "--benchy.trials", "5"])
     params = load_config("short", overrides=given)
     assert params.box_size == [256, 128] and params.data_size == 32 and params.model_channels == [8, 16]
-    assert params.lr_schedule["start_lr"] == 1e-3 and params.lr_schedule["scaling"] == "sqrt"  # rest of the section kept
+    # the rest of the section kept
+    assert params.lr_schedule["start_lr"] == 1e-3 and params.lr_schedule["scaling"] == "sqrt"
     assert params.profile_dir is None and params.peak_tflops == 400.0 and params.enable_augmentation is False
     assert params.benchy["trials"] == 5 and params.amp_mode == "bf16"
     assert load_config("base", overrides=overrides(["--profile_dir", "traces"])).profile_dir == "traces"

@@ -10,7 +10,8 @@ from utils.config import REPO_ROOT
 
 # Imported inside the function that uses them, when their key is on: never by `import train` alone.
 EXTRAS = ("science", "utils.benchy", "utils.profiling", "utils.comm_hooks", "utils.data.fast", "utils.data.gpu",
-          "utils.data.dali", "utils.pinned_copy", "utils.data.batches", "utils.data.symmetry_torch", "utils.units", "utils.make_dataset",
+          "utils.data.dali", "utils.pinned_copy", "utils.data.batches", "utils.data.symmetry_torch", "utils.units",
+          "utils.make_dataset",
           "utils.cpu_amp", "utils.arguments", "matplotlib")
 
 

@@ -66,7 +66,8 @@ def test_precedence_base_named_flags():
     assert load_config("base", overrides=overrides_from(["--enable_amp"])).amp_mode == "fp16"
     assert load_config("base", overrides=overrides_from(["--disable_tf32"])).enable_tf32 is False
     assert load_config("short_opt", overrides=overrides_from(["--no-channels_last"])).channels_last is False
-    assert load_config("base", overrides=overrides_from(["--local_batch_size", "16"], world_size=4)).global_batch_size == 64
+    overrides = overrides_from(["--local_batch_size", "16"], world_size=4)
+    assert load_config("base", overrides=overrides).global_batch_size == 64
 
 
 def test_local_batch_size_counts_the_data_ranks_of_the_flag_or_the_config(tmp_path):
@@ -129,7 +130,8 @@ def test_bad_values_are_named(tmp_path, key, value, expected):
 def test_a_yaml_written_for_older_code_is_told_what_to_add(tmp_path):
     """A key added to the schema since the user's YAML was written: the message gives the lines to add."""
     path = write_yaml(tmp_path, lambda c: [c.pop(key) for key in ("conv_forms", "gpu_prefetch")])
-    with pytest.raises(ConfigError, match=r"missing config keys conv_forms, gpu_prefetch in config 'base' of .*c\.yaml; "
+    with pytest.raises(ConfigError, match=r"missing config keys conv_forms, gpu_prefetch in config 'base' of "
+                                          r".*c\.yaml; "
                                           r"add conv_forms: native; gpu_prefetch: true \(the defaults in "
                                           r"config/UNet\.yaml's base\)"):
         load_config("base", path)

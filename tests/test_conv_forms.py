@@ -355,7 +355,8 @@ def test_train_py_trains_with_conv_forms_and_refuses_a_wrong_value(tiny_argv, tm
     assert "conv_forms=rewritten,down0=padded, " in log and "Time taken for epoch 1" in log
     runs = sorted(path.name for path in (tmp_path / "runs").rglob("*") if path.is_dir())
     code, err = run_train_cli(tiny_argv + ["--conv_forms", "up9=rewritten"], capsys)
-    assert code == 2 and "conv_forms item 'up9=rewritten': this model has no layer 'up9'; its layers are down0, down1, " \
+    assert code == 2 and "conv_forms item 'up9=rewritten': this model has no layer 'up9'; its layers are down0, " \
+                          "down1, " \
                           "up0, last" in err
     assert sorted(path.name for path in (tmp_path / "runs").rglob("*") if path.is_dir()) == runs  # refused up front
 
@@ -407,7 +408,8 @@ def test_compile_with_channels_last_is_refused_on_cuda_only_for_a_native_transpo
         apply_conv_forms(model, spec)
         assert compile_channels_last_blockers(model, conv_input_sizes(model.num_levels, 8)) == blockers, spec
     apply_conv_forms(model, "native")
-    assert compile_channels_last_blockers(model, conv_input_sizes(model.num_levels, 16)) == []  # a 2^3 bottom: nothing ambiguous
+    # a 2^3 bottom: nothing ambiguous
+    assert compile_channels_last_blockers(model, conv_input_sizes(model.num_levels, 16)) == []
     state = build_training(params, DistInfo(device=torch.device("cpu")))  # the CPU compiles it (Inductor's C++)
     assert state.memory_format == torch.channels_last_3d and state.train_model is not state.model
 

@@ -437,7 +437,8 @@ def test_gpu_resident_batches_made_on_the_side_stream_are_handed_over_safely(tin
 def test_prefetched_batches_are_right_while_the_compute_stream_is_busy(tiny_params, channels_last):
     params = tiny_params(Nsamples=64, data_size=16, num_data_workers=2, channels_last=channels_last)  # 16 batches of 4
     reference, reference_sampler = get_data_loader(tiny_params(Nsamples=64, data_size=16, fast_loader=False), "train")
-    loader, sampler = get_data_loader(params, "train", device=CUDA)  # the factory: fast loader, layout on the copy stream
+    # the factory: the fast loader, the layout made on the copy stream
+    loader, sampler = get_data_loader(params, "train", device=CUDA)
     layout = torch.channels_last_3d if channels_last else torch.contiguous_format
     assert isinstance(loader.loader, FastLoader) and loader.loader.buffers.pin_memory
     for epoch, keep in ((1, True), (2, False)):

@@ -398,7 +398,8 @@ def test_part_j_runs_the_spatial_sweep_and_the_two_rank_check(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     checks = {c["name"]: c for c in summary["checks"]}
     assert checks["spatial: a training step's memory per crop"]["status"] == "PASS"
-    assert checks["spatial: a training step's memory per crop"]["detail"].startswith("largest crop trained at S = 1: 16^3")
+    memory = checks["spatial: a training step's memory per crop"]["detail"]
+    assert memory.startswith("largest crop trained at S = 1: 16^3")
     assert checks["spatial: one rank's slabs train"]["detail"].count("S=") == 2
     assert checks["two gloo ranks: S = 2 equals the unsharded model (fp32)"]["status"] == "PASS"
     batch = checks["spatial: slabs at batch 4 (the projection's setup)"]
@@ -425,5 +426,6 @@ def test_part_j_judges_a_stopped_sweep_and_a_failed_check(tmp_path):
     failed = checks["two gloo ranks: S = 2 equals the unsharded model (fp32)"]
     assert failed["status"] == "FAIL" and "Bad address" in failed["detail"]
     assert checks["spatial: two gloo ranks on one device"] == {
-        "name": "spatial: two gloo ranks on one device", "status": "FAIL", "detail": "killed after 60 s", "kind": "check"}
+        "name": "spatial: two gloo ranks on one device", "status": "FAIL", "detail": "killed after 60 s",
+        "kind": "check"}
     suite.finish()

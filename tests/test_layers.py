@@ -30,7 +30,8 @@ def import_graph():
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative import
-                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
                 candidates = [base] + [f"{base}.{alias.name}" for alias in node.names]
             else:
                 continue

@@ -28,7 +28,8 @@ def normalised_hydro(density, temperature, velocity=0.0, shape=(1, 16, 16, 16)):
     fields = torch.empty((shape[0], 5) + tuple(shape[1:]))
     fields[:, 0] = torch.as_tensor(units.normalize_density(np.asarray(density, dtype=np.float64) * np.ones(shape)))
     fields[:, 1:4] = torch.as_tensor(units.normalize_velocity(np.asarray(velocity) * np.ones(shape)))[:, None]
-    fields[:, 4] = torch.as_tensor(units.normalize_temperature(np.asarray(temperature, dtype=np.float64) * np.ones(shape)))
+    temperature = np.asarray(temperature, dtype=np.float64) * np.ones(shape)
+    fields[:, 4] = torch.as_tensor(units.normalize_temperature(temperature))
     return fields
 
 

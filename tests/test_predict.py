@@ -288,7 +288,8 @@ def error_files(tmp_path, run_dir):
         f["Hydro"] = np.zeros((5, 8, 8, 8), dtype=np.float32)
     return {
         "run": run_dir, "good": good, "missing": tmp_path / "missing.h5", "broken": broken,
-        "empty_run": tmp_path / "empty_run", "logs_only": tmp_path / "logs_only", "nan_weights": nan_weights, "exists": tmp_path / "exists.h5",
+        "empty_run": tmp_path / "empty_run", "logs_only": tmp_path / "logs_only", "nan_weights": nan_weights,
+        "exists": tmp_path / "exists.h5",
         "three_channels": write_nbody(tmp_path / "three.h5", nbody(8, channels=3)),
         "no_nbody": hydro_only,
         "nan_input": write_nbody(tmp_path / "nan.h5", not_a_number),
@@ -323,7 +324,8 @@ ERROR_CASES = {
     "output is a directory, no force": ({"--output": "empty_run"}, "--output {empty_run} is a directory;"),
     "output names a new folder": ({"--output": "new_folder"}, "--output {new_folder} is a directory; give a file "
                                                              "name such as {new_folder}hydro.h5"),  # not a file
-    "output not writable": ({"--output": "under_a_file"}, "cannot write {under_a_file} (EEXIST: File exists); choose another"),
+    "output not writable": ({"--output": "under_a_file"},
+                            "cannot write {under_a_file} (EEXIST: File exists); choose another"),
     "no batch": ({"--batch_size": "0"}, "--batch_size must be positive, got 0"),
 }
 

@@ -112,7 +112,8 @@ def test_sigusr1_checkpoints_exits_3_and_continues_exactly(tiny_argv, tmp_path, 
     process.send_signal(signal.SIGUSR1)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 3, stderr
-    assert stderr.strip().startswith("stopped: stopped by SIGUSR1 at global step") and len(stderr.strip().splitlines()) == 1
+    assert stderr.strip().startswith("stopped: stopped by SIGUSR1 at global step")
+    assert len(stderr.strip().splitlines()) == 1
     # out.log ends with the same line (the run's record says why it ended); stdout does not repeat stderr's line
     assert (run_dir(tmp_path, "signalled") / "out.log").read_text().splitlines()[-1].endswith(f" {stderr.strip()}")
     assert "stopped:" not in stdout
@@ -202,7 +203,8 @@ def test_nan_loss_stops_and_names_the_step_and_the_last_good_checkpoint(tiny_arg
     result = run(cmd)
     assert result.returncode == 4, result.stderr
     message = result.stderr.strip()
-    assert message.startswith("error: non-finite loss (NaN or Inf) at global step 1;") and len(message.splitlines()) == 1
+    assert message.startswith("error: non-finite loss (NaN or Inf) at global step 1;")
+    assert len(message.splitlines()) == 1
     assert "no checkpoint was written yet" in message
     assert not list((run_dir(tmp_path, "nan") / "checkpoints").glob("*.pt"))
 

@@ -214,8 +214,8 @@ def test_submit_pm_run_outside_a_job_says_to_submit_it_before_srun_allocates_its
     result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh"), "--config=short", "--note", "two words"],
                             cwd=fake_repository(tmp_path), capture_output=True, text=True, env=env)
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == "submit_pm.sh: not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh --config=short " \
-                            "--note two\\ words (more in its header, CPU-only too)\n"  # quoted to paste back
+    assert result.stderr == ("submit_pm.sh: not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh "
+                             "--config=short --note two\\ words (more in its header, CPU-only too)\n")  # pastable
 
 
 def stub_commands(folder, stubs=(), links=("realpath", "mkdir")):
