@@ -242,9 +242,9 @@ def figure_path(path, default_name, flag):
     """The file ``Figure.savefig`` writes for the command line's ``flag`` (``--out PATH``): a folder (one that
     exists, or any name ending in /) gets ``default_name`` in it, a name without a suffix gets .png (savefig adds it
     unasked, and the "wrote" line must name the real file); another suffix must be a format matplotlib writes."""
-    if str(path).endswith(os.sep) or Path(path).is_dir():  # Path() drops the slash that says "a folder"
-        return Path(path) / default_name
-    path = Path(path)
+    named_as_folder, path = str(path).endswith(os.sep), Path(path)  # Path() drops the slash that says "a folder"
+    if named_as_folder or path.is_dir():
+        return path / default_name
     if not path.suffix:
         return path.with_suffix(".png")
     formats = Figure().canvas.get_supported_filetypes()

@@ -55,10 +55,10 @@ LYMAN_ALPHA_DEFAULTS = {"enabled": True, "redshift": 3.0, "omega_m": 0.3, "hubbl
 def load_trained_model(checkpoint, device):
     """(model in eval mode on ``device``, config, checkpoint path, step) of a file or a run directory."""
     path = Path(checkpoint)
-    if path.is_dir() and (path / "config.yaml").is_file() and not (path / "checkpoints").is_dir():
-        raise CheckpointError(f"{path} is a run folder without checkpoints/ (example_logs/ keeps none); run "
-                              f"its command again, or give a run directory or checkpoint file that has one")
     if path.is_dir():
+        if (path / "config.yaml").is_file() and not (path / "checkpoints").is_dir():
+            raise CheckpointError(f"{path} is a run folder without checkpoints/ (example_logs/ keeps none); run "
+                                  f"its command again, or give a run directory or checkpoint file that has one")
         folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path  # a run dir or its checkpoints/
         found = latest_valid_checkpoint(folder)
         if found is None:

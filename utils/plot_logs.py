@@ -41,10 +41,10 @@ def run_label(run_dir):
 def load_run(run_dir):
     """Every scalar of a run: {tag: (steps, minutes since the run's first event, values)} as numpy arrays."""
     logs = Path(run_dir) / "logs"
-    if not any(logs.glob("events.out.tfevents.*")) and (Path(run_dir) / "benchy.json").is_file():
-        raise PlotLogsError(f"{run_dir} is a benchmark-mode run (--enable_benchy), which writes no TensorBoard "
-                            f"events: its throughputs are in benchy.json and out.log there")
     if not any(logs.glob("events.out.tfevents.*")):
+        if (Path(run_dir) / "benchy.json").is_file():
+            raise PlotLogsError(f"{run_dir} is a benchmark-mode run (--enable_benchy), which writes no TensorBoard "
+                                f"events: its throughputs are in benchy.json and out.log there")
         raise PlotLogsError(f"no TensorBoard event files in {logs}; pass run directories written by train.py "
                             f"(expdir/<config>/<N>GPU/<run_num>, the folder holding out.log and logs/)")
     events = EventAccumulator(str(logs), size_guidance={SCALARS: 0})  # 0: keep every point, not a sample
