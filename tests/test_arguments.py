@@ -128,8 +128,8 @@ def test_every_script_answers_help_with_its_usage_and_takes_no_abbreviation():
 
 
 def test_a_study_writes_into_the_repository_only_where_git_ignores_it_unless_told():
-    """A trial run with the defaults cannot add to, or replace, the committed benchmarks/results/ (a test once
-    committed a scaling study it ran by accident)."""
+    """A trial run with the defaults cannot add to, or replace, the committed benchmarks/results/ (nor can a test
+    that runs a study with its defaults)."""
     from benchmarks import large_batch_study, scaling_study, science_compare
     outs = [scaling_study.parse_args([]).out.with_suffix(".md"),
             large_batch_study.parse_args(["--arm", "8:none:1"]).out.with_suffix(".md"),

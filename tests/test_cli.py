@@ -386,8 +386,8 @@ def test_ctrl_c_during_start_up_exits_130_naming_the_last_checkpoint(tiny_argv, 
 def test_a_stop_signal_that_the_interrupted_code_turns_into_another_error_still_exits_3(tiny_argv, capsys,
                                                                                        monkeypatch, tmp_path):
     """The handler raises Preempted wherever the main thread is. Raised inside threading's Condition.wait (a thread
-    pool's result(), as the data generator waits on), it left the lock unheld, and the wait's own exit then failed
-    with "cannot release un-acquired lock": a traceback, exit code 1 and no requeue (seen in CI, under load)."""
+    pool's result(), as the data generator waits on), it leaves the lock unheld, and the wait's own exit then fails
+    with "cannot release un-acquired lock": without the stop found behind it, a traceback, exit code 1, no requeue."""
     def interrupted_start(*args):
         try:
             os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs here, in the main thread

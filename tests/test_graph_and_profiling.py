@@ -203,7 +203,7 @@ def test_profile_window_writes_a_trace_of_exactly_its_steps(tmp_path, num_steps,
                                                    (5, 7, "global steps 5 to 7"), (None, None, "no steps")],
                          ids=["short", "ends at the window", "resumed after it", "no step"])
 def test_a_window_the_run_never_reached_is_said_not_silent(tmp_path, monkeypatch, first, last, trained):
-    """A short run (or one resumed past the window) used to end without a word, as if a trace were somewhere."""
+    """A short run (or one resumed past the window) writes no trace: silence would read as if one were somewhere."""
     params = load_config("quickstart", overrides={"profile_dir": "profile", "profile_window": [3, 5]})
     profiler = Profiler(params, tmp_path, torch.device("cpu"))
     said = []
