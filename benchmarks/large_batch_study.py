@@ -49,9 +49,9 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.results_file import check_outputs, write_keeping_notes  # noqa: E402
+from benchmarks.results_file import check_outputs, command_line, write_study  # noqa: E402
 from utils.arguments import at_least, positive_float, refuse_repeats  # noqa: E402
-from benchmarks.scaling_study import machine_description  # noqa: E402
+from benchmarks.scaling_study import StudyError, machine_description  # noqa: E402
 from train import initial_lr, warmup_steps  # noqa: E402
 from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks, run_label  # noqa: E402
 
@@ -63,10 +63,6 @@ ARM = re.compile(r"^(\d+):(none|sqrt|linear):(\d+)(?::(\d+))?$")
 ONE_LINE_ERROR = re.compile(r"\b(error|stopped): ")  # how train.py reports a user error or a stop (utils/__init__.py)
 SCIENCE = {"gamma_pred": "T_rho/gamma_pred", "gamma_true": "T_rho/gamma_true",
            "flux_pdf_ks": "lyman_alpha/flux_pdf_ks"}
-
-
-class StudyError(RuntimeError):
-    """A run failed or cannot be read; the message says which and what to do."""
 
 
 def parse_arm(text):
@@ -309,18 +305,12 @@ def main(argv=None):
     reach_target(rows, target)
     arms = by_arm(rows)
     machine = machine_description() if args.arm else "Machine: see the runs' out.log"
-    command_line = "python benchmarks/large_batch_study.py " + " ".join(
-        str(a) for a in (argv if argv is not None else sys.argv[1:]))
-    text = markdown(rows, arms, target, machine, command_line, note)
+    command = command_line(__file__, argv)
+    text = markdown(rows, arms, target, machine, command, note)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_keeping_notes(args.out.with_suffix(".md"), text)
-    plot(rows, target, "validation loss by batch size" + (f" ({machine.split(';')[0]})" if args.arm else ""),
-         args.out.with_suffix(".png"))
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"machine": machine, "command": command_line, "target_val_loss": target, "arms": arms, "rows": rows},
-        indent=2))
-    print(f"wrote {args.out.with_suffix('.md')}, .png and .json")
+    title = "validation loss by batch size" + (f" ({machine.split(';')[0]})" if args.arm else "")
+    write_study(args.out, text, {"machine": machine, "command": command, "target_val_loss": target, "arms": arms,
+                                 "rows": rows}, lambda path: plot(rows, target, title, path))
 
 
 if __name__ == "__main__":

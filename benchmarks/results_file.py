@@ -3,6 +3,7 @@ rewrites such a file keeps the notes: everything from the marker line on stays a
 
 ``check_outputs`` is every benchmark's first step after parsing: a run of minutes on a GPU must not fail at its
 last write."""
+import json
 import os
 import shlex
 import sys
@@ -14,7 +15,8 @@ NOTES_MARKER = "<!-- written by hand from here on: scripts that rewrite this fil
 def command_line(script, argv=None):
     """The command that ran ``script`` (a benchmark's ``__file__``) with ``argv`` (default: the process's), as a
     results file names it: ``python benchmarks/<name>.py ...``, from the repository's root."""
-    return shlex.join(["python", f"benchmarks/{Path(script).name}"] + list(sys.argv[1:] if argv is None else argv))
+    return shlex.join(["python", f"benchmarks/{Path(script).name}"] + [str(arg) for arg in
+                                                                       (sys.argv[1:] if argv is None else argv)])
 
 
 def shown_path(path):
@@ -32,6 +34,16 @@ def write_keeping_notes(path, generated):
     notes = "\n" + old[at:] if at >= 0 else ""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(generated.rstrip("\n") + "\n" + notes)
+
+
+def write_study(out, text, record, draw):
+    """A study's three files beside ``out``: its table (``text``, as .md, keeping the notes below it), the figure
+    ``draw(path)`` saves (.png) and its ``record`` (.json)."""
+    out = Path(out)
+    write_keeping_notes(out.with_suffix(".md"), text)
+    draw(out.with_suffix(".png"))
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2))
+    print(f"wrote {out.with_suffix('.md')}, .png and .json")
 
 
 def check_outputs(parser, files=None, folders=None):

@@ -38,14 +38,14 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere
 
-from benchmarks.results_file import check_outputs  # noqa: E402
+from benchmarks.results_file import check_outputs, command_line, write_study  # noqa: E402
 from utils.arguments import positive_int, refuse_repeats  # noqa: E402
 
 EPOCH_LINE = re.compile(r"Time taken for epoch (\d+) is ([\d.]+) sec, avg ([\d.]+) samples/sec")
 
 
 class StudyError(RuntimeError):
-    """A run failed or produced no throughput; the message says which and where its output is."""
+    """A run failed, or its output cannot be read; the message says which, where its output is and what to do."""
 
 
 def parse_args(argv=None):
@@ -231,17 +231,13 @@ def main(argv=None):
             print(f"  -> {rate:.2f} samples/s", flush=True)
     rows = weak_scaling_rows(rates)
     machine = machine_description()
-    command_line = "python benchmarks/scaling_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = markdown(rows, args, machine, command_line)
+    command = command_line(__file__, argv)
+    text = markdown(rows, args, machine, command)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text)
-    plot(rows, f"train.py --config={args.config}, local batch {args.local_batch_size} ({machine.split(';')[0]})",
-         args.out.with_suffix(".png"))
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"machine": machine, "command": command_line, "settings": {k: str(v) for k, v in vars(args).items()},
-         "rows": rows}, indent=2))
-    print(f"wrote {args.out.with_suffix('.md')}, .png and .json")
+    title = f"train.py --config={args.config}, local batch {args.local_batch_size} ({machine.split(';')[0]})"
+    write_study(args.out, text, {"machine": machine, "command": command,
+                                 "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                lambda path: plot(rows, title, path))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Results files keep their hand-written notes when a script rewrites them (benchmarks/results_file.py)."""
+import json
 import re
 
 import pytest
 
-from benchmarks.results_file import NOTES_MARKER, check_outputs, write_keeping_notes
+from benchmarks.results_file import NOTES_MARKER, check_outputs, command_line, write_keeping_notes, write_study
 from benchmarks.roofline import main as roofline
 from utils.config import REPO_ROOT
 
@@ -24,6 +25,21 @@ def test_a_file_without_the_marker_is_replaced(tmp_path):
     path.write_text("old output\nno notes\n")
     write_keeping_notes(path, "new output\n")
     assert path.read_text() == "new output\n"
+
+
+def test_a_study_writes_its_table_figure_and_record_and_keeps_the_tables_notes(tmp_path, capsys):
+    """scaling_study and large_batch_study write their three files this way: a rerun on a cluster keeps the notes
+    a reader wrote below the table, as every other results file does."""
+    out, drawn = tmp_path / "study" / "scaling", []
+    out.parent.mkdir()
+    out.with_suffix(".md").write_text(f"old table\n\n{NOTES_MARKER}\nread by hand\n")
+    command = command_line("benchmarks/scaling_study.py", ["--ranks", "1", "2", "--out", tmp_path / "a b"])
+    assert command == f"python benchmarks/scaling_study.py --ranks 1 2 --out '{tmp_path / 'a b'}'"  # pastes as is
+    write_study(out, "new table\n", {"command": command, "rows": [1, 2]}, drawn.append)
+    assert out.with_suffix(".md").read_text() == f"new table\n\n{NOTES_MARKER}\nread by hand\n"
+    assert drawn == [out.with_suffix(".png")]
+    assert json.loads(out.with_suffix(".json").read_text()) == {"command": command, "rows": [1, 2]}
+    assert capsys.readouterr().out == f"wrote {out.with_suffix('.md')}, .png and .json\n"
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, capsys):
