@@ -192,8 +192,10 @@ def test_the_same_command_continues_and_another_command_starts_a_new_run(tiny_ar
     assert train.main(tiny_argv) is None  # the same command: run 0 again, finished, nothing to do
     assert "This run already finished" in (run_dir / "0" / "out.log").read_text()
     assert run_folders(tmp_path) == ["0"]
-    train.main(tiny_argv + ["--num_epochs", "1"])  # another command: a run of its own
+    train.main(tiny_argv + ["--num_epochs", "1"])  # another command: a run of its own, which says why
     assert run_folders(tmp_path) == ["0", "1"]
+    assert "a new run: this command differs from run 0's (the newest beside it) in num_epochs (" in \
+        (run_dir / "1" / "out.log").read_text()
     assert yaml.safe_load((run_dir / "1" / "config.yaml").read_text())["num_epochs"] == 1
     train.main(tiny_argv + ["--resume", "never"])  # never resume: a fresh folder
     assert run_folders(tmp_path) == ["0", "1", "2"]
@@ -226,6 +228,28 @@ def test_a_run_made_before_a_speed_knob_existed_is_still_the_same_command(tmp_pa
         assert same_command(tmp_path, params) is same, dropped
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({**dict(params), "conv_forms": "rewritten"}))
     assert not same_command(tmp_path, params)  # a key that is there and differs: another command
+
+
+def test_a_new_run_says_how_its_command_differs_from_the_newest_run_beside_it(tmp_path):
+    """A job resubmitted with one flag changed trains from scratch in a new folder: out.log names the keys, as their
+    flags name them, and the values in both runs."""
+    from utils.run_dir import new_run_note
+    params = load_config("quickstart")
+    older = {**dict(params), "num_epochs": 2, "lr_schedule": {**params.lr_schedule, "start_lr": 0.01}}
+    assert new_run_note(tmp_path, tmp_path / "0", params) is None  # the first run
+    for number, text in (("0", "num_epochs: 9\n"), ("1", yaml.safe_dump(older, sort_keys=False))):
+        (tmp_path / number).mkdir()
+        (tmp_path / number / "config.yaml").write_text(text)
+    assert new_run_note(tmp_path, tmp_path / "3", params) == (
+        "a new run: this command differs from run 1's (the newest beside it) in lr_schedule.start_lr (0.01 there, "
+        "0.002 here), num_epochs (2 there, 4 here); the same command continues its run, any other starts a new one")
+    older.update(seed=1, box_size=[64, 64])
+    (tmp_path / "1" / "config.yaml").write_text(yaml.safe_dump(older, sort_keys=False))
+    assert new_run_note(tmp_path, tmp_path / "3", params).endswith(
+        "in lr_schedule.start_lr (0.01 there, 0.002 here), num_epochs (2 there, 4 here), seed (1 there, 0 here) and 1 "
+        "more key(s); the same command continues its run, any other starts a new one")  # the fourth: box_size
+    (tmp_path / "1" / "config.yaml").write_text(yaml.safe_dump(dict(params)))
+    assert new_run_note(tmp_path, tmp_path / "3", params) is None  # the same command: nothing to explain
 
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full

@@ -45,20 +45,50 @@ def resume_on_restart(resume, environ=os.environ):
                               f"{', else ' + resume if fallback else ''})")
 
 
-def same_command(run_dir, params):
-    """Whether ``run_dir``'s config.yaml is this resolved config, wherever expdir is; keys it lacks that do not
-    define the run (a speed knob added since) are ignored, so after an update the same command still continues."""
+def differing_keys(run_dir, params):
+    """[(key, value there, value here)] where ``run_dir``'s config.yaml differs from this resolved config, wherever
+    expdir is (a section's keys as their flags name them: lr_schedule.start_lr); None if it has none to read. Keys
+    it lacks that do not define the run (a speed knob added since) are ignored, so after an update the same command
+    still continues."""
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
-        return False
+        return None
     if not isinstance(saved, dict):
-        return False
+        return None
     current = yaml.safe_load(config_yaml(params))  # the same round trip the saved file took
     ignored = {"expdir"} | {key for key in current if key not in saved and key in SCHEMA
                             and not SCHEMA[key].defines_run}
-    return ({k: v for k, v in saved.items() if k not in ignored}
-            == {k: v for k, v in current.items() if k not in ignored})
+    return _differences({k: v for k, v in saved.items() if k not in ignored},
+                        {k: v for k, v in current.items() if k not in ignored})
+
+
+def _differences(there, here, prefix=""):
+    found = []
+    for key in dict.fromkeys([*there, *here]):
+        old, new = there.get(key, "unset"), here.get(key, "unset")
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += _differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            found.append((prefix + key, old, new))
+    return found
+
+
+def same_command(run_dir, params):
+    return differing_keys(run_dir, params) == []
+
+
+def new_run_note(parent, run_dir, params):
+    """Why a command starts a new run: how it differs from the newest beside it. A job resubmitted with one flag
+    changed trains from scratch; out.log's first lines must say so, not the wasted hours."""
+    numbers = sorted(int(p.name) for p in parent.iterdir() if p.name.isdigit() and p != run_dir)
+    keys = differing_keys(parent / str(numbers[-1]), params) if numbers else None
+    if not keys:  # no earlier run with a config.yaml, or the same command written a moment ago by another process
+        return None
+    shown = ", ".join(f"{key} ({there} there, {here} here)" for key, there, here in keys[:3])
+    more = f" and {len(keys) - 3} more key(s)" if len(keys) > 3 else ""
+    return (f"a new run: this command differs from run {numbers[-1]}'s (the newest beside it) in {shown}{more}; the "
+            f"same command continues its run, any other starts a new one")
 
 
 def choose_run_num(parent, params, fresh):
@@ -92,6 +122,8 @@ def make_run_dir(run_num, resume, params, info):
                         note = (f"a new run on {info.world_size} rank(s), although this command also ran in "
                                 f"{', '.join(map(str, elsewhere))} (run folders are per GPU count); to continue "
                                 f"that run instead, pass --resume with its newest checkpoint")
+                    elif run_num is None:
+                        note = new_run_note(parent, run_dir, params)
             except OSError as err:
                 raise ConfigError(f"cannot prepare run directory {run_dir} ({err.strerror}: {err.filename}); "
                                   f"check its permissions or choose another with --expdir") from None
