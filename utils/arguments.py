@@ -33,10 +33,6 @@ fraction = bounded(float, lambda value: 0 <= value <= 1, "a fraction in [0, 1]")
 def refuse_repeats(parser, flag, values):
     """``parser.error`` when a list flag names one value twice: a study would run it (or count it) twice, under
     one run name."""
-    seen, repeated = set(), []
-    for value in values:
-        if value in seen and value not in repeated:
-            repeated.append(value)
-        seen.add(value)
+    repeated = dict.fromkeys(value for i, value in enumerate(values) if value in values[:i])  # each once, in order
     if repeated:
         parser.error(f"--{flag} repeats {' '.join(map(str, repeated))}; give each once")
