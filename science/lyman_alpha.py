@@ -14,7 +14,8 @@ optical depth is conserved exactly), periodically wrapped along the skewer. The 
 F = exp(-tau). A single constant A, the unknown photo-ionisation rate, is fixed so that the *true*
 field has the chosen mean flux <exp(-A tau_true)> = mean_flux (0.7 at z = 3, roughly what is
 observed); the prediction gets the same A, so an error in its density or temperature shows up as a
-wrong mean flux, as it would in an analysis.
+wrong mean flux, as it would in an analysis. Above about 10^5 K collisional ionisation takes over and the
+FGPA no longer holds; such gas is so highly ionised that it hardly absorbs either way.
 
 Units are the stored fields' (utils/units.py): cells of ``cell_size`` comoving Mpc/h (the config's
 ``cell_size_mpc_h``, else the data file's attribute of that name: ``cell_size_for``), velocities in

@@ -17,8 +17,9 @@ Physics (standard cheap approximations; every step is an FFT, a pointwise map or
    linear density contrast delta. P(k) = A k^n_s T(k)^2 with the BBKS transfer function (shape
    parameter Gamma ~ 0.2), normalised by sigma8 (linear rms in 8 Mpc/h top-hat spheres). sigma8 is
    an *effective* amplitude (an early epoch): chosen so the rms Zel'dovich displacement is a few
-   cells and the cell scale is mildly non-linear (filaments, sheets and voids, no hopeless
-   shell-crossing mess).
+   cells and filaments, sheets and voids show. The cell scale is non-linear (rms delta 1.2 per cell;
+   a fifth of the particles have crossed a neighbouring stream, which the Zel'dovich approximation
+   lets pass through), so sheets come out thicker than in an N-body run: a toy, not a simulation.
 2. Zel'dovich approximation: one particle per cell starts on the grid point q and moves to
    x = q + psi(q), psi = -grad phi with laplacian(phi) = delta (spectral derivatives). Linear theory
    makes the peculiar velocity proportional to the displacement, v = f H a psi; we take a round
@@ -31,9 +32,13 @@ Physics (standard cheap approximations; every step is an FFT, a pointwise map or
    momentum are the DM ones smoothed by an isotropic Gaussian of `smoothing` cells;
    v_gas = smoothed momentum / smoothed mass.
 5. Temperature: the photo-ionised IGM temperature-density relation T = T0 (rho_gas/mean)^(gamma-1)
-   plus shock heating where the gas flow converges: T_shock = (3/16) mu m_p / k_B * dv^2 with
-   dv = max(0, -div v_gas) * (shock_length cells): the post-shock temperature of the velocity jump
-   across the converging region.
+   plus a heuristic shock heating where the gas's peculiar flow converges: T_shock = (3/16) mu m_p /
+   k_B * dv^2 with dv = max(0, -div v_gas) * (shock_length cells). (3/16) mu m_p v^2 / k_B is the
+   post-shock temperature of a strong shock of speed v; taking v as the jump across the converging
+   region, and shock_length, are calibration choices. The threshold ignores the Hubble expansion
+   (the proper flow converges only where -div v > 3 a H), so overdense gas in the linear regime is
+   warmed on top of the adiabatic heating T0 rho^(gamma-1) already counts: a broad hot tail, more
+   temperature-density scatter than a hydro simulation's.
 
 The Nbody -> Hydro map is learnable (Hydro is computed from the DM mass and momentum, which the
 Nbody channels carry) but not pointwise: smoothing and the divergence need neighbourhoods.
