@@ -72,11 +72,12 @@ EXPECTED = [
     "python benchmarks/roofline.py",
     "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1 --Nsamples 512",
     "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1 --spatial_parallel 2",
-    "python benchmarks/gpu_suite.py OUT --small",
+    "python benchmarks/gpu_suite.py logs/suite_small --small",
     "python -m utils.plot_logs logs/quickstart/1GPU/0",
     "python -m science.report logs/quickstart/1GPU/0",
-    "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output hydro.h5 --force",
-    "python -m science.report hydro.h5",
+    "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output logs/hydro.h5 "
+    "--force",
+    "python -m science.report logs/hydro.h5",
 ]
 QUICKSTART = "python train.py --config=quickstart"
 TIMEOUT_S = 900  # per command; the slowest, the quickstart, takes 86-111 s on the 2-core machine
@@ -407,6 +408,12 @@ def test_the_quickstart_log_the_readme_shows_is_the_example_logs():
 
 # --- running it ----------------------------------------------------------------------------------
 
+def git_status(clone):
+    """The lines of ``git status --porcelain``: what differs from the commit, ignored files left out."""
+    return subprocess.run(["git", "status", "--porcelain"], cwd=clone, check=True, capture_output=True,
+                          text=True).stdout.splitlines()
+
+
 def fresh_clone(target):
     """git clone of the repository, with the working tree's files (tracked or not ignored) copied over it."""
     subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(target)], check=True, capture_output=True, text=True)
@@ -510,7 +517,7 @@ def check_torchrun(clone, output, seen):
 def check_gpu_suite(clone, output, seen):
     """Section 17: the GPU suite's CPU smoke mode runs every CPU part, skips the GPU parts saying why, and writes
     the documented files (this command is the suite's one smoke run in CI)."""
-    out = clone / "OUT"
+    out = clone / "logs" / "suite_small"
     summary = json.loads((out / "summary.json").read_text())
     checks = {c["name"]: c for c in summary["checks"]}
     failed = {name: c["detail"] for name, c in checks.items() if c["status"] == "FAIL"}
@@ -554,13 +561,13 @@ CLAIMS = {
     "python train.py --config=quickstart --num_epochs 1 --Nsamples 256 --profile_dir traces": check_profile,
     "python train.py --config=quickstart --enable_benchy": check_benchy,
     "torchrun --nproc_per_node=2 train.py --config=quickstart --num_epochs 1 --Nsamples 512": check_torchrun,
-    "python benchmarks/gpu_suite.py OUT --small": check_gpu_suite,
+    "python benchmarks/gpu_suite.py logs/suite_small --small": check_gpu_suite,
     # Section 15: loss plots, the science report of the run and of a whole-box prediction.
     "python -m utils.plot_logs logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/loss.png"),
     "python -m science.report logs/quickstart/1GPU/0": check_file("logs/quickstart/1GPU/0/science_report.png"),
-    "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output hydro.h5 --force":
-        check_file("hydro.h5"),
-    "python -m science.report hydro.h5": check_file("hydro_report.png"),
+    "python predict.py --checkpoint logs/quickstart/1GPU/0 --input data/quickstart_val.h5 --output logs/hydro.h5 "
+    "--force": check_file("logs/hydro.h5"),
+    "python -m science.report logs/hydro.h5": check_file("logs/hydro_report.png"),
 }
 
 
@@ -572,6 +579,7 @@ def test_readme_walkthrough_on_a_fresh_clone(tmp_path):
         pytest.skip("tests/test_readme_commands.py clones the repository: not a git checkout")
     clone = tmp_path / "clone"
     fresh_clone(clone)
+    untouched = git_status(clone)  # the working tree's own changes, copied over the clone
     env, seen, timings = user_env(), {}, []
     commands = [c for _, c in readme_commands(README.read_text())]
     for step, command in enumerate(commands + [QUICKSTART]):
@@ -593,4 +601,6 @@ def test_readme_walkthrough_on_a_fresh_clone(tmp_path):
             except AssertionError as error:
                 raise AssertionError(f"{error}\n{context}") from None
     print("\n".join(timings))
+    left = sorted(set(git_status(clone)) - set(untouched))
+    assert not left, f"README commands left files outside the git-ignored logs/ and data/: {left}"
     shutil.rmtree(clone)  # its data is 1.4 GB; a failing run's clone stays for a look
