@@ -194,7 +194,7 @@ def test_the_same_command_continues_and_another_command_starts_a_new_run(tiny_ar
     assert run_folders(tmp_path) == ["0"]
     train.main(tiny_argv + ["--num_epochs", "1"])  # another command: a run of its own, which says why
     assert run_folders(tmp_path) == ["0", "1"]
-    assert "a new run: this command differs from run 0's (the newest beside it) in num_epochs (" in \
+    assert "a new run: this command differs from run 0's (the closest beside it) in num_epochs (" in \
         (run_dir / "1" / "out.log").read_text()
     assert yaml.safe_load((run_dir / "1" / "config.yaml").read_text())["num_epochs"] == 1
     train.main(tiny_argv + ["--resume", "never"])  # never resume: a fresh folder
@@ -230,9 +230,10 @@ def test_a_run_made_before_a_speed_knob_existed_is_still_the_same_command(tmp_pa
     assert not same_command(tmp_path, params)  # a key that is there and differs: another command
 
 
-def test_a_new_run_says_how_its_command_differs_from_the_newest_run_beside_it(tmp_path):
+def test_a_new_run_says_how_its_command_differs_from_the_closest_run_beside_it(tmp_path):
     """A job resubmitted with one flag changed trains from scratch in a new folder: out.log names the keys, as their
-    flags name them, and the values in both runs."""
+    flags name them, and the values in both runs, for the run that differs in the fewest keys (the newest of equals):
+    the one whose command was most likely changed."""
     from utils.run_dir import new_run_note
     params = load_config("quickstart")
     older = {**dict(params), "num_epochs": 2, "lr_schedule": {**params.lr_schedule, "start_lr": 0.01}}
@@ -241,10 +242,16 @@ def test_a_new_run_says_how_its_command_differs_from_the_newest_run_beside_it(tm
         (tmp_path / number).mkdir()
         (tmp_path / number / "config.yaml").write_text(text)
     assert new_run_note(tmp_path, tmp_path / "3", params) == (
-        "a new run: this command differs from run 1's (the newest beside it) in lr_schedule.start_lr (0.01 there, "
+        "a new run: this command differs from run 1's (the closest beside it) in lr_schedule.start_lr (0.01 there, "
         "0.002 here), num_epochs (2 there, 4 here); the same command continues its run, any other starts a new one")
+    (tmp_path / "2").mkdir()  # a newer run, further from this command: run 1 stays the one compared
+    (tmp_path / "2" / "config.yaml").write_text(yaml.safe_dump({**older, "seed": 1}, sort_keys=False))
+    assert "differs from run 1's (the closest beside it)" in new_run_note(tmp_path, tmp_path / "3", params)
+    (tmp_path / "2" / "config.yaml").write_text(yaml.safe_dump({**older, "num_epochs": 3}, sort_keys=False))
+    assert "differs from run 2's (the closest beside it)" in new_run_note(tmp_path, tmp_path / "3", params)  # a tie
     older.update(seed=1, box_size=[64, 64])
-    (tmp_path / "1" / "config.yaml").write_text(yaml.safe_dump(older, sort_keys=False))
+    for number in "12":
+        (tmp_path / number / "config.yaml").write_text(yaml.safe_dump(older, sort_keys=False))
     assert new_run_note(tmp_path, tmp_path / "3", params).endswith(
         "in lr_schedule.start_lr (0.01 there, 0.002 here), num_epochs (2 there, 4 here), seed (1 there, 0 here) and 1 "
         "more key(s); the same command continues its run, any other starts a new one")  # the fourth: box_size
@@ -405,6 +412,26 @@ def test_ctrl_c_during_start_up_exits_130_naming_the_last_checkpoint(tiny_argv, 
     assert err == ("stopped: stopped by SIGINT outside the training steps (start-up, or the final validation); no "
                    "checkpoint was written yet; rerun the same command to continue")
     assert signal.getsignal(signal.SIGINT) is handler_before  # the caller's handler is back
+
+
+def test_ctrl_c_in_the_last_validation_lets_the_finished_run_end_normally(tiny_argv, capfd, monkeypatch, tmp_path):
+    """The hint promised a stop after this step with a checkpoint, but no step is left: the run ends as it would
+    have (exit 0, the final checkpoint written) and says so, rather than exiting 130 as if work were lost."""
+    real = train.validate
+
+    def interrupted_validation(state, loader):
+        if state.global_step == train.total_steps(state.params):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(state, loader)
+
+    monkeypatch.setattr(train, "validate", interrupted_validation)
+    assert train.main(tiny_argv + ["--run_num", "0"]) is not None  # its final validation loss: a normal end
+    assert "Ctrl-C: the run stops after this step with a checkpoint" in capfd.readouterr().err  # to fd 2
+    run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "0"
+    assert "SIGINT came after the last training step: the run is complete and ends normally, its final checkpoint " \
+           "written" in (run_dir / "out.log").read_text()
+    assert f"ckpt_step{train.total_steps(load_config('tiny', tiny_argv[1])):08d}.pt" in \
+        [p.name for p in (run_dir / "checkpoints").iterdir()]
 
 
 def test_a_stop_signal_that_the_interrupted_code_turns_into_another_error_still_exits_3(tiny_argv, capsys,

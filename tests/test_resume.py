@@ -142,6 +142,7 @@ def test_ctrl_c_with_loader_workers_checkpoints_exits_130_and_continues_exactly(
     assert stop.startswith("stopped: stopped by SIGINT at global step ") and stop.endswith("rerun the same command to "
                                                                                           "continue")
     assert 5 <= newest_step(checkpoints) < FINAL_STEP
+    assert "Checkpoint (Ctrl-C) written" in (run_dir(tmp_path, "interrupted") / "out.log").read_text()
     result = run(cmd)
     assert result.returncode == 0, result.stderr
     assert_identical(final_weights(tmp_path, "interrupted"), reference)

@@ -568,6 +568,9 @@ class CheckpointManager:
                 self.control.in_loop = False
         if failed is not None:
             raise failed
+        if self.control.signal_name:  # after the last step's agreement (in the final validation): none left to stop
+            logger.info(f"{self.control.signal_name} came after the last training step: the run is complete and ends "
+                        f"normally, its final checkpoint written")
 
     def _close_writer(self, ending):
         """Close rank 0's writer, log its stall statistics; a failed write's error, logged too if another exception is
@@ -608,7 +611,8 @@ class CheckpointManager:
         if bad_step is not None:
             self._raise_nonfinite(bad_step)
         if stop or by_steps or clock_due:
-            self.save(loss_sum, "preemption" if stop else "periodic", wait=stop)
+            reason = ("Ctrl-C" if control.signal_name == "SIGINT" else "preemption") if stop else "periodic"
+            self.save(loss_sum, reason, wait=stop)
         if stop:
             raise control.stop_error(f"at global step {state.global_step}")
 

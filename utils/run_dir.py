@@ -79,15 +79,18 @@ def same_command(run_dir, params):
 
 
 def new_run_note(parent, run_dir, params):
-    """Why a command starts a new run: how it differs from the newest beside it. A job resubmitted with one flag
-    changed trains from scratch; out.log's first lines must say so, not the wasted hours."""
-    numbers = sorted(int(p.name) for p in parent.iterdir() if p.name.isdigit() and p != run_dir)
-    keys = differing_keys(parent / str(numbers[-1]), params) if numbers else None
-    if not keys:  # no earlier run with a config.yaml, or the same command written a moment ago by another process
+    """Why a command starts a new run: how it differs from the closest run beside it (the fewest keys; the newest of
+    equals), most likely the one whose command it changed. A job resubmitted with one flag changed trains from
+    scratch; out.log's first lines must say so, not the wasted hours."""
+    found = {int(p.name): differing_keys(p, params) for p in parent.iterdir() if p.name.isdigit() and p != run_dir}
+    found = {number: keys for number, keys in found.items() if keys is not None}  # None: no config.yaml to read
+    if not found or [] in found.values():  # the first run, or the same command just written by another process
         return None
+    number = min(found, key=lambda n: (len(found[n]), -n))
+    keys = found[number]
     shown = ", ".join(f"{key} ({there} there, {here} here)" for key, there, here in keys[:3])
     more = f" and {len(keys) - 3} more key(s)" if len(keys) > 3 else ""
-    return (f"a new run: this command differs from run {numbers[-1]}'s (the newest beside it) in {shown}{more}; the "
+    return (f"a new run: this command differs from run {number}'s (the closest beside it) in {shown}{more}; the "
             f"same command continues its run, any other starts a new one")
 
 
