@@ -35,8 +35,7 @@ def test_one_node_uses_the_nvlink_bandwidth():
 def test_default_network_at_the_reference_scale():
     # 128 GPUs, 100 GB/s per node, 5 us per hop: 2 x 127/128 x 467.9 MB / 100 GB/s + 254 x 5 us = 10.555 ms;
     # compute 64 / 893 = 71.67 ms -> 87.2%, below the published 78%: see the calibration in the report.
-    t_comm = 2 * 127 / 128 * 467_908_116 / 100e9 + 254 * 5e-6
-    assert t_comm == pytest.approx(10.555e-3, rel=1e-4)
+    assert ring_allreduce_time(FP32_GRAD_BYTES, 128, 100e9, 5e-6) == pytest.approx(10.555e-3, rel=1e-4)
     assert scaling_efficiency(128, 64, 893.0) == pytest.approx(0.8716, abs=1e-4)
 
 

@@ -171,8 +171,11 @@ def test_a_gpu_batch_is_held_until_the_consumers_stream_has_passed_its_work():
 def test_gpu_pipeline_equals_cpu_pipeline(dali_params):
     params = dali_params()
     loaders = [get_dali_loader(params, "train", device=torch.device(name)) for name in ("cpu", "cuda")]
-    for (cpu_inp, cpu_tar), (gpu_inp, gpu_tar) in zip(loaders[0][0], loaders[1][0]):
+    count = 0
+    for (cpu_inp, cpu_tar), (gpu_inp, gpu_tar) in zip(loaders[0][0], loaders[1][0], strict=True):  # as many batches
         assert gpu_inp.is_cuda and torch.equal(gpu_inp.cpu(), cpu_inp) and torch.equal(gpu_tar.cpu(), cpu_tar)
+        count += 1
+    assert count == len(loaders[0][0]) > 0
 
 
 def test_missing_dali_names_the_requirements_file(dali_params, monkeypatch):

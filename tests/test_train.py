@@ -180,6 +180,25 @@ def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):
     assert scalars["Loss/valid"][-1][1] == pytest.approx(val_loss, rel=1e-6)
 
 
+def test_mfu_is_the_steps_flops_over_the_datasheet_peak_of_the_gpu_it_names(monkeypatch):
+    """The README's MFU figures: FLOPs per step x steps / time / peak, the peak looked up by device name with the
+    specific variants first (an "H100 PCIe" is not an SXM "H100"), in the run's math mode."""
+    cuda = torch.device("cuda", 0)
+    sxm = "NVIDIA H100 80GB HBM3"
+    for name, mode, tf32, tflops in [(sxm, "bf16", True, 989.4), ("NVIDIA H100 PCIe", "bf16", True, 756.0),
+                                     ("NVIDIA H100 NVL", "fp16", True, 835.5), ("NVIDIA H200", "bf16", True, 989.4),
+                                     (sxm, "none", True, 494.7), (sxm, "none", False, 67.0),
+                                     ("NVIDIA A100-SXM4-80GB", "fp16", True, 312.0), ("NVIDIA L4", "bf16", True, None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        peak = metrics.peak_flops(cuda, mode, tf32)
+        assert peak == (tflops * 1e12 if tflops else None), (name, mode, tf32)
+    assert metrics.peak_flops(torch.device("cpu"), "bf16", True) is None  # the CPU: only --peak_tflops gives one
+    assert metrics.peak_flops(torch.device("cpu"), "bf16", True, peak_tflops=2.5) == 2.5e12
+    summary = metrics.StepMeter(torch.device("cpu")).summary(2.0, 10, 64, 1e12, 1e13)  # 10 steps of 1 TFLOP in 2 s
+    assert summary["mfu"] == pytest.approx(0.5) and summary["samples_per_sec"] == 320
+    assert metrics.format_mfu(summary["mfu"]) == "50.0%"
+
+
 def test_the_first_epochs_steady_rate_leaves_out_its_first_log_interval(monkeypatch):
     clock = iter([0.0, 30.0, 31.0, 32.0])  # epoch start; three log intervals of 10 steps, the first compiling
     monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
