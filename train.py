@@ -9,7 +9,7 @@ Read it top to bottom: ``build_training`` makes the model, optimiser, autocast, 
 ``eager_step`` is one optimiser step (``forward_backward``, maybe in micro-batches); ``validate`` the validation pass;
 ``train`` the loop, with its checkpoint calls; ``main`` the run's set-up. train_graph.py reuses it with its own step.
 
-Config precedence: base values < named config < flags given on the command line (utils/config.py).
+Config precedence: base values < named config < $EXPDIR < flags given on the command line (utils/config.py).
 Runs write ``out.log``, ``config.yaml`` and TensorBoard ``logs/`` to
 ``expdir/<config>/<N>GPU/<run_num>/``.
 """
@@ -369,7 +369,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                 summary = meter.summary(epoch_time, epoch_steps, params.global_batch_size, flops_per_step, peak)
                 log_epoch(writer, epoch, state, summary, train_loss, epoch_steps, epoch_time)
                 if stop:  # the grace period before SIGKILL is for the checkpoint; the rerun validates first
-                    checkpoints.save_epoch(epoch)  # raises Preempted
+                    checkpoints.stop_before_validation(epoch)
                 val_start = time.perf_counter()
                 val_loss, science = validate(state, val_loader)
                 logger.info(f"  Avg val loss={val_loss:.6f}")
@@ -418,7 +418,7 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
         state, finished, lock = None, False, None
         try:
             run_dir, note, lock = make_run_dir(args.run_num, resume, params, info)
-            control.checkpoints = run_dir / "checkpoints"  # named when a signal stops the start-up
+            control.checkpoint_dir = run_dir / "checkpoints"  # named when a signal stops the start-up
             setup_logging(logger, run_dir, info, report=control.write_failed)
             for line in (restart_note, note):
                 if line:

@@ -55,8 +55,8 @@ class UNet(nn.Module):
         widths = [in_channels] + channels
         self.down = nn.ModuleList(down_conv(widths[i], widths[i + 1], leaky_relu_slope)
                                   for i in range(self.num_levels))
-        # Up level i produces the resolution of down level i - 1; below the bottom it sees only
-        # the bottom output, above it also the concatenated skip connection.
+        # up{k} doubles the resolution of down level L-1-k's output to level L-2-k's; up0 sees only the bottom
+        # output, each later one also the skip connection concatenated after the block before it (L: num_levels).
         self.up = nn.ModuleList()
         for level in range(self.num_levels - 1, 0, -1):
             skip = 0 if level == self.num_levels - 1 else channels[level]

@@ -42,6 +42,11 @@ def test_init_and_shapes():
     assert UNet([8, 16, 16], full_scale=False).num_levels == 2
 
 
+def test_the_config_offers_the_upsample_modes_the_model_builds():
+    from utils.config import SCHEMA  # networks/UNet.py imports only torch: the two lists are kept apart, and equal
+    assert SCHEMA["upsample"].choices == UPSAMPLE_MODES
+
+
 @pytest.mark.parametrize("upsample", UPSAMPLE_MODES)
 def test_flop_count_matches_profiler(upsample):
     model = UNet([4, 8, 8], upsample=upsample)

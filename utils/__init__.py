@@ -7,6 +7,7 @@ import argparse
 import errno
 import os
 import re
+import signal
 import sys
 
 if os.name != "posix":
@@ -16,6 +17,7 @@ if os.name != "posix":
 
 PREEMPTED_EXIT_CODE = 3
 NONFINITE_EXIT_CODE = 4
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # schedulers' warnings (Slurm's USR1@90), Ctrl-C
 
 
 class ReportedError(Exception):

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from utils import (CheckpointError, Interrupted, NonFiniteLoss, Preempted, StorageError, first_line, os_error_in,
-                   storage_cause)
-from utils.config import SCHEMA, resolve_path
+from utils import (STOP_SIGNALS, CheckpointError, Interrupted, NonFiniteLoss, Preempted, StorageError, first_line,
+                   os_error_in, storage_cause)
+from utils.config import SCHEMA, differences, resolve_path
 from utils.distributed import all_reduce_sum
 
 logger = logging.getLogger("train")
@@ -41,8 +41,8 @@ CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")
 REQUIRED_KEYS = ("step", "config", "model", "optimizer")  # what a run needs to continue from a payload
 RUN_DEFINING_KEYS = tuple(key for key, entry in SCHEMA.items() if entry.defines_run)  # utils/config.py says
 RESUME_MAY_CHANGE_KEYS = tuple(key for key, entry in SCHEMA.items() if not entry.defines_run)
-ABSENT = "<absent>"  # how a key missing from one config shows in differences
-# Equal meaning, several spellings: paths resolve against the repository; inmem and lowmem read the same files.
+# Equal meaning, several spellings: paths resolve against the repository; every loader but synthetic reads the same
+# files and serves the same sample stream, so only synthetic against files defines the run.
 _COMPARED_AS = {"train_path": resolve_path, "val_path": resolve_path,
                 "data_loader_config": lambda loader: "synthetic" if loader == "synthetic" else "files"}
 
@@ -119,7 +119,7 @@ def _write_error(err, path, previous):
     advice = ("free space there or point --expdir at a file system with room" if full else
               "check that the directory is writable or point --expdir elsewhere" if os_error else
               "check free space and that the directory is writable, or point --expdir elsewhere")
-    cause = storage_cause(os_error) if os_error else f"{type(err).__name__}: {first_line(err, 'no details')}"
+    cause = storage_cause(err)
     intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
     return CheckpointError(f"{f'{full} while writing' if full else 'cannot write'} checkpoint {path} ({cause}); "
                            f"{intact}; {advice}")
@@ -178,7 +178,7 @@ def _remove(paths, context):
                                   f"check the directory's permissions") from None
 
 
-def load_checkpoint(path, map_location="cpu", log=print_warning):
+def load_checkpoint(path, log=print_warning):
     """Payload of ``path``; CheckpointError if unreadable, truncated, changed or incomplete (no digest: a warning)."""
     try:
         f = open(path, "rb")
@@ -190,7 +190,7 @@ def load_checkpoint(path, map_location="cpu", log=print_warning):
         verified = _check_digest(f, path)
         f.seek(0)
         try:
-            payload = torch.load(f, map_location=map_location, weights_only=True)
+            payload = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as err:
             reason = first_line(err, "no details")
             if reason.startswith("Weights only load failed"):
@@ -206,11 +206,11 @@ def load_checkpoint(path, map_location="cpu", log=print_warning):
     return payload
 
 
-def latest_valid_checkpoint(directory, log=print_warning, map_location="cpu"):
+def latest_valid_checkpoint(directory, log=print_warning):
     """(path, payload) of the newest checkpoint in ``directory`` that loads (others: a warning), or None."""
     for path in list_checkpoints(directory):
         try:
-            return path, load_checkpoint(path, map_location, log)
+            return path, load_checkpoint(path, log)
         except CheckpointError as err:
             log(f"skipping checkpoint {path.name}: {err}")
     return None
@@ -292,20 +292,8 @@ def set_rng_state(state):
 
 
 def config_differences(saved, current, keys=RUN_DEFINING_KEYS):
-    """[(key, saved value, current value)] for the ``keys`` whose values differ (dict sections per entry)."""
-    def flat(config):
-        entries = {}
-        for key in keys:
-            value = config.get(key, ABSENT)
-            entries.update({f"{key}.{sub}": v for sub, v in value.items()} if isinstance(value, dict) else {key: value})
-        return entries
-
-    def same(key, old, new):
-        compare = _COMPARED_AS.get(key, lambda value: value)
-        return old == new or (ABSENT not in (old, new) and compare(old) == compare(new))
-    old, new = flat(saved), flat(current)
-    return [(key, old.get(key, ABSENT), new.get(key, ABSENT)) for key in sorted(old.keys() | new.keys())
-            if not same(key, old.get(key, ABSENT), new.get(key, ABSENT))]
+    """[(key, saved value, current value)] for the ``keys`` whose meanings differ (``utils.config.differences``)."""
+    return differences(saved, current, keys, _COMPARED_AS)
 
 
 def check_compatible(saved, current, source="the checkpoint"):
@@ -402,7 +390,6 @@ def _write_in_background(directory, snapshot, step, keep_last):
 
 
 # --- 4. stop signals and the ranks' agreement --------------------------------------------------------------------
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # schedulers' warnings (Slurm's USR1@90), Ctrl-C
 CTRL_C_HINT = b"Ctrl-C: the run stops after this step with a checkpoint; Ctrl-C again stops at once without one\n"
 PEER_FAILED = {1: (CheckpointError, "rank 0 could not write a checkpoint"),  # what rank 0 failed to write
                2: (StorageError, "rank 0 could not write its run log or TensorBoard events")}
@@ -414,7 +401,7 @@ class RunControl:
     and the next agreement checkpoints and stops every rank at the same step (a second Ctrl-C stops at once)."""
 
     def __init__(self, info=None):
-        self.checkpoints, self.in_loop, self.signal_name, self.ctrl_c_at = None, False, None, None
+        self.checkpoint_dir, self.in_loop, self.signal_name, self.ctrl_c_at = None, False, None, None
         self.info = self.first_bad_step = self.failed_write = None  # failed_write: rank 0's, held for the agreement
         if info is not None:
             self.attach(info)
@@ -434,7 +421,7 @@ class RunControl:
             self.ctrl_c_at = self.ctrl_c_at or (now if ctrl_c else None)
             self.signal_name = self.signal_name or name
             return
-        last = list_checkpoints(self.checkpoints)[:1] if self.checkpoints else None
+        last = list_checkpoints(self.checkpoint_dir)[:1] if self.checkpoint_dir else None
         resume = f"the run's last checkpoint is {last[0]}" if last else "no checkpoint was written yet"
         self.signal_name, where = name, ("at once, by a second Ctrl-C" if again
                                          else "outside the training steps (start-up, or the final validation)")
@@ -504,8 +491,8 @@ class CheckpointManager:
         with checkpoints.running(tensorboard_writer):      # signals only set a flag now; writes land on exit
             checkpoints.validated()                        # first: after the validation a stopped run left
             checkpoints.after_step(loss, loss_sum, last_in_epoch)   # after every step
-            if checkpoints.end_of_epoch():                 # before validation; True: a stop signal arrived,
-                checkpoints.save_epoch(epoch)              # so save and raise Preempted (the rerun validates first)
+            if checkpoints.end_of_epoch():                 # before validation; True: a stop signal arrived, so
+                checkpoints.stop_before_validation(epoch)  # save and raise Preempted (the rerun validates first)
             checkpoints.save_epoch(epoch, last=...)        # else after validation
     """
 
@@ -513,7 +500,6 @@ class CheckpointManager:
         self.state, self.control = state, control
         self.directory = Path(run_dir) / "checkpoints"
         self.writer = self.tensorboard = None  # rank 0's AsyncCheckpointer (see _writer); running()'s TensorBoard
-        self.stop = False  # a stop signal agreed on at an epoch's end
         self.validation_pending = False  # resumed from a stop saved before its epoch's validation: that comes first
 
     def resume(self, resume_from="auto", fallback=None):
@@ -618,10 +604,10 @@ class CheckpointManager:
 
     def end_of_epoch(self):
         """Before validation: stop on a non-finite loss; whether a stop signal arrived (the caller skips validation)."""
-        self.stop, bad_step, _ = self.control.agree()
+        stop, bad_step, _ = self.control.agree()
         if bad_step is not None:
             self._raise_nonfinite(bad_step)
-        return self.stop
+        return stop
 
     def validated(self, wait=False):
         """After a stopped run's pending validation: its checkpoint again, unflagged, so that no rerun repeats it."""
@@ -629,13 +615,15 @@ class CheckpointManager:
             self.validation_pending = False
             self.save(0.0, "validated", wait=wait)
 
+    def stop_before_validation(self, epoch):
+        """A stop agreed on at the epoch's end: its checkpoint before validation, flagged for the rerun to validate
+        first (the grace period before SIGKILL is for the checkpoint), every rank waiting for the file; then stop."""
+        self.save(0.0, f"end of epoch {epoch + 1}", wait=True, validation_pending=True)
+        raise self.control.stop_error(f"after epoch {epoch + 1}, before its validation (which the rerun does first)")
+
     def save_epoch(self, epoch, last=False):
-        """The end-of-epoch checkpoint; before exiting (``last`` epoch, stop signal) every rank waits for the file. A
-        stop's comes before validation, flagged: the grace period before SIGKILL is for the checkpoint."""
-        self.save(0.0, f"end of epoch {epoch + 1}", wait=self.stop or last, validation_pending=self.stop)
-        if self.stop:
-            raise self.control.stop_error(f"after epoch {epoch + 1}, before its validation (which the rerun does "
-                                          f"first)")
+        """The end-of-epoch checkpoint, after validation; after the ``last`` epoch every rank waits for the file."""
+        self.save(0.0, f"end of epoch {epoch + 1}", wait=last)
 
     def save(self, epoch_loss_sum, reason, wait=False, validation_pending=False):
         """Checkpoint this step (losses agreed finite), written by rank 0 in the background (``wait``: till done)."""

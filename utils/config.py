@@ -1,7 +1,9 @@
 """Configuration: one YAML file of named configs, checked against ``SCHEMA``, plus command-line flags.
 
-Precedence, applied in ``load_config`` and nowhere else:
+Precedence:
     base values  <  named config (``--config=NAME``)  <  $EXPDIR (expdir only)  <  flags that were given
+The named configs inherit base's values in the YAML itself (``<<: *base``); train.py's ``config_overrides`` turns
+the flags given, and $EXPDIR where no --expdir was, into ``load_config``'s overrides.
 A flag not given is ``None`` and changes nothing, so an absent flag never turns off what a config turns on. Each
 key is one ``Key``, which makes both its check and its flag (``--key``, ``--section.key``).
 """
@@ -264,6 +266,28 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
 def config_yaml(params):
     """The resolved config as YAML, in the schema's order: a run folder's config.yaml, and --print_config."""
     return yaml.safe_dump(dict(params), sort_keys=False)
+
+
+ABSENT = "<absent>"  # how a key missing from one config shows in differences
+
+
+def differences(saved, current, keys=None, compared_as=None):
+    """[(key, saved value, current value)], sorted, where two configs differ: over ``keys`` (default: both configs'),
+    a section's entries one by one, named as their flags are (``lr_schedule.start_lr``). ``compared_as`` {key: f}
+    compares f(value) where one meaning has several spellings (a checkpoint's paths, resolved)."""
+    def flat(config):
+        entries = {}
+        for key in (keys if keys is not None else dict.fromkeys([*saved, *current])):
+            value = config.get(key, ABSENT)
+            entries.update({f"{key}.{sub}": v for sub, v in value.items()} if isinstance(value, dict) else {key: value})
+        return entries
+
+    def same(key, old, new):
+        compare = (compared_as or {}).get(key, lambda value: value)
+        return old == new or (ABSENT not in (old, new) and compare(old) == compare(new))
+    old, new = flat(saved), flat(current)
+    return [(key, old.get(key, ABSENT), new.get(key, ABSENT)) for key in sorted(old.keys() | new.keys())
+            if not same(key, old.get(key, ABSENT), new.get(key, ABSENT))]
 
 
 def config_flags():

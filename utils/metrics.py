@@ -53,7 +53,8 @@ def flops_per_sample(model, crop_size):
 
 
 def describe_model(model, crop_size):
-    """The start-up log's facts about a U-Net: 'upsample=..., [conv_forms=..., ]N parameters, X GFLOP/sample ...'."""
+    """The start-up log's facts about a U-Net: 'upsample=..., leaky_relu_slope=..., [conv_forms=..., ]N parameters,
+    X GFLOP/sample forward'."""
     forms = {name: getattr(layer, "form", "native") for name, layer in model.conv_layers()}
     shown_forms = ""
     if set(forms.values()) != {"native"}:

@@ -23,7 +23,7 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from utils import ConfigError, StorageError, storage_cause
-from utils.config import SCHEMA, config_yaml, resolve_path
+from utils.config import SCHEMA, config_yaml, differences, resolve_path
 
 
 def resume_on_restart(resume, environ=os.environ):
@@ -48,8 +48,7 @@ def resume_on_restart(resume, environ=os.environ):
 def differing_keys(run_dir, params):
     """[(key, value there, value here)] where ``run_dir``'s config.yaml differs from this resolved config, wherever
     expdir is (a section's keys as their flags name them: lr_schedule.start_lr); None if it has none to read. Keys
-    it lacks that do not define the run (a speed knob added since) are ignored, so after an update the same command
-    still continues."""
+    it lacks that do not define the run are ignored: they cannot make it another run."""
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
@@ -59,19 +58,8 @@ def differing_keys(run_dir, params):
     current = yaml.safe_load(config_yaml(params))  # the same round trip the saved file took
     ignored = {"expdir"} | {key for key in current if key not in saved and key in SCHEMA
                             and not SCHEMA[key].defines_run}
-    return _differences({k: v for k, v in saved.items() if k not in ignored},
-                        {k: v for k, v in current.items() if k not in ignored})
-
-
-def _differences(there, here, prefix=""):
-    found = []
-    for key in dict.fromkeys([*there, *here]):
-        old, new = there.get(key, "unset"), here.get(key, "unset")
-        if isinstance(old, dict) and isinstance(new, dict):
-            found += _differences(old, new, f"{prefix}{key}.")
-        elif old != new:
-            found.append((prefix + key, old, new))
-    return found
+    return differences({k: v for k, v in saved.items() if k not in ignored},
+                       {k: v for k, v in current.items() if k not in ignored})
 
 
 def same_command(run_dir, params):

@@ -45,12 +45,12 @@ def element(g):
 
 def channel_map(g, num_channels, vector_channels=VECTOR_CHANNELS):
     """``(source, sign)``: output channel c of element ``g`` is ``sign[c] *`` input channel ``source[c]``;
-    ``vector_channels`` names the 3 components of the vector field (None: scalar channels only)."""
-    if vector_channels is not None and (len(vector_channels) != 3 or max(vector_channels) >= num_channels):
+    ``vector_channels`` names the 3 components of the vector field, which move with the grid."""
+    if len(vector_channels) != 3 or max(vector_channels) >= num_channels:
         raise ValueError(f"vector_channels must name 3 of the {num_channels} channels, got {vector_channels}")
     perm, flips = element(g)
     source, sign = list(range(num_channels)), [1] * num_channels
-    for k in range(3 if vector_channels is not None else 0):
+    for k in range(3):
         source[vector_channels[k]] = vector_channels[perm[k]]
         sign[vector_channels[k]] = -1 if flips[k] else 1
     return tuple(source), tuple(sign)

@@ -1,9 +1,11 @@
 """The data package: ``get_data_loader`` builds the loader a config asks for, ``prepare_data`` makes or checks
 the data files before a run.
 
-The default loader is torch_loader.py. The others are extras, imported only when asked for: ``fast_loader: true``
-(fast.py, CPU), ``data_loader_config: gpu`` (gpu.py, GPU-resident), ``dali-lowmem`` (dali.py, NVIDIA DALI). They
-serve the same sample stream, so the choice changes speed, never results. No module of the package imports from here.
+torch_loader.py holds the sample stream every loader serves (``sample_plan``) and the straightforward loader, the
+``base`` config's. The others are imported only when a config asks for them: ``fast_loader: true`` (fast.py, CPU
+worker threads; quickstart and the ``*_opt`` configs set it), ``data_loader_config: gpu`` (gpu.py, GPU-resident),
+``dali-lowmem`` (dali.py, NVIDIA DALI). They serve the same sample stream, so the choice changes speed, never results.
+No module of the package imports from here.
 """
 import torch
 import torch.distributed as dist

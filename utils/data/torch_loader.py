@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from utils import DataError, first_line, symmetry
+from utils import STOP_SIGNALS, DataError, first_line, symmetry
 from utils.config import check_batch_split, resolve_path
 
 SPLITS = {"train": 0, "val": 1}
@@ -124,11 +124,6 @@ class SplitSpec:
                    spatial_index=rank % size)
 
     @property
-    def local_batch_size(self):
-        """This rank's share of a global batch (``ShardedSampler`` checks that it divides evenly)."""
-        return self.global_batch_size // self.world_size
-
-    @property
     def planes(self):
         """(start, stop): this rank's planes along each crop's depth, or None when it gets whole crops."""
         if self.spatial_parallel == 1:
@@ -183,11 +178,11 @@ class RandomCropDataset(Dataset):
     """Sample ``(epoch, index)`` -> float32 (input (C_in, S, S, S), target (C_out, S, S, S)), or this rank's slab
     (C, S / spatial_parallel, S, S). ``lowmem`` reads each crop from the file; ``inmem`` loads both volumes once
     (shared with forked workers); ``synthetic`` crops random volumes: the same work with no file. Built from a
-    ``SplitSpec``, or from ``params`` and ``split`` (and maybe another ``mode``)."""
+    ``SplitSpec``, or from ``params`` and ``split``."""
 
-    def __init__(self, spec, split=None, mode=None):
+    def __init__(self, spec, split=None):
         if not isinstance(spec, SplitSpec):
-            spec = SplitSpec.from_params(spec, split, mode=mode)
+            spec = SplitSpec.from_params(spec, split)
         self.spec, self.split, self.mode, self.box, self.crop = spec, spec.split, spec.mode, spec.box, spec.crop
         self.path = self._file = self._file_pid = None
         if self.mode == "synthetic":
@@ -235,7 +230,7 @@ class RandomCropDataset(Dataset):
 def ignore_stop_signals(worker_id=None):
     """Loader workers leave the stop signals (SIGTERM, SIGUSR1, Ctrl-C's SIGINT) to the main process, which stops
     cleanly (Slurm signals every process of a job step, Ctrl-C a terminal's process group)."""
-    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 
