@@ -43,7 +43,7 @@ set -euo pipefail
 
 # --- settings: edit here, or set them on the sbatch line -----------------------------------------
 DATADIR=${DATADIR:-}                       # folder with train.h5 and val.h5; empty: the config's paths
-LOGDIR=${LOGDIR:-$PWD/logs}                # runs go to LOGDIR/<config>/<N>GPU/<run_num>/ (e.g. $SCRATCH/logs)
+LOGDIR=${LOGDIR:-${EXPDIR:-$PWD/logs}}     # runs go to LOGDIR/<config>/<N>GPU/<run_num>/ (e.g. $SCRATCH/logs)
 CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}          # none | shifter | apptainer
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # docker/Dockerfile's image: shifter <registry>/<user>/nbody2hydro:latest;
                                            # apptainer: its .sif file (docker/README.md)
@@ -58,7 +58,8 @@ die() { echo "submit_pm.sh: $*" >&2; exit 2; }
 [[ -f train.py && -f export_DDP_vars.sh ]] || die "no train.py in $PWD; submit from the repository root"
 # Outside a job srun would ask for an allocation of its own, without the #SBATCH lines' nodes, GPUs and signal.
 if [[ -z ${SLURM_JOB_ID:-} ]]; then
-    printf -v args ' %q' "$@"  # quoted to paste back
+    args=""
+    (( $# == 0 )) || printf -v args ' %q' "$@"  # quoted to paste back
     die "not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh$args (more in its header, CPU-only too)"
 fi
 [[ $CPU_ONLY == 0 || $CPU_ONLY == 1 ]] || die "CPU_ONLY must be 0 or 1, got '$CPU_ONLY'"
@@ -133,12 +134,16 @@ mkdir -p "$LOGDIR"
 # loader workers of each rank share a single core. --kill-on-bad-exit=0 whatever the site's KillOnBadExit: with 1,
 # srun would kill the other ranks when the first exits with code 3 and report their signal, not the 3 that requeues.
 launch=(srun --unbuffered --kill-on-bad-exit=0 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}")
+# Each rank on the cores of its own NUMA domain (the GPU reversal above assumes local rank 0 on the first cores),
+# whatever the site's default binding; NERSC's examples pass it too.
+(( CPU_ONLY )) || launch+=(--cpu-bind=cores)
 # exec: python (or nsys) replaces the task's shell. Slurm signals every process of the step, and a
 # shell would die of SIGUSR1. The command travels as "$@" so arguments with spaces stay intact.
+# ${a[@]+"${a[@]}"}: an empty array under set -u, which bash before 4.4 (RHEL 7) calls unbound.
 set -x
 rc=0
-"${launch[@]}" "${container[@]}" bash -c 'source ./export_DDP_vars.sh && exec "$@"' task \
-    "${profiler[@]}" python train.py "${train_args[@]}" || rc=$?
+"${launch[@]}" ${container[@]+"${container[@]}"} bash -c 'source ./export_DDP_vars.sh && exec "$@"' task \
+    ${profiler[@]+"${profiler[@]}"} python train.py "${train_args[@]}" || rc=$?
 set +x
 
 if (( rc == 3 )); then

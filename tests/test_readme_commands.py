@@ -327,7 +327,8 @@ def test_every_command_of_the_results_files_and_the_scripts_usage_is_accepted():
 # prefix of the on/off flags' off form, named on its own
 OTHER_TOOLS_FLAGS = {"--nproc_per_node", "--max_restarts", "--logdir", "--capture-range", "--capture-range-end",
                      "--trace", "--constraint", "--gpus-per-node", "--ntasks-per-node", "--signal",
-                     "--kill-on-bad-exit", "--export", "--image", "--full", "--dist", "--ignore", "--timeout", "--no-"}
+                     "--kill-on-bad-exit", "--export", "--image", "--module", "--full", "--dist", "--ignore",
+                     "--timeout", "--no-"}
 
 
 def test_every_flag_the_readme_names_exists():

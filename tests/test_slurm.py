@@ -211,11 +211,16 @@ def test_submit_pm_must_be_submitted_from_the_repository(tmp_path):
 def test_submit_pm_run_outside_a_job_says_to_submit_it_before_srun_allocates_its_own(tmp_path):
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
     env["PATH"] = stub_commands(tmp_path / "bin", stubs=("srun",))
+    repo = fake_repository(tmp_path)
     result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh"), "--config=short", "--note", "two words"],
-                            cwd=fake_repository(tmp_path), capture_output=True, text=True, env=env)
+                            cwd=repo, capture_output=True, text=True, env=env)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == ("submit_pm.sh: not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh "
                              "--config=short --note two\\ words (more in its header, CPU-only too)\n")  # pastable
+    result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh")], cwd=repo, capture_output=True, text=True,
+                            env=env)  # no arguments: none to paste, not ''
+    assert result.stderr == ("submit_pm.sh: not inside a Slurm job; submit it: sbatch -N 1 submit_pm.sh (more in "
+                             "its header, CPU-only too)\n")
 
 
 def stub_commands(folder, stubs=(), links=("realpath", "mkdir")):
@@ -245,6 +250,21 @@ def test_submit_pm_names_a_missing_container_runtime_before_launching(tmp_path):
                             capture_output=True, text=True, env=env)
     assert result.returncode == 2 and "srun" not in result.stdout + result.stderr
     assert "CONTAINER_RUNTIME=shifter, but this node has no shifter command: load its module" in result.stderr
+
+
+@pytest.mark.parametrize("cpu_only", [0, 1])
+def test_submit_pm_binds_gpu_ranks_to_their_cores_and_keeps_runs_under_expdir(cpu_only, tmp_path):
+    """A GPU job's ranks are bound to cores (the GPU reversal assumes local rank 0 on the first ones; a CPU-only
+    job leaves binding to the site); $EXPDIR, README section 2's way to move runs, holds where LOGDIR is not set."""
+    env = {key: value for key, value in os.environ.items() if key != "LOGDIR"}
+    env.update(PATH=f"{stub_commands(tmp_path / 'bin', stubs=('srun',))}:{os.environ['PATH']}", SLURM_JOB_ID="1",
+               EXPDIR=str(tmp_path / "scratch"), CPU_ONLY=str(cpu_only), SLURM_CPUS_PER_TASK="32")
+    result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh"), "--config=short"],
+                            cwd=fake_repository(tmp_path), capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    bound = " --cpu-bind=cores" if not cpu_only else ""
+    assert f"srun --unbuffered --kill-on-bad-exit=0 --cpus-per-task=32{bound} bash -c" in result.stdout
+    assert f"python train.py --expdir {tmp_path / 'scratch'} --config=short" in result.stdout
 
 
 def test_submit_pm_gives_apptainer_and_train_py_absolute_paths(tmp_path):
