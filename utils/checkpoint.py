@@ -499,7 +499,7 @@ class CheckpointManager:
     def __init__(self, state, run_dir, control):
         self.state, self.control = state, control
         self.directory = Path(run_dir) / "checkpoints"
-        self.writer = self.tensorboard = None  # rank 0's AsyncCheckpointer (see _writer); running()'s TensorBoard
+        self.background = self.tensorboard = None  # rank 0's AsyncCheckpointer (_background); running()'s events
         self.validation_pending = False  # resumed from a stop saved before its epoch's validation: that comes first
 
     def resume(self, resume_from="auto", fallback=None):
@@ -548,8 +548,8 @@ class CheckpointManager:
             yield self
         finally:
             try:
-                if self.writer is not None:
-                    failed = self._close_writer(ending=sys.exc_info()[1] is not None)
+                if self.background is not None:
+                    failed = self._close_background(ending=sys.exc_info()[1] is not None)
             finally:
                 self.control.in_loop = False
         if failed is not None:
@@ -558,10 +558,10 @@ class CheckpointManager:
             logger.info(f"{self.control.signal_name} came after the last training step: the run is complete and ends "
                         f"normally, its final checkpoint written")
 
-    def _close_writer(self, ending):
-        """Close rank 0's writer, log its stall statistics; a failed write's error, logged too if another exception is
-        ``ending`` the loop (that one goes on; this must not get lost)."""
-        writer, failed = self.writer, None
+    def _close_background(self, ending):
+        """Close rank 0's background writer, log its stall statistics; a failed write's error, logged too if another
+        exception is ``ending`` the loop (that one goes on; this must not get lost)."""
+        writer, failed = self.background, None
         try:
             writer.close()
         except CheckpointError as err:
@@ -580,7 +580,7 @@ class CheckpointManager:
         """After each step: track the loss; between epoch ends agree, checkpoint if due, stop on a signal or NaN."""
         state, params, control = self.state, self.state.params, self.control
         control.track(loss, state.global_step - 1)
-        writer = self._writer()  # rank 0's; None elsewhere
+        writer = self._background()  # rank 0's; None elsewhere
         if writer is not None and control.failed_write is None:
             self._reported(writer.poll)  # logs a finished background write, reports a failed one
         if last_in_epoch:
@@ -630,7 +630,7 @@ class CheckpointManager:
         state, started = self.state, perf_counter()  # the stall: everything the training loop waits for here
         # summed over ranks: the resumed rank 0 carries the epoch's loss for everyone
         loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
-        writer = self._writer()
+        writer = self._background()
         if writer is not None:  # waits for the previous write first, and reports its error
             stall = self._reported(writer.save, self._payload(loss_sum, validation_pending), state.global_step,
                                    state.params.keep_checkpoints, reason, started)
@@ -643,8 +643,8 @@ class CheckpointManager:
 
     def wait(self):
         """Rank 0's write in flight lands; under DDP the agreement is the barrier: a failed write stops every rank."""
-        if self.writer is not None:
-            self._reported(self.writer.wait)
+        if self.background is not None:
+            self._reported(self.background.wait)
         if self.state.info.enabled:
             self.control.agree()
 
@@ -655,13 +655,13 @@ class CheckpointManager:
                 "rng": rng_state(state.info.device), "epoch_loss_sum": epoch_loss_sum,
                 "validation_pending": validation_pending}
 
-    def _writer(self):
+    def _background(self):
         """Rank 0's background writer (first use starts its clock); None elsewhere."""
-        if self.state.info.is_main and self.writer is None:
-            self.writer = AsyncCheckpointer(self.directory, self.state.params.checkpoint_every_minutes, log=logger.info)
+        if self.state.info.is_main and self.background is None:
+            self.background = AsyncCheckpointer(self.directory, self.state.params.checkpoint_every_minutes, logger.info)
             if self.state.info.device.type == "cuda":  # pin the host buffers now, on the writer thread
-                self.writer.reserve(self._payload(0.0))
-        return self.writer
+                self.background.reserve(self._payload(0.0))
+        return self.background
 
     def _reported(self, call, *args):
         """``call(*args)``, or None after its CheckpointError went to ``control.write_failed``."""
