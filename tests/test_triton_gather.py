@@ -70,6 +70,15 @@ def test_every_axis_permutation_has_its_branch_and_an_empty_batch_is_empty(inter
     assert interpreted["empty_batch"] == [[0, 4, 4, 4, 4], [0, 5, 4, 4, 4]]
 
 
+def test_the_launch_grid_puts_the_many_tiles_where_cuda_allows_them():
+    """CUDA launches up to 2^31 - 1 programs along a grid's first axis, 65,535 along the others: a 512^3 crop has
+    262,144 tiles, which in the second axis would fail to launch (only a GPU would show it)."""
+    pytest.importorskip("triton")
+    from utils.data.triton_gather import TILE, launch_grid
+    assert TILE == 8 and launch_grid(64, 512, 512) == (262_144, 64)
+    assert launch_grid(2, 6, 12) == (4, 2)  # partial tiles count: a 6-plane slab of 12^3 crops, 1 x 2 x 2 tiles
+
+
 def test_the_loader_refuses_the_triton_gather_off_a_gpu(tiny_params):
     from utils import DataError
     from utils.data.gpu import get_gpu_loader

@@ -99,10 +99,11 @@ def _crops_kernel(vol_ptr, out_ptr, corner_ptr, element_ptr, perm_ptr, flip_ptr,
                   depth,
                   stride_b, stride_c, stride_d, stride_h, stride_w,
                   S: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, T: tl.constexpr, CHANNELS_LAST: tl.constexpr):
-    """Program (b, tile): one tile of sample b; grid (B, tiles along depth x along S x along S). The element's
-    permutation id, flips, channel sources and signs are read from the 48-row tables by its element g."""
-    b = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
+    """Program (tile, b): one tile of sample b; grid (tiles along depth x along S x along S, B), the tiles first:
+    CUDA allows 2^31 - 1 programs along the grid's first axis, 65,535 along the others, and a 512^3 crop has 262,144
+    tiles. The element's permutation id, flips, channel sources and signs are read from the 48-row tables."""
+    tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     across = tl.cdiv(S, T)
     o0, o1, o2 = (tile // (across * across)) * T, ((tile // across) % across) * T, (tile % across) * T
     g = tl.load(element_ptr + b)
@@ -139,6 +140,11 @@ def _permutation_ids_on(device):
     return permutation_ids(torch.as_tensor(element_table(4).perm)).to(device)
 
 
+def launch_grid(batch, depth, crop):
+    """``_crops_kernel``'s grid for ``batch`` crops of ``depth`` planes of crop x crop: (tiles, batch)."""
+    return triton.cdiv(depth, TILE) * triton.cdiv(crop, TILE) ** 2, batch
+
+
 def transform_triton(volume, elements, corners, crop, table, memory_format=torch.contiguous_format, planes=None):
     """``symmetry_torch.transform_torch`` (the same arguments, the same float32 batch) by ``_crops_kernel``."""
     channels, n = volume.shape[0], volume.shape[1]
@@ -148,9 +154,8 @@ def transform_triton(volume, elements, corners, crop, table, memory_format=torch
                       memory_format=memory_format)
     if batch == 0:
         return out
-    tiles = triton.cdiv(stop - start, TILE) * triton.cdiv(crop, TILE) ** 2
     # The kernel looks each sample's element up in the tables itself: no per-batch gathers of them, no host copies
-    _crops_kernel[(batch, tiles)](
+    _crops_kernel[launch_grid(batch, stop - start, crop)](
         volume.contiguous(), out, corners.contiguous(), elements.contiguous(), _permutation_ids_on(volume.device),
         table.flips.view(torch.uint8),
         table.source, table.sign, n, start, stop - start, *out.stride(),
