@@ -1,4 +1,4 @@
-"""Apply a trained U-Net to a whole periodic box, tile by tile.
+"""Apply a trained U-Net to a whole periodic box: in overlapping tiles, or whole (--whole_box, over S ranks).
 
     python predict.py --checkpoint RUN_DIR --input nbody.h5 --output hydro.h5
     python predict.py --checkpoint RUN_DIR/checkpoints/ckpt_step00000512.pt --input nbody.h5 --output hydro.h5 \\
@@ -119,7 +119,7 @@ def main(argv=None):
     model, params, checkpoint, step = load_trained_model(args.checkpoint, "cpu")
     box = check_input(input_path, params.N_in_channels)
     if args.whole_box:
-        check_whole_box(box, model.num_levels, args.spatial_parallel)
+        check_whole_box(box, model.num_levels, args.spatial_parallel, params.upsample)
         layout = dict(whole_box=True, spatial_parallel=args.spatial_parallel)
     else:
         tile = params.data_size if args.tile is None else args.tile
@@ -195,7 +195,7 @@ def predict_whole(model, nbody, args, info, described):
     if info.is_main:
         print(f"{described} whole, periodic (circular padding in every convolution)"
               + (f", in {size} depth slabs of {box // size} planes on {size} ranks" if size > 1 else ""))
-    spatial = spatial_mesh(size, info.device.type)[1] if size > 1 else SpatialGroup()
+    spatial = spatial_mesh(size, info.device.type) if size > 1 else SpatialGroup()
     try:
         model = periodic_model(model, spatial)
     except NotImplementedError as err:  # a layer the periodic convolutions do not cover
@@ -204,7 +204,7 @@ def predict_whole(model, nbody, args, info, described):
     if slabs is None:
         return None
     planes = box // size
-    return [(i * planes, (i + 1) * planes, slab.cpu().numpy()) for i, slab in enumerate(slabs)]
+    return [(i * planes, (i + 1) * planes, slab.numpy()) for i, slab in enumerate(slabs)]
 
 
 def write_prediction(output, source, slabs, shape, settings, lya_stride, device, attrs):

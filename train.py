@@ -142,14 +142,15 @@ def build_training(params, info, make_optimizer=build_optimizer, run_dir=None):
         apply_conv_forms(model, params.conv_forms)
     if params.enable_jit and params.channels_last and device.type == "cuda":
         from networks.conv_forms import check_compile_channels_last
-        check_compile_channels_last(model, conv_input_sizes(model.num_levels, params.data_size))
+        check_compile_channels_last(model, conv_input_sizes(model.num_levels, params.data_size),
+                                    forms_allowed=params.spatial_parallel == 1)
     set_backend_flags(params, device)
     memory_format = torch.channels_last_3d if params.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
     spatial = None
     if params.spatial_parallel > 1:  # S ranks share each crop: every convolution exchanges halos (utils/spatial.py)
         from utils.spatial import shard_model, spatial_mesh
-        _, spatial = spatial_mesh(params.spatial_parallel, device.type)
+        spatial = spatial_mesh(params.spatial_parallel, device.type)
         shard_model(model, spatial)  # same parameters and state-dict keys; before DDP registers its hooks
     optimizer, optimizer_name = make_optimizer(model, params, device)
 

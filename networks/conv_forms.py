@@ -504,14 +504,17 @@ def compile_channels_last_blockers(model, input_sizes):
             and getattr(module, "form", "native") not in ("rewritten", "matmul", "overlap_add")]
 
 
-def check_compile_channels_last(model, input_sizes):
+def check_compile_channels_last(model, input_sizes, forms_allowed=True):
     """Refuse, in one line, the compile + channels-last set-ups that fail on CUDA (``compile_channels_last_blockers``);
-    ``input_sizes``: {layer name: input edge}, networks/UNet.py's ``conv_input_sizes``."""
+    ``input_sizes``: {layer name: input edge}, networks/UNet.py's ``conv_input_sizes``; ``forms_allowed``: False
+    under spatial parallelism, which shards the native forms only."""
     blockers = compile_channels_last_blockers(model, input_sizes)
     if blockers:
         forms = ",".join(f"{name}=rewritten" for name in blockers)
+        way_out = (f"add --conv_forms {forms} (the same maths as a stride-1 convolution), or drop --channels_last or "
+                   f"--enable_jit" if forms_allowed else "drop --channels_last or --enable_jit (spatial parallelism "
+                   "shards the native forms only)")
         raise ConfigError(
             f"enable_jit and channels_last together fail on CUDA for a transposed convolution on a 1^3 input "
             f"({', '.join(blockers)}): a PyTorch Inductor bug (pytorch#171622, seen with torch 2.11) breaks its "
-            f"compiled backward; add --conv_forms {forms} (the same maths as a stride-1 convolution), or drop "
-            f"--channels_last or --enable_jit")
+            f"compiled backward; {way_out}")

@@ -402,6 +402,12 @@ def test_compile_with_channels_last_is_refused_on_cuda_only_for_a_native_transpo
         "enable_jit and channels_last together fail on CUDA for a transposed convolution on a 1^3 input (up0): a "
         "PyTorch Inductor bug (pytorch#171622, seen with torch 2.11) breaks its compiled backward; add --conv_forms "
         "up0=rewritten (the same maths as a stride-1 convolution), or drop --channels_last or --enable_jit")
+    if upsample == "transposed":  # spatial parallelism shards the native forms only (and only this upsample)
+        with pytest.raises(ConfigError) as refused:
+            build_training(tiny_params(model_channels=[4, 8, 8], data_size=8, enable_jit=True, channels_last=True,
+                                       spatial_parallel=2), cuda)
+        assert str(refused.value).endswith("breaks its compiled backward; drop --channels_last or --enable_jit "
+                                           "(spatial parallelism shards the native forms only)")
     model = UNet([4, 8, 8], upsample=upsample)
     for spec, blockers in (("native", ["up0"]), ("padded", ["up0"]), ("up0=rewritten", []), ("rewritten", []),
                            ("rewritten,up0=padded", ["up0"]), ("up0=matmul", []), ("up0=overlap_add", [])):

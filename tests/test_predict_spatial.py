@@ -106,6 +106,9 @@ def test_whole_box_checks():
     with pytest.raises(ConfigError, match=r"the 24\^3 box is not a multiple of 2\^4 = 16 .* predict it in tiles"):
         inference.check_whole_box(24, 4)
     inference.check_whole_box(64, 4, 4)
+    with pytest.raises(ConfigError, match=r"^--whole_box runs plain and transposed convolutions only, and this "
+                                          r"checkpoint's model upsamples by resize_conv; predict it in tiles"):
+        inference.check_whole_box(64, 4, 1, "resize_conv")  # before any rank joins a group
 
 
 @pytest.fixture

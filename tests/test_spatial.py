@@ -190,7 +190,7 @@ def worker(out_dir):
     from utils.spatial import spatial_mesh
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a desynchronised check fails, not hangs
-    _, spatial = spatial_mesh(int(os.environ["SPATIAL_PARALLEL"]), "cpu")
+    spatial = spatial_mesh(int(os.environ["SPATIAL_PARALLEL"]), "cpu")
     results = {}
     for name, check in rank_checks(spatial).items():
         try:

@@ -164,8 +164,11 @@ def predict_array(model, nbody, tile, overlap, **kwargs):
     return hydro
 
 
-def check_whole_box(box, num_levels, spatial_parallel=1):
+def check_whole_box(box, num_levels, spatial_parallel=1, upsample="transposed"):
     """One-line ConfigError unless the U-Net can run on the whole ``box``^3 box in ``spatial_parallel`` slabs."""
+    if upsample != "transposed":
+        raise ConfigError(f"--whole_box runs plain and transposed convolutions only, and this checkpoint's model "
+                          f"upsamples by {upsample}; predict it in tiles (without --whole_box)")
     divisor = 2 ** num_levels
     if box % divisor:
         raise ConfigError(f"--whole_box: the {box}^3 box is not a multiple of 2^{num_levels} = {divisor} (this U-Net "
@@ -225,16 +228,20 @@ def predict_whole_box(model, nbody, spatial=None, device="cpu", amp_mode="none")
 
 
 def gather_slabs(slab, spatial):
-    """Every rank's slab, in depth order, on the group's first rank (a list of S tensors there, None elsewhere).
-
-    ``torch.distributed.gather`` rather than gather_depth's all-gather: only the writer needs the whole box.
+    """Every rank's slab, in depth order, in host memory on the group's first rank (a list of S tensors there, None
+    elsewhere). Received one at a time into one device buffer, so the writer's device holds two slabs, not the whole
+    box; every rank is done with the group before the file is written, so a failed write leaves none waiting.
     """
     if spatial.size == 1:
-        return [slab]
+        return [slab.cpu()]
     slab = slab.contiguous()
-    first = spatial.index == 0
-    slabs = [torch.empty_like(slab) for _ in range(spatial.size)] if first else None
-    torch.distributed.gather(slab, slabs, dst=spatial.ranks[0], group=spatial.group)
+    if spatial.index != 0:
+        torch.distributed.send(slab, spatial.ranks[0], group=spatial.group)
+        return None
+    slabs, buffer = [slab.cpu()], torch.empty_like(slab)
+    for rank in spatial.ranks[1:]:
+        torch.distributed.recv(buffer, rank, group=spatial.group)
+        slabs.append(buffer.cpu())
     return slabs
 
 

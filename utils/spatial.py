@@ -23,13 +23,14 @@ The layout of an activation is therefore a function of its depth T: sharded when
 otherwise. A replicated tensor's gradient is partial on each rank (each rank's share of the loss); every
 reduction below sums them, so parameter gradients summed over the spatial group equal the unsharded ones.
 
-Usage (the pieces ``train.py`` wires together)::
+Usage (as tests/test_spatial.py puts the pieces together; train.py gets each rank's slab from its loader, whose
+SplitSpec.planes are this split_depth, and lets DDP over every rank sum the gradients: spatial_loss(..., ddp=True))::
 
-    mesh, spatial = spatial_mesh(S, "cpu")               # 2D mesh (data, spatial); spatial: this rank's group
+    spatial = spatial_mesh(S, "cpu")                     # this rank's group of the 2D mesh (data, spatial)
     shard_model(model, spatial)                          # conv layers -> SpatialConv, same parameters
     inputs, target = split_depth(inputs, spatial), split_depth(target, spatial)
     loss = spatial_loss(model(inputs), target, spatial)  # the unsharded loss's value on every rank
-    loss.backward(); sum_gradients(model, spatial)       # (or DDP over the whole mesh, ddp=True: see spatial_loss)
+    loss.backward(); sum_gradients(model, spatial)
 """
 import logging
 from dataclasses import dataclass, field
@@ -79,9 +80,10 @@ def check_spatial_parallel(world_size, spatial_parallel):
 
 
 def spatial_mesh(spatial_parallel, device_type="cpu"):
-    """(DeviceMesh of shape (data, spatial), this rank's SpatialGroup); the process group must be initialised.
+    """This rank's SpatialGroup: its row of the DeviceMesh of shape (data, spatial); the process group must exist.
 
-    Row-major: the S ranks of one spatial group are consecutive global ranks (one node's GPUs, on NVLink).
+    Row-major: the S ranks of one spatial group are consecutive global ranks (one node's GPUs, on NVLink). The
+    mesh's data dimension needs no group of its own: DDP averages the gradients over every rank.
     """
     from torch.distributed.device_mesh import init_device_mesh
     world_size = dist.get_world_size()
@@ -89,8 +91,7 @@ def spatial_mesh(spatial_parallel, device_type="cpu"):
     mesh = init_device_mesh(device_type, (world_size // spatial_parallel, spatial_parallel),
                             mesh_dim_names=("data", "spatial"))
     group = mesh["spatial"].get_group()
-    return mesh, SpatialGroup(spatial_parallel, mesh.get_local_rank("spatial"), dist.get_process_group_ranks(group),
-                              group)
+    return SpatialGroup(spatial_parallel, mesh.get_local_rank("spatial"), dist.get_process_group_ranks(group), group)
 
 
 # --- halo exchange --------------------------------------------------------------------------------------------
@@ -271,9 +272,8 @@ class SpatialConv(nn.Module):
     map to slabs), dilation 1, zero padding mode and no output_padding.
     """
 
-    def __init__(self, conv, name, context):
+    def __init__(self, conv, name, context):  # conv: checked by shard_model's check_supported
         super().__init__()
-        check_supported(conv, name)
         self.transposed = isinstance(conv, nn.ConvTranspose3d)
         self.kernel_size, self.stride, self.padding = conv.kernel_size, conv.stride, conv.padding
         self.groups, self.in_channels, self.out_channels = conv.groups, conv.in_channels, conv.out_channels
@@ -281,7 +281,6 @@ class SpatialConv(nn.Module):
         self.bias = conv.bias
         self.name, self.context = name, context
         self.plans = {}  # crop depth -> LayerPlan
-        self.dense = (conv,)  # the layer it replaces (a tuple: not a submodule, so not in the state dict)
 
     def halo(self, axis=0):
         """(planes before, planes after) a slab's own input that its own outputs read, along ``axis`` (0: depth)."""
@@ -367,8 +366,10 @@ class SpatialConv(nn.Module):
             batch = x.shape[0]
             crops = f"{batch // size} of the {batch} crops on each rank" if shares_crops(batch, size) else \
                 f"all {batch} crops on every rank (S does not divide them)"
-            logger.info(f"spatial parallel: {self.name} gathers its input whole ({plan.depth_in} planes at S={size}) "
-                        f"and runs unsharded, {crops}: {plan.reason}")
+            planes = f"{plan.depth_in} plane{'s' * (plan.depth_in != 1)}"
+            how = "gathers its input whole" if plan.depth_in % size == 0 else "has its input whole on every rank"
+            logger.info(f"spatial parallel: {self.name} {how} ({planes} at S={size}) and runs unsharded, {crops}: "
+                        f"{plan.reason}")
         return self.run(pad_depth(x, *self.halo(0)))
 
     def forward(self, x):  # x: this rank's slab (B, C_in, n, H, W), or the whole input where S does not divide it
