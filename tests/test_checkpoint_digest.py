@@ -237,3 +237,13 @@ def test_science_report_refuses_a_changed_checkpoint(predict_files, capsys):
         science_report.cli([str(newest), "--input", str(box), "--device", "cpu"])
     err = capsys.readouterr().err
     assert caught.value.code == 2 and err.startswith(f"error: {newest} {CHANGED}") and err.count("\n") == 1, err
+
+
+def test_the_checkpoint_benchmark_writes_verifies_and_cleans_up(tmp_path, capsys):
+    """benchmarks/bench_checkpoint.py (results/checkpoint_cpu.md): one line of figures, its temporary file gone."""
+    from benchmarks.bench_checkpoint import main
+    main(["--config", "quickstart", "--repeats", "2", "--dir", str(tmp_path)])
+    line = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"quickstart: checkpoint 0\.01 GB written in [\d.]+ s \(hashed as written\); verified in "
+                        r"[\d.]+ s \(median of 2, from the page cache\): \d+ MB/s \(torch .+\)", line), line
+    assert list(tmp_path.iterdir()) == []
