@@ -53,7 +53,8 @@ from benchmarks.results_file import check_outputs, command_line, write_study  # 
 from utils.arguments import at_least, positive_float, refuse_repeats  # noqa: E402
 from benchmarks.scaling_study import StudyError, machine_description  # noqa: E402
 from train import initial_lr, warmup_steps  # noqa: E402
-from utils.plot_logs import PlotLogsError, load_run, plain_log_ticks, run_label  # noqa: E402
+from science.plots import plain_log_ticks  # noqa: E402
+from utils.plot_logs import PlotLogsError, load_run, run_label  # noqa: E402
 
 SCALINGS = ("none", "sqrt", "linear")
 # train.py flags the study sets for every run (the run folder it reads back depends on them)

@@ -6,8 +6,8 @@ writer.add_figure or fig.savefig(path.png). The metrics modules import no matplo
     slice_figure(inp, prediction, target)               # middle slices of one crop
     power_spectrum_figure(science), temperature_density_figure(science), flux_figure(science.flux_statistics())
 
-plot_flux_pdf, plot_p1d and plot_example_skewers draw on given axes (the science report's page); figure_path is
-where a command's figure goes.
+plot_power_ratio, plot_temperature_density, plot_flux_pdf, plot_p1d and plot_example_skewers draw on given axes
+(the science report's page uses them too); figure_path is where a command's figure goes.
 """
 import math
 import os
@@ -29,7 +29,7 @@ from utils.units import denormalize_density, denormalize_temperature, denormaliz
 
 _INPUT_FOR_FIELD = (0, 1, 2, 3, 0)  # N-body channel shown beside each hydro field (temperature: DM density)
 _INPUT_NAMES = ("DM log10 rho/mean", "DM vx [km/s]", "DM vy [km/s]", "DM vz [km/s]")
-_FIELD_NAMES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
+FIELD_NAMES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
 
 
 def display_hydro(x, channel):
@@ -51,6 +51,25 @@ def _middle_slice(sample):
     return sample[:, sample.shape[1] // 2].astype(np.float64)
 
 
+def field_colour_scale(field, images):
+    """(low, high, colour map) shared by a hydro field's images: velocities on a diverging map centred on zero."""
+    low, high = min(a.min() for a in images), max(a.max() for a in images)
+    if field in (1, 2, 3):
+        high = max(abs(low), abs(high))
+        return -high, high, "RdBu_r"
+    return low, high, "inferno" if field == TEMPERATURE else "viridis"
+
+
+def plain_log_ticks(ax):
+    """Tick labels 0.05, not 5x10^-2, on a log y axis (call it after plotting). Minor ticks are all labelled
+    when the axis spans under a decade, only the 2s and 5s under two decades, none beyond."""
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_major_formatter(plain)
+    low, high = ax.get_ylim()
+    twos_and_fives = FuncFormatter(lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else "")
+    ax.yaxis.set_minor_formatter(plain if high / low < 10 else twos_and_fives if high / low < 100 else NullFormatter())
+
+
 def slice_figure(inp, prediction, target):
     """Middle slices of one sample: rows = the 5 hydro fields, columns = input / prediction / target.
 
@@ -65,20 +84,14 @@ def slice_figure(inp, prediction, target):
         shown_input = _display_nbody(inp[_INPUT_FOR_FIELD[field]], _INPUT_FOR_FIELD[field])
         shown_pred, shown_true = display_hydro(prediction[field], field), display_hydro(target[field], field)
         same_quantity = field != TEMPERATURE
-        row = [shown_pred, shown_true] + ([shown_input] if same_quantity else [])
-        low, high = min(a.min() for a in row), max(a.max() for a in row)
-        if field in (1, 2, 3):  # velocities: a diverging map centred on zero
-            high = max(abs(low), abs(high))
-            low, cmap = -high, "RdBu_r"
-        else:
-            cmap = "inferno" if field == TEMPERATURE else "viridis"
+        low, high, cmap = field_colour_scale(field, [shown_pred, shown_true] + ([shown_input] if same_quantity else []))
         for col, image in enumerate((shown_input, shown_pred, shown_true)):
             own_scale = col == 0 and not same_quantity
             im = axes[field, col].imshow(image.T, origin="lower", cmap="viridis" if own_scale else cmap,
                                          vmin=None if own_scale else low, vmax=None if own_scale else high)
             if own_scale:
                 fig.colorbar(im, ax=axes[field, col], shrink=0.8, label=_INPUT_NAMES[0])
-        fig.colorbar(im, ax=axes[field, 1:], shrink=0.8, label=_FIELD_NAMES[field])  # im: the target, row scale
+        fig.colorbar(im, ax=axes[field, 1:], shrink=0.8, label=FIELD_NAMES[field])  # im: the target, row scale
         axes[field, 0].set_ylabel(_INPUT_NAMES[_INPUT_FOR_FIELD[field]] if same_quantity else "input: DM density")
     for col, title in enumerate(("input (N-body)", "prediction", "target")):
         axes[0, col].set_title(title)
@@ -98,23 +111,40 @@ def power_spectrum_figure(metrics):
     top.legend()
     top.set_title(f"gas density power spectrum ({metrics.crop_size}^3 "
                   f"{'periodic box' if metrics.periodic else 'crops, Hann window'})")
-    bottom.loglog(wavelength, spectra["ratio"], "C1o-", markersize=3)
-    bottom.axhline(1.0, color="k", linewidth=0.8)
-    bottom.set_xlim(wavelength[0] * 1.1, wavelength[-1] / 1.1)
-    octaves = 2.0 ** np.arange(1, int(np.log2(metrics.crop_size)) + 1)  # the octaves of the power_ratio scalars
-    bottom.set_xticks(octaves, [f"{w:g}" for w in octaves])
-    bottom.xaxis.set_minor_formatter(NullFormatter())
-    plain = FuncFormatter(lambda value, _: f"{value:g}")         # 0.5, not 5x10^-1
-    bottom.yaxis.set_major_formatter(plain)
-    low, high = bottom.get_ylim()
-    bottom.yaxis.set_minor_formatter(plain if high / low < 10 else NullFormatter())  # within a decade: few ticks
-    bottom.set_xlabel("wavelength 1/k [cells]")
-    bottom.set_ylabel("P_pred / P_true")
+    plot_power_ratio(bottom, metrics)
     return fig
+
+
+def plot_power_ratio(ax, metrics, band=None):
+    """P_pred / P_true of gas density against wavelength, ticked at the octaves of the power_ratio scalars;
+    ``band`` (low, high): a target range, shaded."""
+    spectra = metrics.power_spectra()
+    wavelength = 1 / spectra["k"]
+    ax.loglog(wavelength, spectra["ratio"], "C1o-", markersize=3)
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    if band:
+        ax.axhspan(*band, color="C2", alpha=0.12, label=f"{band[0]:g} - {band[1]:g}")
+        ax.legend(fontsize="small")
+    ax.set_xlim(wavelength[0] * 1.1, wavelength[-1] / 1.1)
+    octaves = 2.0 ** np.arange(1, int(np.log2(metrics.crop_size)) + 1)
+    ax.set_xticks(octaves, [f"{w:g}" for w in octaves])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    plain_log_ticks(ax)
+    ax.set_xlabel("wavelength 1/k [cells]")
+    ax.set_ylabel("P_pred / P_true (gas density)")
 
 
 def temperature_density_figure(metrics):
     """2D histograms of log T vs log rho, target and prediction, with the fitted T-rho lines. Three axes."""
+    fig = Figure(figsize=(11, 4.8), layout="constrained")
+    axes = fig.subplots(1, 2, sharex=True, sharey=True)
+    fig.colorbar(plot_temperature_density(axes, metrics), ax=axes, label="cells")
+    return fig
+
+
+def plot_temperature_density(axes, metrics):
+    """The T-rho planes of target and prediction on two axes (sharing both scales), with the fitted lines: the
+    target's on both, the prediction's on its own. Returns the histogram mesh, for a colour bar."""
     density_edges, temperature_edges = log_density_edges(), log_temperature_edges()
     histograms = {which: metrics.histogram(which) for which in ("true", "pred")}
     fits = {which: fit_temperature_density(h) for which, h in histograms.items()}
@@ -123,8 +153,6 @@ def temperature_density_figure(metrics):
     occupied = np.nonzero((histograms["true"] + histograms["pred"]).sum(axis=0))[0]
     temperature_range = (temperature_edges[occupied[0]], temperature_edges[occupied[-1] + 1])
     norm = LogNorm(vmin=1, vmax=max(h.max() for h in histograms.values()))
-    fig = Figure(figsize=(11, 4.8), layout="constrained")
-    axes = fig.subplots(1, 2, sharex=True, sharey=True)
     line_x = np.linspace(*density_range, 2)
     for ax, (which, title) in zip(axes, (("true", "target"), ("pred", "prediction"))):
         mesh = ax.pcolormesh(density_edges, temperature_edges, histograms[which].T, norm=norm, cmap="Greys")
@@ -137,12 +165,11 @@ def temperature_density_figure(metrics):
         ax.axvspan(*FIT_LOG_DENSITY_RANGE, color="C2", alpha=0.08, label="fit range (median log T per column)")
         ax.set_xlim(density_range)
         ax.set_ylim(temperature_range)
-        ax.set_title(title)
+        ax.set_title(f"T-rho: {title}", fontsize="medium")
         ax.set_xlabel("log10 rho_gas / mean")
         ax.legend(loc="upper left", fontsize="small")
     axes[0].set_ylabel("log10 T [K]")
-    fig.colorbar(mesh, ax=axes, label="cells")
-    return fig
+    return mesh
 
 
 def write_tensorboard(writer, step, metrics, example=None):

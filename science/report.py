@@ -19,15 +19,12 @@ science/lyman_alpha.py). A header lists the scalars. Default output: ``RUN_DIR/s
 """
 import argparse
 import dataclasses
-import math
 from pathlib import Path
 
 import h5py
 import numpy as np
 import torch
-from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from utils import inference
 from science import check_normalisation, lyman_alpha as lya
@@ -35,12 +32,11 @@ from utils import CheckpointError, DataError, run as run_cli
 from utils.arguments import positive_float, positive_int
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
-from science.metrics import (FIT_LOG_DENSITY_RANGE, TEMPERATURE, ScienceMetrics, fit_temperature_density, format_fit,
-                           log_density_edges, log_temperature_edges)
-from science.plots import display_hydro, figure_path, plot_example_skewers, plot_flux_pdf, plot_p1d
+from science.metrics import ScienceMetrics, format_fit
+from science.plots import (FIELD_NAMES, display_hydro, field_colour_scale, figure_path, plot_example_skewers,
+                           plot_flux_pdf, plot_p1d, plot_power_ratio, plot_temperature_density)
 
 NO_CELL_SIZE = "give it with --cell_size_mpc_h (comoving Mpc/h per cell: the box's length over its cells per side)"
-FIELD_TITLES = ("gas log10 rho/mean", "gas vx [km/s]", "gas vy [km/s]", "gas vz [km/s]", "log10 T [K]")
 NUM_SKEWER_EXAMPLES = 3
 
 
@@ -143,63 +139,15 @@ def _plot_slices(fig, grid, prediction, truth):
     axes = grid.subplots(sharex=True, sharey=True)                          # (2, 5)
     for field in range(5):
         shown = [display_hydro(fields[field, middle].astype(np.float64), field) for fields in (truth, prediction)]
-        low, high = min(a.min() for a in shown), max(a.max() for a in shown)
-        cmap = "inferno" if field == TEMPERATURE else "viridis"
-        if field in (1, 2, 3):
-            high = max(abs(low), abs(high))
-            low, cmap = -high, "RdBu_r"
+        low, high, cmap = field_colour_scale(field, shown)
         for row, image in enumerate(shown):
             im = axes[row, field].imshow(image.T, origin="lower", cmap=cmap, vmin=low, vmax=high)
             axes[row, field].tick_params(labelsize="x-small")
-        axes[0, field].set_title(FIELD_TITLES[field], fontsize="small")
+        axes[0, field].set_title(FIELD_NAMES[field], fontsize="small")
         fig.colorbar(im, ax=axes[:, field], orientation="horizontal", shrink=0.9, pad=0.02).ax.tick_params(
             labelsize="x-small")
     axes[0, 0].set_ylabel("target", fontsize="medium")
     axes[1, 0].set_ylabel("prediction", fontsize="medium")
-
-
-def _plot_power(ax, metrics):
-    spectra = metrics.power_spectra()
-    wavelength = 1 / spectra["k"]
-    ax.loglog(wavelength, spectra["ratio"], "C1o-", markersize=3)
-    ax.axhline(1.0, color="k", linewidth=0.8)
-    ax.axhspan(0.8, 1.25, color="C2", alpha=0.12, label="0.8 - 1.25")
-    ax.set_xlim(wavelength[0] * 1.1, wavelength[-1] / 1.1)
-    octaves = 2.0 ** np.arange(1, int(np.log2(metrics.crop_size)) + 1)
-    ax.set_xticks(octaves, [f"{w:g}" for w in octaves])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("wavelength 1/k [cells]")
-    ax.set_ylabel("P_pred / P_true (gas density)")
-    ax.set_title("gas power-spectrum ratio", fontsize="medium")
-    ax.legend(fontsize="small")
-
-
-def _plot_temperature_density(axes, metrics):
-    density_edges, temperature_edges = log_density_edges(), log_temperature_edges()
-    histograms = {which: metrics.histogram(which) for which in ("true", "pred")}
-    occupied = np.nonzero((histograms["true"] + histograms["pred"]).sum(axis=1))[0]
-    density_range = (density_edges[occupied[0]], density_edges[occupied[-1] + 1])
-    occupied = np.nonzero((histograms["true"] + histograms["pred"]).sum(axis=0))[0]
-    temperature_range = (temperature_edges[occupied[0]], temperature_edges[occupied[-1] + 1])
-    norm = LogNorm(vmin=1, vmax=max(h.max() for h in histograms.values()))
-    line_x = np.linspace(*density_range, 2)
-    for ax, which, title, style in zip(axes, ("true", "pred"), ("T-rho: target", "T-rho: prediction"),
-                                       ("C0--", "C1-")):
-        ax.pcolormesh(density_edges, temperature_edges, histograms[which].T, norm=norm, cmap="Greys")
-        gamma, t0 = fit_temperature_density(histograms[which])
-        if math.isfinite(gamma):
-            ax.plot(line_x, np.log10(t0) + (gamma - 1) * line_x, style, label=f"gamma {gamma:.3f}, T0 {t0:.0f} K")
-        ax.axvspan(*FIT_LOG_DENSITY_RANGE, color="C2", alpha=0.08)
-        ax.set_xlim(density_range)
-        ax.set_ylim(temperature_range)
-        ax.set_title(title, fontsize="medium")
-        ax.set_xlabel("log10 rho_gas / mean")
-        if math.isfinite(gamma):
-            ax.legend(loc="upper left", fontsize="small")
-    axes[0].set_ylabel("log10 T [K]")
 
 
 def _header(scalars):
@@ -222,10 +170,11 @@ def report_figure(prediction, truth, metrics, description):
     rows[0].suptitle(f"middle slice (first axis) of the {prediction.shape[1]}^3 box", fontsize="medium")
     _plot_slices(rows[0], rows[0].add_gridspec(2, 5), prediction, truth)
     middle = rows[1].subplots(1, 3)
-    _plot_power(middle[0], metrics)
+    plot_power_ratio(middle[0], metrics, band=(0.8, 1.25))
+    middle[0].set_title("gas power-spectrum ratio", fontsize="medium")
     middle[2].sharex(middle[1])
     middle[2].sharey(middle[1])
-    _plot_temperature_density(middle[1:], metrics)
+    plot_temperature_density(middle[1:], metrics)
     flux_axes = rows[2].subplots(2, 3, height_ratios=(2, 1))
     gs = flux_axes[0, 0].get_gridspec()
     for ax in flux_axes[:, 0]:

@@ -128,10 +128,11 @@ def test_errors_are_one_line(tmp_path, two_runs):
 def test_log_axis_minor_labels_thin_out_with_the_span(low, high, labelled):
     from matplotlib.figure import Figure
 
+    from science.plots import plain_log_ticks  # plot_logs', large_batch_study's and the science report's ticks
     ax = Figure().subplots()
     ax.set_yscale("log")
     ax.set_ylim(low, high)
-    plot_logs.plain_log_ticks(ax)
+    plain_log_ticks(ax)
     ticks = [t for t in ax.yaxis.get_minorticklocs() if low <= t <= high]
     labels = [ax.yaxis.get_minor_formatter()(t, i) for i, t in enumerate(ticks)]
     assert [label for label in labels if label] == labelled

@@ -7,6 +7,7 @@ from matplotlib.image import imread
 
 from networks.UNet import build_model
 from science import report as science_report
+from science import plots as science_plots
 from utils.checkpoint import save_checkpoint
 from utils.config import load_config
 from utils.make_dataset import make_dataset
@@ -81,7 +82,7 @@ def test_the_page_shows_every_panel(pair):
     assert metrics.compute()["lyman_alpha/mean_flux_true"] == pytest.approx(0.7, abs=1e-6)
     fig = science_report.report_figure(prediction, hydro, metrics, "a test")
     titles = [ax.get_title() for ax in fig.axes]
-    assert sum(title in science_report.FIELD_TITLES for title in titles) == 5                 # slices: 5 fields
+    assert sum(title in science_plots.FIELD_NAMES for title in titles) == 5                 # slices: 5 fields
     assert len([ax for ax in fig.axes if ax.images]) == 10                                     # target, prediction
     for expected in ("gas power-spectrum ratio", "T-rho: target", "T-rho: prediction", "1D flux power"):
         assert any(title.startswith(expected) for title in titles), expected

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from science.metrics import L1_TAGS
-from science.plots import figure_path
+from science.plots import figure_path, plain_log_ticks
 from utils import ConfigError
 
 LOSS_TAGS = ("Loss/train", "Loss/valid")
@@ -59,16 +58,6 @@ def load_run(run_dir):
         raise PlotLogsError(f"{logs} has no {' or '.join(LOSS_TAGS)} scalars yet (they are written at each "
                             f"validation); wait for the first one")
     return scalars
-
-
-def plain_log_ticks(ax):
-    """Tick labels 0.05, not 5x10^-2, on a log y axis (call it after plotting). Minor ticks are all labelled
-    when the axis spans under a decade, only the 2s and 5s under two decades, none beyond."""
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    ax.yaxis.set_major_formatter(plain)
-    low, high = ax.get_ylim()
-    twos_and_fives = FuncFormatter(lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else "")
-    ax.yaxis.set_minor_formatter(plain if high / low < 10 else twos_and_fives if high / low < 100 else NullFormatter())
 
 
 def _x(points, walltime):
