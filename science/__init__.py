@@ -3,7 +3,7 @@
 - ``metrics``: L1 in physical units, the gas power spectrum, the temperature-density relation;
 - ``lyman_alpha``: the Lyman-alpha forest along skewers (flux PDF, 1D flux power), the observable the emulator
   is for;
-- ``plots``: their figures and TensorBoard logging (the only module here that imports matplotlib);
+- ``plots``: their figures and TensorBoard logging (``metrics`` and ``lyman_alpha`` import no matplotlib);
 - ``report``: ``python -m science.report RUN_DIR``, the one-page report of a run or a prediction.
 
 train.py imports this package only when there is physics to measure (not on synthetic data) and talks to it

@@ -60,7 +60,7 @@ import math
 import numpy as np
 import torch
 
-from science.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_for, format_bands
+from science.lyman_alpha import FluxStatistics, LymanAlphaSettings, cell_size_for, format_bands, wavelength_octaves
 from utils.distributed import sum_over_ranks
 from utils.units import (DENSITY_LOG_SCALE, HYDRO_CHANNELS, TEMPERATURE_LOG10_OFFSET, TEMPERATURE_LOG10_SCALE,
                          to_physical)
@@ -228,7 +228,8 @@ class ScienceMetrics:
         return self._host
 
     def compute(self):
-        """The scalars (floats by TensorBoard tag): L1 per field, power ratio per octave, T-rho fits."""
+        """The scalars (floats by TensorBoard tag): L1 per field (normalised and physical), the power ratio and the
+        cross-correlation r per octave, the T-rho fits, and the Lyman-alpha statistics when configured."""
         state = self._state()
         num_cells = state["num_crops"][0] * self.crop_size ** 3
         scalars = {}
@@ -236,18 +237,18 @@ class ScienceMetrics:
             scalars[tag] = float(l1)
         for tag, l1 in zip(L1_PHYSICAL_TAGS, state["l1_physical"] / num_cells):
             scalars[tag] = float(l1)
-        for (low, high), shells in self.wavelength_octaves().items():
+        octaves = self.wavelength_octaves().items()
+        for (low, high), shells in octaves:
             ratio = state["power_pred"][shells].sum() / state["power_true"][shells].sum()
             scalars[f"power_ratio/wavelength_{low}-{high}_cells"] = float(ratio)
-        for (low, high), shells in self.wavelength_octaves().items():
+        for (low, high), shells in octaves:
             pred, true, cross = (state[name][shells].sum() for name in ("power_pred", "power_true", "power_cross"))
-            # undefined (NaN) where a field has no power there, e.g. a constant prediction
+            # NaN where a field has no power at all; a constant float32 prediction keeps rounding's, so r is noise
             r = cross / math.sqrt(pred * true) if pred * true > 0 else math.nan
             scalars[f"cross_correlation/wavelength_{low}-{high}_cells"] = float(r)
         (gamma_pred, t0_pred), (gamma_true, t0_true) = (fit_temperature_density(self.histogram(which))
                                                         for which in ("pred", "true"))
-        scalars.update({"T_rho/gamma_pred": float(gamma_pred), "T_rho/gamma_true": float(gamma_true),
-                        "T_rho/T0_pred_K": float(t0_pred), "T_rho/T0_true_K": float(t0_true)})
+        scalars.update(zip(T_RHO_TAGS, map(float, (gamma_pred, gamma_true, t0_pred, t0_true))))
         if self.flux is not None:
             scalars.update(self.flux_statistics().compute())
         return scalars
@@ -266,12 +267,9 @@ class ScienceMetrics:
         return self.flux
 
     def wavelength_octaves(self):
-        """{(low, high): shell indices} grouping shells |k| = n by wavelength S/n in [low, high) cells."""
-        octaves = {}
-        for n in range(1, self.crop_size // 2 + 1):
-            low = 1 << ((self.crop_size // n).bit_length() - 1)  # 2^floor(log2(S/n)), exact in integers
-            octaves.setdefault((low, 2 * low), []).append(n - 1)
-        return dict(sorted(octaves.items()))
+        """{(low, high): shell indices} grouping shells |k| = n (index n - 1) by wavelength S/n in [low, high) cells:
+        the flux P1D's octaves (lyman_alpha.wavelength_octaves) of a crop_size-cell line."""
+        return {band: [n - 1 for n in modes] for band, modes in wavelength_octaves(self.crop_size).items()}
 
     def power_spectra(self):
         """Shell-averaged P(k) in cells^3 of prediction and target: dict of (S/2,) numpy arrays.

@@ -83,7 +83,7 @@ def load_from_run(source, input_path, device, cell_size=None):
     checkpoint."""
     model, params, checkpoint, step = inference.load_trained_model(source, device)
     path = Path(input_path) if input_path else resolve_path(params.val_path)
-    truth, attrs = _read_hydro(path, "input", "give a file with Nbody and the true Hydro with --input")
+    truth, _ = _read_hydro(path, "input", "give a file with Nbody and the true Hydro with --input")
     section, cell = _units(inference.lyman_alpha_section(params), path, cell_size)
     with h5py.File(path, "r") as f:
         if "Nbody" not in f:
@@ -93,7 +93,8 @@ def load_from_run(source, input_path, device, cell_size=None):
     box, tile = nbody.shape[1], params.data_size
     inference.check_tiling(tile, 2 * (tile // 8), box, model.num_levels)
     prediction = inference.predict_array(model, nbody, tile, 2 * (tile // 8), device=device, progress=True)
-    run = checkpoint.parent.parent.name if checkpoint.parent.name == "checkpoints" else checkpoint.parent.name
+    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    run = "/".join(run_dir.resolve().parts[-3:])  # <config>/<N>GPU/<run_num>, as plot_logs labels runs
     description = (f"run {run}, {checkpoint.name} (step {step}), U-Net {params.model_channels} upsample="
                    f"{params.get('upsample', 'transposed')}, on {path.name} ({box}^3)")
     return prediction, truth, description, section, cell
@@ -104,7 +105,7 @@ def load_from_prediction(source, truth_path, cell_size=None):
     truth_path = truth_path or attrs.get("input")
     if truth_path is None:
         raise DataError(f"{source} names no input file; give the true Hydro with --truth")
-    truth, truth_attrs = _read_hydro(truth_path, "truth", "give the true Hydro with --truth")
+    truth, _ = _read_hydro(truth_path, "truth", "give the true Hydro with --truth")
     if truth.shape != prediction.shape:
         raise DataError(f"truth {truth_path} has shape {truth.shape}, the prediction {prediction.shape}; give the "
                         f"true Hydro of the predicted box with --truth")
@@ -128,7 +129,7 @@ def measure(prediction, truth, settings, stride, device="cpu"):
     metrics = ScienceMetrics(box, device, lyman_alpha=settings, periodic=True)
     metrics.flux.num_examples = NUM_SKEWER_EXAMPLES
     metrics.update(torch.from_numpy(prediction)[None].to(device), torch.from_numpy(truth)[None].to(device))
-    metrics.flux_statistics()
+    metrics.flux_statistics()  # finalizes the flux statistics in this one process (no ranks to sum over)
     return metrics
 
 
@@ -204,8 +205,9 @@ def main(argv=None):
         raise DataError(f"{source} does not exist; give a run directory, a checkpoint or a predict.py output")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from_prediction = source.is_file() and source.suffix in (".h5", ".hdf5")
-    default = source.with_name(source.stem + "_report.png") if from_prediction \
-        else (source if source.is_dir() else source.parent.parent) / "science_report.png"  # the run directory's
+    checkpoint_folder = source if source.is_dir() else source.parent
+    run_dir = checkpoint_folder.parent if checkpoint_folder.name == "checkpoints" else checkpoint_folder
+    default = source.with_name(source.stem + "_report.png") if from_prediction else run_dir / "science_report.png"
     output = figure_path(args.output, default.name, "--output") if args.output else default  # before the work
     if from_prediction:
         prediction, truth, description, section, cell_size = load_from_prediction(source, args.truth,

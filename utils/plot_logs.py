@@ -20,12 +20,12 @@ import numpy as np
 from matplotlib.figure import Figure
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
-from science.metrics import L1_TAGS
+from science.metrics import L1_TAGS, T_RHO_TAGS
 from science.plots import figure_path, plain_log_ticks
 from utils import ConfigError
 
 LOSS_TAGS = ("Loss/train", "Loss/valid")
-GAMMA_TAGS = ("T_rho/gamma_pred", "T_rho/gamma_true")
+GAMMA_TAGS = T_RHO_TAGS[:2]  # T_rho/gamma_pred, T_rho/gamma_true
 
 
 class PlotLogsError(Exception):
