@@ -61,7 +61,8 @@ class TrainState:
     spatial: object = None              # spatial_parallel > 1: this rank's SpatialGroup (utils/spatial.py)
 
     def to_device(self, tensor):
-        # non_blocking: from pinned memory the copy overlaps with the step already queued on the GPU
+        # non_blocking: the host does not wait for the copy; on this stream it still runs after the step queued
+        # before it (the fast loader copies on a side stream, so that the two overlap)
         return tensor.to(self.info.device, non_blocking=True, memory_format=self.memory_format)
 
     def set_lr(self, lr):
@@ -188,7 +189,7 @@ def build_training(params, info, make_optimizer=build_optimizer, run_dir=None):
 
     if params.enable_manual_profiling or params.profile_dir is not None:
         from utils.profiling import Profiler
-        profiler = Profiler(params, run_dir or Path.cwd(), device)
+        profiler = Profiler(params, run_dir or Path.cwd(), device, info.rank)
     else:
         profiler = metrics.NO_PROFILER
     state = TrainState(params, info, model, train_model, loss_fn, optimizer, scaler, autocast, memory_format,

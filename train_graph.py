@@ -58,8 +58,8 @@ def check_graph_support(params, world_size, here=True):
 def capturable_adam(model, params, device):
     """Adam whose step a graph can record: ``capturable=True``, its lr in a device tensor that TrainState.set_lr
     fills. Fused with ``--enable_fused``, else foreach, named: ``fused=False`` alone selects the single-tensor Adam,
-    whose capturable update divides 0 by -0.0 at lr 0 (the first warm-up step), writing NaN into weights whose
-    gradient is always 0 (most taps of the layers next to the 1^3 level)."""
+    whose capturable update divides 0 by -0.0 at lr 0 (step 0 of the schedule's linear warm-up), writing NaN into
+    weights whose gradient is always 0 (most taps of the layers next to the 1^3 level)."""
     implementation = "fused" if params.enable_fused else "foreach"
     lr = torch.tensor(params.lr_schedule["start_lr"], dtype=torch.float32, device=device)
     return (torch.optim.Adam(model.parameters(), lr=lr, capturable=True, **{implementation: True}),

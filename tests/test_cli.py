@@ -493,7 +493,7 @@ def test_out_of_memory_in_a_step_is_one_line_naming_the_settings_that_need_less(
                           "(--micro_batches 2: the same training, 2 crop(s) at a time)"), err
     # bf16 is offered only where it is not slower than fp32 (on most CPUs it is: README section 5)
     assert ("bf16 activations (--amp_mode bf16)" in err) == cpu_bf16
-    assert "(--spatial_parallel S, README section 12)" in err
+    assert "(train.py --spatial_parallel S, README section 12)" in err
     assert err.endswith(f"PyTorch said: {CUDA_OOM}")
 
 
@@ -503,7 +503,7 @@ def test_settings_already_taken_are_not_offered_again(tiny_argv, capsys, monkeyp
     monkeypatch.setattr(train, "eager_step", oom_step)
     code, err = run_train_cli(tiny_argv + ["--global_batch_size", "1", "--amp_mode", "bf16"], capsys)
     assert code == 2
-    assert "with 1 crop(s) of 8^3 per rank; try more ranks sharing each crop (--spatial_parallel S" in err, err
+    assert "with 1 crop(s) of 8^3 per rank; try more ranks sharing each crop (train.py --spatial_parallel S" in err, err
     assert "--micro_batches" not in err and "--amp_mode" not in err
 
 

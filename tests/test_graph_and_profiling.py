@@ -187,6 +187,23 @@ def trace_event_names(trace_dir):
         return [event.get("name") for event in json.load(f)["traceEvents"]]
 
 
+def test_each_rank_checks_only_its_own_trace_while_another_writes_beside_it(tmp_path):
+    """Under DDP every rank traces into the run folder; the rank that finishes first must not take another rank's
+    half-written file for its own failed write (StorageError, and the run stopped on that rank only)."""
+    params = load_config("quickstart", overrides={"profile_dir": "profile", "profile_window": [2, 4]})
+    profiler = Profiler(params, tmp_path, torch.device("cpu"), rank=0)
+    step = profiler.step
+
+    def step_while_rank_1_writes(global_step):
+        if global_step == 3:  # inside the window: rank 1's file has begun, not ended
+            (tmp_path / "profile" / "rank1.123.pt.trace.json").write_text('{"traceEvents": [')
+        step(global_step)
+
+    profiler.step = step_while_rank_1_writes
+    profiled_run(profiler, 6)
+    assert [p.name.split(".")[0] for p in sorted((tmp_path / "profile").glob("*.pt.trace.json"))] == ["rank0", "rank1"]
+
+
 # torch's warnings are a user's noise: torch 2.11 (the GPU image's) warns at the window's start without acc_events
 @pytest.mark.filterwarnings("error::UserWarning")
 @pytest.mark.parametrize("num_steps, recorded", [(6, 2), (3, 1)], ids=["whole window", "run ends inside"])
@@ -200,10 +217,12 @@ def test_profile_window_writes_a_trace_of_exactly_its_steps(tmp_path, num_steps,
 
 
 @pytest.mark.parametrize("first, last, trained", [(0, 1, "global steps 0 to 1"), (0, 2, "global steps 0 to 2"),
-                                                   (5, 7, "global steps 5 to 7"), (None, None, "no steps")],
-                         ids=["short", "ends at the window", "resumed after it", "no step"])
+                                                   (5, 7, "global steps 5 to 7"), (None, None, "no steps"),
+                                                   (4, 7, "global steps 4 to 7")],
+                         ids=["short", "ends at the window", "resumed after it", "no step", "resumed inside it"])
 def test_a_window_the_run_never_reached_is_said_not_silent(tmp_path, monkeypatch, first, last, trained):
-    """A short run (or one resumed past the window) writes no trace: silence would read as if one were somewhere."""
+    """A short run (or one resumed past or into the window) writes no trace: silence would read as if one were
+    somewhere, and "not reached" would be wrong for a run that began inside it."""
     params = load_config("quickstart", overrides={"profile_dir": "profile", "profile_window": [3, 5]})
     profiler = Profiler(params, tmp_path, torch.device("cpu"))
     said = []
@@ -211,9 +230,10 @@ def test_a_window_the_run_never_reached_is_said_not_silent(tmp_path, monkeypatch
     for global_step in range(first, last + 1) if first is not None else ():
         profiler.step(global_step)
     profiler.close()
-    assert said == [f"profile_window [3, 5] not reached: this run trained {trained}; no torch.profiler "
-                               f"trace written (choose a --profile_window inside those steps; a trace also warms up on "
-                               f"the step before its window)"]
+    where = "began before this run" if first == 4 else "not reached"
+    assert said == [f"profile_window [3, 5] {where}: this run trained {trained}; no torch.profiler trace written "
+                    f"(choose a --profile_window inside those steps, from the second on: a window opens at its first "
+                    f"step, and a trace warms up on the step before it)"]
     assert not list((tmp_path / "profile").iterdir())
 
 

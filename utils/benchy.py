@@ -1,6 +1,6 @@
 """Benchmark mode (``--enable_benchy``): separate I/O, compute and full-training throughput.
 
-Three trials, each with warm-up trials excluded from the statistics:
+Three modes, each timed over ``trials`` trials after ``warmup_trials`` left out of the statistics:
 - IO: the data loader alone, batches copied to the device (what the GPU could be fed);
 - SYNTHETIC: one batch cached on the device and replayed through the training step (compute only);
 - FULL: real training, loader and step together.

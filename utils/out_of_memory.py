@@ -42,6 +42,6 @@ def training_report(err, params, info):
         ways.append("bf16 activations (--amp_mode bf16)")
     if params.data_loader_config == "gpu" and params.gpu_storage_dtype == "fp32":
         ways.append("half-size volumes on the device (--gpu_storage_dtype fp16)")
-    ways.append("more ranks sharing each crop (--spatial_parallel S, README section 12)")
+    ways.append("more ranks sharing each crop (train.py --spatial_parallel S, README section 12)")
     return out_of_memory(err, f"on {info.device} with {per_rank} crop(s) of {params.data_size}^3 per rank{split}"
                               f"{shared}", ways)

@@ -44,8 +44,10 @@ class Profiler:
     ``step(g)`` means "step ``g`` (0-based) is about to run"; the window covers steps ``start .. stop - 1``.
     """
 
-    def __init__(self, params, run_dir, device):
+    def __init__(self, params, run_dir, device, rank=0):
         self.start, self.stop = params.profile_window
+        # Every rank traces into the run folder: its files carry its rank, so each checks only its own
+        self.trace_name = f"rank{rank}"
         if not 0 < self.start < self.stop:
             raise ConfigError(f"profile_window {params.profile_window} must be [start, stop) with 0 < start < stop")
         self.nvtx = bool(params.enable_manual_profiling) and device.type == "cuda"
@@ -141,20 +143,22 @@ class Profiler:
             logger.warning(f"profiler: closing it failed too ({type(err).__name__}: {err})".splitlines()[0])
 
     def _missed(self, what):
-        """The log line of a window that this run's steps did not reach: silence would look like a trace."""
+        """The log line of a window that this run's steps did not open: silence would look like a trace."""
         trained = "no steps" if self.last_step is None else f"global steps {self.first_step} to {self.last_step}"
-        return (f"profile_window {[self.start, self.stop]} not reached: this run trained {trained}; {what} (choose "
-                f"a --profile_window inside those steps; a trace also warms up on the step before its window)")
+        began_inside = self.first_step is not None and self.start <= self.first_step < self.stop  # a resumed run
+        return (f"profile_window {[self.start, self.stop]} {'began before this run' if began_inside else 'not reached'}"
+                f": this run trained {trained}; {what} (choose a --profile_window inside those steps, from the second "
+                f"on: a window opens at its first step, and a trace warms up on the step before it)")
 
     def _start_trace(self):
         self.trace_started = True
-        self.traces_before = set(self.trace_dir.glob("*.pt.trace.json")) if self.trace_dir.is_dir() else set()
+        self.traces_before = set(self._traces())
         # Step start - 1 is the profiler's warm-up (tracing set up, events discarded), so the first
         # recorded step does not carry the profiler's start-up cost; steps start .. stop - 1 are recorded.
         self.torch_profiler = torch.profiler.profile(
             activities=self.activities,
             schedule=torch.profiler.schedule(wait=0, warmup=1, active=self.stop - self.start, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.trace_dir)),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.trace_dir), self.trace_name),
             # One cycle (repeat=1), so nothing accumulates; without it torch 2.11 warns at start that events of
             # earlier cycles are cleared, which a one-window trace has none of.
             acc_events=True,
@@ -172,10 +176,14 @@ class Profiler:
         logger.info(f"torch.profiler trace of steps [{self.start}, {end}) written to {self.trace_dir} "
                     f"(open the .pt.trace.json in https://ui.perfetto.dev)")
 
+    def _traces(self):
+        """This rank's trace files (``rank<R>.<time>.pt.trace.json``); another rank may be writing its own beside."""
+        return self.trace_dir.glob(f"{self.trace_name}.*.pt.trace.json") if self.trace_dir.is_dir() else []
+
     def _check_trace_written(self):
         """torch writes the trace file in C++ and, on a full disk, leaves it missing, empty or cut short without
         raising: check that a complete JSON file (ending in "}") arrived."""
-        new = set(self.trace_dir.glob("*.pt.trace.json")) - self.traces_before if self.trace_dir.is_dir() else set()
+        new = set(self._traces()) - self.traces_before
         incomplete = []
         for path in new:
             size = path.stat().st_size

@@ -254,7 +254,6 @@ class DevicePrefetcher:
     def __init__(self, loader, device, memory_format=torch.contiguous_format):
         self.loader, self.device, self.memory_format = loader, torch.device(device), memory_format
         self.copy_stream = None  # made once (see utils/data/gpu.py: the pool of streams is shared with NCCL)
-        self.dataset = getattr(loader, "dataset", None)  # train.py reads loader.dataset, as of a DataLoader
 
     def __len__(self):
         return len(self.loader)

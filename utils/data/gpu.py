@@ -83,9 +83,10 @@ def check_device_memory(path, dtype, device, split):
     free, _ = torch.cuda.mem_get_info(device)
     if needed > free:
         name = next(k for k, v in STORAGE_DTYPES.items() if v == dtype)
+        smaller = "set gpu_storage_dtype: fp16 (half the memory) or " if dtype == torch.float32 else ""
         raise DataError(f"the {split} box ({shapes[0][1]}^3, {shapes[0][0] + shapes[1][0]} channels) needs "
                         f"{needed / 1e9:.3g} GB of device memory in {name}, but {free / 1e9:.3g} GB are free; "
-                        f"set gpu_storage_dtype: fp16 (half the memory) or use data_loader_config: lowmem")
+                        f"{smaller}use data_loader_config: lowmem")
 
 
 class GPUResidentLoader(PlannedLoader):
