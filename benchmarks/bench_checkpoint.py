@@ -18,14 +18,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from networks.UNet import build_model  # noqa: E402
+from utils.arguments import positive_int  # noqa: E402
 from utils.checkpoint import _check_digest, save_checkpoint  # noqa: E402
 from utils.config import load_config  # noqa: E402
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--config", default="base", help="named config whose model is saved (default: base)")
-    parser.add_argument("--repeats", type=int, default=5, help="verifications timed (default 5)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="verifications timed (default 5)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint is written")
     args = parser.parse_args(argv)
     model = build_model(load_config(args.config))
