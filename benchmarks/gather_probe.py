@@ -152,8 +152,10 @@ def main(argv=None):
         for name, candidate in candidates.items():
             if name in errors:
                 continue
-            try:  # a candidate this torch cannot run (mixed index dtypes on this device; Triton's compile errors,
-                made = batch_of(candidate, corners, chosen)  # which are no RuntimeError) is reported, not fatal
+            # A candidate this torch cannot run (mixed index dtypes on this device; Triton's compile errors, which
+            # are no RuntimeError) is reported, not fatal
+            try:
+                made = batch_of(candidate, corners, chosen)
             except Exception as err:
                 errors[name], equal[name] = first_line(err), False
                 continue

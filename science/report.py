@@ -78,6 +78,12 @@ def _units(section, path, cell_size):
     return section, lya.cell_size_for(section, path, NO_CELL_SIZE)
 
 
+def run_folder(path):
+    """The run folder of a run folder, its checkpoints/ folder or a checkpoint file (a loose one: its folder)."""
+    folder = path if path.is_dir() else path.parent
+    return folder.parent if folder.name == "checkpoints" else folder
+
+
 def load_from_run(source, input_path, device, cell_size=None):
     """(prediction, truth, description, settings section, cell size): the box predicted with the newest
     checkpoint."""
@@ -93,8 +99,7 @@ def load_from_run(source, input_path, device, cell_size=None):
     box, tile = nbody.shape[1], params.data_size
     inference.check_tiling(tile, 2 * (tile // 8), box, model.num_levels)
     prediction = inference.predict_array(model, nbody, tile, 2 * (tile // 8), device=device, progress=True)
-    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-    run = "/".join(run_dir.resolve().parts[-3:])  # <config>/<N>GPU/<run_num>, as plot_logs labels runs
+    run = "/".join(run_folder(checkpoint).resolve().parts[-3:])  # <config>/<N>GPU/<run_num>, as plot_logs labels
     description = (f"run {run}, {checkpoint.name} (step {step}), U-Net {params.model_channels} upsample="
                    f"{params.get('upsample', 'transposed')}, on {path.name} ({box}^3)")
     return prediction, truth, description, section, cell
@@ -205,9 +210,8 @@ def main(argv=None):
         raise DataError(f"{source} does not exist; give a run directory, a checkpoint or a predict.py output")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from_prediction = source.is_file() and source.suffix in (".h5", ".hdf5")
-    checkpoint_folder = source if source.is_dir() else source.parent
-    run_dir = checkpoint_folder.parent if checkpoint_folder.name == "checkpoints" else checkpoint_folder
-    default = source.with_name(source.stem + "_report.png") if from_prediction else run_dir / "science_report.png"
+    default = source.with_name(source.stem + "_report.png") if from_prediction else \
+        run_folder(source) / "science_report.png"
     output = figure_path(args.output, default.name, "--output") if args.output else default  # before the work
     if from_prediction:
         prediction, truth, description, section, cell_size = load_from_prediction(source, args.truth,

@@ -218,8 +218,9 @@ def test_profile_window_writes_a_trace_of_exactly_its_steps(tmp_path, num_steps,
 
 @pytest.mark.parametrize("first, last, trained", [(0, 1, "global steps 0 to 1"), (0, 2, "global steps 0 to 2"),
                                                    (5, 7, "global steps 5 to 7"), (None, None, "no steps"),
-                                                   (4, 7, "global steps 4 to 7")],
-                         ids=["short", "ends at the window", "resumed after it", "no step", "resumed inside it"])
+                                                   (4, 7, "global steps 4 to 7"), (3, 7, "global steps 3 to 7")],
+                         ids=["short", "ends at the window", "resumed after it", "no step", "resumed inside it",
+                              "resumed at its start"])
 def test_a_window_the_run_never_reached_is_said_not_silent(tmp_path, monkeypatch, first, last, trained):
     """A short run (or one resumed past or into the window) writes no trace: silence would read as if one were
     somewhere, and "not reached" would be wrong for a run that began inside it."""
@@ -230,7 +231,7 @@ def test_a_window_the_run_never_reached_is_said_not_silent(tmp_path, monkeypatch
     for global_step in range(first, last + 1) if first is not None else ():
         profiler.step(global_step)
     profiler.close()
-    where = "began before this run" if first == 4 else "not reached"
+    where = {4: "began before this run", 3: "starts at this run's first step"}.get(first, "not reached")
     assert said == [f"profile_window [3, 5] {where}: this run trained {trained}; no torch.profiler trace written "
                     f"(choose a --profile_window inside those steps, from the second on: a window opens at its first "
                     f"step, and a trace warms up on the step before it)"]

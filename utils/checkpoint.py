@@ -561,17 +561,17 @@ class CheckpointManager:
     def _close_background(self, ending):
         """Close rank 0's background writer, log its stall statistics; a failed write's error, logged too if another
         exception is ``ending`` the loop (that one goes on; this must not get lost)."""
-        writer, failed = self.background, None
+        background, failed = self.background, None
         try:
-            writer.close()
+            background.close()
         except CheckpointError as err:
             failed = err
             if ending:
                 logger.error(f"error: {err}")
-        if writer.stall_seconds:
-            logger.info(f"Checkpoints: {writer.saves}, training stalled {max(writer.stall_seconds):.2f} s at most "
-                        f"({sum(writer.stall_seconds):.1f} s in all)")
-        for name, seconds in (("stall", writer.stall_seconds), ("write", writer.write_seconds)):
+        if background.stall_seconds:
+            logger.info(f"Checkpoints: {background.saves}, training stalled {max(background.stall_seconds):.2f} s at "
+                        f"most ({sum(background.stall_seconds):.1f} s in all)")
+        for name, seconds in (("stall", background.stall_seconds), ("write", background.write_seconds)):
             if self.tensorboard and seconds:
                 self.tensorboard.add_scalar(f"Perf/checkpoint_{name}_s", max(seconds), self.state.global_step)
         return failed
@@ -580,13 +580,13 @@ class CheckpointManager:
         """After each step: track the loss; between epoch ends agree, checkpoint if due, stop on a signal or NaN."""
         state, params, control = self.state, self.state.params, self.control
         control.track(loss, state.global_step - 1)
-        writer = self._background()  # rank 0's; None elsewhere
-        if writer is not None and control.failed_write is None:
-            self._reported(writer.poll)  # logs a finished background write, reports a failed one
+        background = self._background()  # rank 0's; None elsewhere
+        if background is not None and control.failed_write is None:
+            self._reported(background.poll)  # logs a finished background write, reports a failed one
         if last_in_epoch:
             return
         by_steps = params.checkpoint_every_n_steps > 0 and state.global_step % params.checkpoint_every_n_steps == 0
-        by_clock = writer is not None and writer.due()  # a clock read, no sync
+        by_clock = background is not None and background.due()  # a clock read, no sync
         if state.info.enabled:  # log steps sync with the host anyway: the agreement's collective costs little there
             agree_now = by_steps or state.global_step % params.log_every_n_steps == 0
         else:
@@ -630,12 +630,12 @@ class CheckpointManager:
         state, started = self.state, perf_counter()  # the stall: everything the training loop waits for here
         # summed over ranks: the resumed rank 0 carries the epoch's loss for everyone
         loss_sum = all_reduce_sum([float(epoch_loss_sum)], state.info)[0]
-        writer = self._background()
-        if writer is not None:  # waits for the previous write first, and reports its error
-            stall = self._reported(writer.save, self._payload(loss_sum, validation_pending), state.global_step,
+        background = self._background()
+        if background is not None:  # waits for the previous write first, and reports its error
+            stall = self._reported(background.save, self._payload(loss_sum, validation_pending), state.global_step,
                                    state.params.keep_checkpoints, reason, started)
             if stall is not None:
-                logger.info(stall_message(reason, state.global_step, stall, writer.wait_seconds[-1]))
+                logger.info(stall_message(reason, state.global_step, stall, background.wait_seconds[-1]))
                 if self.tensorboard is not None:  # events up to the checkpoint on disk: a resume purges later ones
                     self.tensorboard.flush()
         if wait:
@@ -659,7 +659,7 @@ class CheckpointManager:
         """Rank 0's background writer (first use starts its clock); None elsewhere."""
         if self.state.info.is_main and self.background is None:
             self.background = AsyncCheckpointer(self.directory, self.state.params.checkpoint_every_minutes, logger.info)
-            if self.state.info.device.type == "cuda":  # pin the host buffers now, on the writer thread
+            if self.state.info.device.type == "cuda":  # pin the host buffers now, on the writer's thread
                 self.background.reserve(self._payload(0.0))
         return self.background
 

@@ -241,7 +241,7 @@ def gather_slabs(slab, spatial):
     slabs, buffer = [slab.cpu()], torch.empty_like(slab)
     for rank in spatial.ranks[1:]:
         torch.distributed.recv(buffer, rank, group=spatial.group)
-        slabs.append(buffer.cpu())
+        slabs.append(buffer.to("cpu", copy=True))  # a copy also on the CPU, where .cpu() would keep the buffer
     return slabs
 
 

@@ -145,10 +145,12 @@ class Profiler:
     def _missed(self, what):
         """The log line of a window that this run's steps did not open: silence would look like a trace."""
         trained = "no steps" if self.last_step is None else f"global steps {self.first_step} to {self.last_step}"
-        began_inside = self.first_step is not None and self.start <= self.first_step < self.stop  # a resumed run
-        return (f"profile_window {[self.start, self.stop]} {'began before this run' if began_inside else 'not reached'}"
-                f": this run trained {trained}; {what} (choose a --profile_window inside those steps, from the second "
-                f"on: a window opens at its first step, and a trace warms up on the step before it)")
+        where = "not reached"
+        if self.first_step is not None and self.start <= self.first_step < self.stop:  # a resumed run
+            where = "began before this run" if self.first_step > self.start else "starts at this run's first step"
+        return (f"profile_window {[self.start, self.stop]} {where}: this run trained {trained}; {what} (choose a "
+                f"--profile_window inside those steps, from the second on: a window opens at its first step, and a "
+                f"trace warms up on the step before it)")
 
     def _start_trace(self):
         self.trace_started = True

@@ -24,7 +24,8 @@ otherwise. A replicated tensor's gradient is partial on each rank (each rank's s
 reduction below sums them, so parameter gradients summed over the spatial group equal the unsharded ones.
 
 Usage (as tests/test_spatial.py puts the pieces together; train.py gets each rank's slab from its loader, whose
-SplitSpec.planes are this split_depth, and lets DDP over every rank sum the gradients: spatial_loss(..., ddp=True))::
+SplitSpec.planes are this split_depth, and lets DDP average the gradients over every rank: spatial_loss(...,
+ddp=True) scales each share so that the average is the unsharded gradient)::
 
     spatial = spatial_mesh(S, "cpu")                     # this rank's group of the 2D mesh (data, spatial)
     shard_model(model, spatial)                          # conv layers -> SpatialConv, same parameters
@@ -367,9 +368,8 @@ class SpatialConv(nn.Module):
             crops = f"{batch // size} of the {batch} crops on each rank" if shares_crops(batch, size) else \
                 f"all {batch} crops on every rank (S does not divide them)"
             planes = f"{plan.depth_in} plane{'s' * (plan.depth_in != 1)}"
-            how = "gathers its input whole" if plan.depth_in % size == 0 else "has its input whole on every rank"
-            logger.info(f"spatial parallel: {self.name} {how} ({planes} at S={size}) and runs unsharded, {crops}: "
-                        f"{plan.reason}")
+            how = f"gathers its input whole ({planes} at S={size}) and runs" if plan.depth_in % size == 0 else "runs"
+            logger.info(f"spatial parallel: {self.name} {how} unsharded, {crops}: {plan.reason}")
         return self.run(pad_depth(x, *self.halo(0)))
 
     def forward(self, x):  # x: this rank's slab (B, C_in, n, H, W), or the whole input where S does not divide it
