@@ -32,6 +32,7 @@ from utils import CheckpointError, DataError, run as run_cli
 from utils.arguments import positive_float, positive_int
 from utils.checkpoint import load_checkpoint
 from utils.config import resolve_path
+from utils.plot_logs import run_label
 from science.metrics import ScienceMetrics, format_fit
 from science.plots import (FIELD_NAMES, display_hydro, field_colour_scale, figure_path, plot_example_skewers,
                            plot_flux_pdf, plot_p1d, plot_power_ratio, plot_temperature_density)
@@ -99,7 +100,7 @@ def load_from_run(source, input_path, device, cell_size=None):
     box, tile = nbody.shape[1], params.data_size
     inference.check_tiling(tile, 2 * (tile // 8), box, model.num_levels)
     prediction = inference.predict_array(model, nbody, tile, 2 * (tile // 8), device=device, progress=True)
-    run = "/".join(run_folder(checkpoint).resolve().parts[-3:])  # <config>/<N>GPU/<run_num>, as plot_logs labels
+    run = run_label(run_folder(checkpoint))  # <config>/<N>GPU/<run_num>
     description = (f"run {run}, {checkpoint.name} (step {step}), U-Net {params.model_channels} upsample="
                    f"{params.get('upsample', 'transposed')}, on {path.name} ({box}^3)")
     return prediction, truth, description, section, cell

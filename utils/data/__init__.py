@@ -4,9 +4,8 @@ the data files before a run.
 torch_loader.py holds the sample stream every loader serves (``sample_plan``) and the straightforward loader, the
 ``base`` config's. The others are imported only when a config asks for them: ``fast_loader: true`` (fast.py, CPU
 worker threads; quickstart's loader, and the ``*_opt`` configs' for inmem/lowmem), ``data_loader_config: gpu``
-(gpu.py, GPU-resident: the ``*_opt`` configs'),
-``dali-lowmem`` (dali.py, NVIDIA DALI). They serve the same sample stream, so the choice changes speed, never results.
-No module of the package imports from here.
+(gpu.py, GPU-resident: the ``*_opt`` configs'), ``dali-lowmem`` (dali.py, NVIDIA DALI). They serve the same sample
+stream, so the choice changes speed, never results. No module of the package imports from here.
 """
 import torch
 import torch.distributed as dist
