@@ -76,7 +76,7 @@ class ValidationScience:
             log(f"  Lyman-alpha: {self.metrics.flux.summary(scalars)}")
         if writer:
             from science.plots import write_tensorboard  # matplotlib only where figures are drawn
-            write_tensorboard(writer, step, self.metrics, self.example)
+            write_tensorboard(writer, step, self.metrics, scalars, self.example)
 
 
 @torch.no_grad()

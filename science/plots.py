@@ -2,8 +2,8 @@
 (science/lyman_alpha.py), and their TensorBoard logging: matplotlib Figure objects (no pyplot state), for
 writer.add_figure or fig.savefig(path.png). The metrics modules import no matplotlib; this one does.
 
-    write_tensorboard(writer, step, science, example)   # train.py's validation: scalars and figures
-    slice_figure(inp, prediction, target)               # middle slices of one crop
+    write_tensorboard(writer, step, science, scalars, example)  # train.py's validation: scalars, figures
+    slice_figure(inp, prediction, target)                       # middle slices of one crop
     power_spectrum_figure(science), temperature_density_figure(science), flux_figure(science.flux_statistics())
 
 plot_power_ratio, plot_temperature_density, plot_flux_pdf, plot_p1d and plot_example_skewers draw on given axes
@@ -172,12 +172,13 @@ def plot_temperature_density(axes, metrics):
     return mesh
 
 
-def write_tensorboard(writer, step, metrics, example=None):
-    """Log every scalar of ``metrics.compute()`` and the figures (slices only when ``example`` is given).
+def write_tensorboard(writer, step, metrics, scalars, example=None):
+    """Log ``scalars`` (``metrics.compute()``, which the caller has already logged) and the figures (slices only
+    when ``example`` is given).
 
     ``example``: (inp (4, S, S, S), prediction (5, S, S, S), target (5, S, S, S)) of one crop.
     """
-    for tag, value in metrics.compute().items():
+    for tag, value in scalars.items():
         writer.add_scalar(tag, value, step)
     writer.add_figure("Science/power_spectrum", power_spectrum_figure(metrics), step)
     if metrics.flux is not None:

@@ -226,7 +226,7 @@ def test_figures_and_tensorboard_logging(generated, tmp_path):
     assert slices[0].images[0].get_clim() == slices[1].images[0].get_clim() == slices[2].images[0].get_clim()
 
     writer = SummaryWriter(log_dir=str(tmp_path / "logs"))
-    science_plots.write_tensorboard(writer, 7, metrics, example=(nbody[0], prediction[0], hydro[0]))
+    science_plots.write_tensorboard(writer, 7, metrics, metrics.compute(), example=(nbody[0], prediction[0], hydro[0]))
     writer.close()
     events = EventAccumulator(str(tmp_path / "logs"))
     events.Reload()
