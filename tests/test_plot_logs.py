@@ -1,4 +1,5 @@
 """python -m utils.plot_logs on TensorBoard event files laid out as train.py writes them."""
+import re
 import time
 
 import numpy as np
@@ -41,7 +42,7 @@ def png_shape(path):
 
 def test_loss_png_of_two_runs(two_runs, capsys):
     first, second = two_runs
-    assert plot_logs.main([str(first), str(second)]) == 0
+    plot_logs.main([str(first), str(second)])
     assert png_shape(first / "loss.png") == (5 * 120, 8 * 120, 4)   # figsize (8, 5) at dpi 120
     assert f"wrote {first / 'loss.png'}" in capsys.readouterr().out
 
@@ -58,7 +59,7 @@ def test_loss_png_of_two_runs(two_runs, capsys):
 
 def test_walltime_axis_is_minutes_since_the_runs_first_event(two_runs, tmp_path):
     out = tmp_path / "plots" / "bs.png"
-    assert plot_logs.main([*map(str, two_runs), "--walltime", "--out", str(out)]) == 0
+    plot_logs.main([*map(str, two_runs), "--walltime", "--out", str(out)])
     assert png_shape(out)[0] > 0
     runs = {plot_logs.run_label(run): plot_logs.load_run(run) for run in two_runs}
     ax = plot_logs.loss_figure(runs, walltime=True).axes[0]
@@ -71,7 +72,7 @@ def test_walltime_axis_is_minutes_since_the_runs_first_event(two_runs, tmp_path)
 
 def test_science_png(two_runs, tmp_path):
     out = tmp_path / "curves.png"
-    assert plot_logs.main([*map(str, two_runs), "--science", "--out", str(out)]) == 0
+    plot_logs.main([*map(str, two_runs), "--science", "--out", str(out)])
     assert png_shape(tmp_path / "curves_science.png") == (7 * 120, 13 * 120, 4)
     runs = {plot_logs.run_label(run): plot_logs.load_run(run) for run in two_runs}
     axes = plot_logs.science_figure(runs).axes
@@ -90,35 +91,40 @@ def test_out_is_the_file_written_and_the_one_named(two_runs, tmp_path, capsys):
     for out, written in ((folder, folder / "loss.png"), (tmp_path / "curves", tmp_path / "curves.png"),
                          (tmp_path / "curves.pdf", tmp_path / "curves.pdf"),
                          (f"{tmp_path / 'new' / 'folder'}/", tmp_path / "new" / "folder" / "loss.png")):  # a slash
-        assert plot_logs.main([str(two_runs[0]), "--out", str(out)]) == 0
+        plot_logs.main([str(two_runs[0]), "--out", str(out)])
         assert capsys.readouterr().out == f"wrote {written}\n" and written.is_file()
-    with pytest.raises(SystemExit, match=r"error: --out .*curves\.v2: matplotlib writes no \.v2 files; end the name "
-                                         r"with one of .*\.pdf, .*\.png"):
-        plot_logs.main([str(two_runs[0]), "--out", str(tmp_path / "curves.v2")])
+    assert_one_line_error(capsys, [str(two_runs[0]), "--out", str(tmp_path / "curves.v2")],
+                          r"--out .*curves\.v2: matplotlib writes no \.v2 files; end the name with one of .*\.pdf, "
+                          r".*\.png")
 
 
-def test_errors_are_one_line(tmp_path, two_runs):
+def assert_one_line_error(capsys, argv, pattern):
+    """The command line's way out of a user error: ``error: <message>`` on one stderr line, exit status 2, as
+    train.py, predict.py and the science report end."""
+    with pytest.raises(SystemExit) as stop:
+        plot_logs.cli(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and re.fullmatch(f"error: {pattern}.*\n", err), err
+
+
+def test_errors_are_one_line(tmp_path, two_runs, capsys):
     empty = tmp_path / "empty"
     (empty / "logs").mkdir(parents=True)
-    with pytest.raises(SystemExit, match=r"error: no TensorBoard event files in .*empty/logs; pass run directories"):
-        plot_logs.main([str(empty)])
+    assert_one_line_error(capsys, [str(empty)], r"no TensorBoard event files in .*empty/logs; pass run directories")
     benchmark = tmp_path / "benchmark"  # --enable_benchy: out.log, config.yaml, benchy.json and no logs/
     benchmark.mkdir()
     (benchmark / "benchy.json").write_text("{}")
-    with pytest.raises(SystemExit, match=r"error: .*benchmark is a benchmark-mode run \(--enable_benchy\), which "
-                                         r"writes no TensorBoard events: its throughputs are in benchy.json"):
-        plot_logs.main([str(benchmark)])
-    with pytest.raises(SystemExit, match="is not a directory"):
-        plot_logs.main([str(tmp_path / "missing")])
+    assert_one_line_error(capsys, [str(benchmark)], r".*benchmark is a benchmark-mode run \(--enable_benchy\), which "
+                                                    r"writes no TensorBoard events: its throughputs are in benchy.json")
+    assert_one_line_error(capsys, [str(tmp_path / "missing")], r".*missing is not a directory")
     no_science = two_runs[1]
-    with pytest.raises(SystemExit, match=r"no science scalars \(L1/gas_density, T_rho/gamma_pred, ...\)"):
-        plot_logs.main([str(no_science), "--science"])
+    assert_one_line_error(capsys, [str(no_science), "--science"],
+                          r"no science scalars \(L1/gas_density, T_rho/gamma_pred, ...\)")
     only_lr = tmp_path / "runs" / "x" / "1GPU" / "0"
     writer = SummaryWriter(log_dir=str(only_lr / "logs"))
     writer.add_scalar("Learning Rate", 1e-3, 0)
     writer.close()
-    with pytest.raises(SystemExit, match="has no Loss/train or Loss/valid scalars yet"):
-        plot_logs.main([str(only_lr)])
+    assert_one_line_error(capsys, [str(only_lr)], r".*has no Loss/train or Loss/valid scalars yet")
 
 
 @pytest.mark.parametrize("low, high, labelled", [

@@ -13,7 +13,6 @@ A resumed run continues in the same curve; its wall time includes the gap before
 error per hydro field and the fitted temperature-density gamma of prediction and target.
 """
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +21,13 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 
 from science.metrics import L1_TAGS, T_RHO_TAGS
 from science.plots import figure_path, plain_log_ticks
-from utils import ConfigError
+from utils import ReportedError, run as run_cli
 
 LOSS_TAGS = ("Loss/train", "Loss/valid")
 GAMMA_TAGS = T_RHO_TAGS[:2]  # T_rho/gamma_pred, T_rho/gamma_true
 
 
-class PlotLogsError(Exception):
+class PlotLogsError(ReportedError):
     """A run directory or its logs cannot be plotted; the message says what to do."""
 
 
@@ -122,27 +121,27 @@ def main(argv=None):
     parser.add_argument("--science", action="store_true",
                         help="also write <out stem>_science.png: per-field L1 and T-rho gamma over training")
     args = parser.parse_args(argv)
-    try:
-        for run_dir in args.run_dirs:
-            if not Path(run_dir).is_dir():
-                raise PlotLogsError(f"{run_dir} is not a directory")
-        labels = [run_label(run_dir) for run_dir in args.run_dirs]
-        if len(set(labels)) < len(labels):  # same <config>/<N>GPU/<run_num> under two expdirs
-            labels = list(args.run_dirs)
-        runs = {label: load_run(run_dir) for label, run_dir in zip(labels, args.run_dirs)}
-        out = figure_path(args.out, "loss.png", "--out") if args.out else Path(args.run_dirs[0]) / "loss.png"
-        figures = [(out, loss_figure(runs, args.walltime))]
-        if args.science:
-            figures.append((out.with_name(f"{out.stem}_science.png"), science_figure(runs, args.walltime)))
-    except (PlotLogsError, ConfigError) as err:
-        # One line on stderr, exit status 1 (SystemExit carries the message for callers of main).
-        raise SystemExit(f"{parser.prog}: error: {err}") from None
+    for run_dir in args.run_dirs:
+        if not Path(run_dir).is_dir():
+            raise PlotLogsError(f"{run_dir} is not a directory")
+    labels = [run_label(run_dir) for run_dir in args.run_dirs]
+    if len(set(labels)) < len(labels):  # same <config>/<N>GPU/<run_num> under two expdirs
+        labels = list(args.run_dirs)
+    runs = {label: load_run(run_dir) for label, run_dir in zip(labels, args.run_dirs)}
+    out = figure_path(args.out, "loss.png", "--out") if args.out else Path(args.run_dirs[0]) / "loss.png"
+    figures = [(out, loss_figure(runs, args.walltime))]
+    if args.science:
+        figures.append((out.with_name(f"{out.stem}_science.png"), science_figure(runs, args.walltime)))
     for path, fig in figures:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
         print(f"wrote {path}")
-    return 0
+
+
+def cli(argv=None):
+    """Run ``main``; a user error ends with one line on stderr and exit code 2 (utils/__init__.py)."""
+    run_cli(main, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
