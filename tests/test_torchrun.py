@@ -72,5 +72,5 @@ def test_slurm_steps_are_packed_onto_as_few_nodes_as_the_ranks_need(monkeypatch,
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "32")
     command = launch_command("slurm", ranks)
-    assert command[:5] == ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={per_node}",
-                           "--cpus-per-task=32"]
+    assert command[:6] == ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={per_node}",
+                           "--cpus-per-task=32", "--cpu-bind=cores"]
