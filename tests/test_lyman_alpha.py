@@ -264,7 +264,8 @@ def test_tensorboard_gets_the_flux_scalars_and_figure(generated, tmp_path):
     fig = science_plots.flux_figure(metrics.flux_statistics())
     assert len(fig.axes) == 6                         # PDF, P1D, its ratio, three skewers
     writer = SummaryWriter(log_dir=str(tmp_path / "logs"))
-    science_plots.write_tensorboard(writer, 3, metrics, metrics.compute(), example=(torch.zeros(4, 16, 16, 16), crops[0], crops[0]))
+    science_plots.write_tensorboard(writer, 3, metrics, metrics.compute(),
+                                    example=(torch.zeros(4, 16, 16, 16), crops[0], crops[0]))
     writer.close()
     events = EventAccumulator(str(tmp_path / "logs"))
     events.Reload()
