@@ -35,7 +35,6 @@ from utils.arguments import at_least, refuse_repeats  # noqa: E402
 from benchmarks.science_compare import THREADS, final_scalars, logged_times, table  # noqa: E402
 from networks.UNet import build_model  # noqa: E402
 from science import report as science_report  # noqa: E402
-from science.lyman_alpha import LymanAlphaSettings  # noqa: E402
 from science.metrics import L1_TAGS  # noqa: E402
 from utils.config import load_config  # noqa: E402
 from utils.metrics import flops_per_sample  # noqa: E402
@@ -107,8 +106,7 @@ def box_science(run_dir, tile=None):
         subprocess.run([sys.executable, "predict.py", "--checkpoint", str(run_dir), "--input", str(val_path),
                         "--output", str(output), "--device", "cpu", "--no-lyman_alpha", *tiling], cwd=REPO,
                        check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(THREADS)})
-        prediction, truth, _, section, cell_size = science_report.load_from_prediction(output, val_path)
-    settings = LymanAlphaSettings.from_config(section, cell_size)
+        prediction, truth, _, settings = science_report.load_from_prediction(output, val_path)
     scalars = science_report.measure(prediction, truth, settings, stride=max(1, prediction.shape[1] // 64)).compute()
     return {**scalars, "L1/mean_of_fields": float(np.mean([scalars[tag] for tag in L1_TAGS]))}
 

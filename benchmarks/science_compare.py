@@ -41,7 +41,6 @@ from utils.arguments import at_least, refuse_repeats  # noqa: E402
 from networks.UNet import build_model, loss_func  # noqa: E402
 from science import report as science_report  # noqa: E402
 from utils.config import SCHEMA, load_config  # noqa: E402
-from science.lyman_alpha import LymanAlphaSettings  # noqa: E402
 
 QUICKSTART_SAMPLES = 2048       # Nsamples of quickstart: 256 steps of 8 per epoch
 THREADS = 1                     # per run: on a shared 2-core machine two threads thrash when another job runs
@@ -100,8 +99,7 @@ def logged_times(run_dir):
 
 def whole_box(run_dir):
     """Whole-box metrics of the run's newest checkpoint on its validation box (and the data for figures)."""
-    prediction, truth, _, section, cell_size = science_report.load_from_run(run_dir, None, "cpu")
-    settings = LymanAlphaSettings.from_config(section, cell_size)
+    prediction, truth, _, settings = science_report.load_from_run(run_dir, None, "cpu")
     metrics = science_report.measure(prediction, truth, settings, stride=max(1, prediction.shape[1] // 64))
     return prediction, truth, metrics
 

@@ -71,12 +71,12 @@ def _read_hydro(path, what, remedy):
         return f["Hydro"][...].astype(np.float32), dict(f.attrs)
 
 
-def _units(section, path, cell_size):
-    """The Lyman-alpha section with ``cell_size`` (--cell_size_mpc_h) in it, and the cell size it gives for
-    ``path``; checked (with the file's normalisation) before any prediction is made."""
+def _lyman_alpha_settings(section, path, cell_size):
+    """LymanAlphaSettings of the ``lyman_alpha`` section, ``cell_size`` (--cell_size_mpc_h) overriding its cell
+    size, else ``path``'s; checked (with the file's normalisation) before any prediction is made."""
     section = {**section, **({"cell_size_mpc_h": cell_size} if cell_size is not None else {})}
     check_normalisation(path)
-    return section, lya.cell_size_for(section, path, NO_CELL_SIZE)
+    return lya.LymanAlphaSettings.from_config(section, lya.cell_size_for(section, path, NO_CELL_SIZE))
 
 
 def run_folder(path):
@@ -86,12 +86,11 @@ def run_folder(path):
 
 
 def load_from_run(source, input_path, device, cell_size=None):
-    """(prediction, truth, description, settings section, cell size): the box predicted with the newest
-    checkpoint."""
+    """(prediction, truth, description, Lyman-alpha settings): the box predicted with the newest checkpoint."""
     model, params, checkpoint, step = inference.load_trained_model(source, device)
     path = Path(input_path) if input_path else resolve_path(params.val_path)
     truth, _ = _read_hydro(path, "input", "give a file with Nbody and the true Hydro with --input")
-    section, cell = _units(inference.lyman_alpha_section(params), path, cell_size)
+    settings = _lyman_alpha_settings(inference.lyman_alpha_section(params), path, cell_size)
     with h5py.File(path, "r") as f:
         if "Nbody" not in f:
             raise DataError(f"input {path} has no dataset 'Nbody'; give a file with Nbody and the true Hydro "
@@ -103,10 +102,11 @@ def load_from_run(source, input_path, device, cell_size=None):
     run = run_label(run_folder(checkpoint))  # <config>/<N>GPU/<run_num>
     description = (f"run {run}, {checkpoint.name} (step {step}), U-Net {params.model_channels} upsample="
                    f"{params.get('upsample', 'transposed')}, on {path.name} ({box}^3)")
-    return prediction, truth, description, section, cell
+    return prediction, truth, description, settings
 
 
 def load_from_prediction(source, truth_path, cell_size=None):
+    """(prediction, truth, description, Lyman-alpha settings) of a file predict.py wrote."""
     prediction, attrs = _read_hydro(source, "prediction", "give a run directory or a file predict.py wrote")
     truth_path = truth_path or attrs.get("input")
     if truth_path is None:
@@ -124,8 +124,7 @@ def load_from_prediction(source, truth_path, cell_size=None):
         except CheckpointError as err:  # pruned or damaged since: the report can still be made
             print(f"Lyman-alpha settings: the defaults (the checkpoint the prediction names is unreadable: {err})")
     section = inference.lyman_alpha_section(config if isinstance(config, dict) else {})
-    section, cell = _units(section, truth_path, cell_size)
-    return prediction, truth, description, section, cell
+    return prediction, truth, description, _lyman_alpha_settings(section, truth_path, cell_size)
 
 
 def measure(prediction, truth, settings, stride, device="cpu"):
@@ -215,13 +214,10 @@ def main(argv=None):
         run_folder(source) / "science_report.png"
     output = figure_path(args.output, default.name, "--output") if args.output else default  # before the work
     if from_prediction:
-        prediction, truth, description, section, cell_size = load_from_prediction(source, args.truth,
-                                                                                  args.cell_size_mpc_h)
+        prediction, truth, description, settings = load_from_prediction(source, args.truth, args.cell_size_mpc_h)
     else:
-        prediction, truth, description, section, cell_size = load_from_run(source, args.input, device,
-                                                                           args.cell_size_mpc_h)
+        prediction, truth, description, settings = load_from_run(source, args.input, device, args.cell_size_mpc_h)
     box = prediction.shape[1]
-    settings = lya.LymanAlphaSettings.from_config(section, cell_size)
     stride = args.lya_stride or max(1, box // 64)
     metrics = measure(prediction, truth, settings, stride, device)
     fig = report_figure(prediction, truth, metrics, description)
