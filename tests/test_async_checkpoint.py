@@ -199,7 +199,8 @@ def test_wall_clock_interval():
 
 
 def test_agree_carries_the_checkpoint_flag_on_one_process():
-    control = RunControl(SimpleNamespace(device=torch.device("cpu"), enabled=False))
+    control = RunControl()
+    control.attach(SimpleNamespace(device=torch.device("cpu"), enabled=False))
     try:
         assert control.agree() == (False, None, False)
         assert control.agree(checkpoint_due=True) == (False, None, True)

@@ -664,7 +664,8 @@ def test_collectives_and_ddp_run_on_the_device_under_nccl(tiny_params, tmp_path,
         monkeypatch.setattr(dist, "all_reduce", all_reduce)
         info = DistInfo(rank=0, local_rank=0, world_size=2, device=CUDA)  # 'enabled': the multi-rank code paths
         assert all_reduce_sum([1.5, 2.0], info) == [1.5, 2.0]
-        control = RunControl(info)
+        control = RunControl()
+        control.attach(info)
         try:
             assert control.agree(checkpoint_due=True) == (False, None, True)
             control.write_failed(CheckpointError("disk full"))  # rank 0's failed write: held for the agreement

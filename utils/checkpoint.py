@@ -112,6 +112,12 @@ def list_checkpoints(directory):
     return sorted(found, key=checkpoint_step, reverse=True)
 
 
+def last_checkpoint_note(directory):
+    """Where a stopped run would resume, for its error message: the newest checkpoint in ``directory``, if any."""
+    newest = list_checkpoints(directory)[:1] if directory else []
+    return f"the run's last checkpoint is {newest[0]}" if newest else "no checkpoint was written yet"
+
+
 def _write_error(err, path, previous):
     """One line for a failed write of checkpoint ``path``: an OSError (maybe wrapped by torch) or anything else."""
     os_error = os_error_in(err)
@@ -134,9 +140,9 @@ def _check_payload(payload, step, keep_last):
                               f"missing {', '.join(missing) or 'nothing'}, step {payload.get('step')}")
 
 
-def save_checkpoint(directory, payload, step, keep_last, any_error=False):
+def save_checkpoint(directory, payload, step, keep_last):
     """Write ``payload`` atomically; keep the newest ``keep_last`` and drop higher steps (an abandoned timeline a
-    resume must never jump into). A failed write (OSError; with ``any_error``, anything) is one CheckpointError."""
+    resume must never jump into). Any failed write is one CheckpointError: the writer thread's error is a report."""
     _check_payload(payload, step, keep_last)
     directory, path = Path(directory), checkpoint_path(directory, step)
     tmp, existing = path.with_name(f"{path.name}.{os.getpid()}.tmp"), []
@@ -161,7 +167,7 @@ def save_checkpoint(directory, payload, step, keep_last, any_error=False):
             os.close(dir_fd)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        if isinstance(err, Exception) and (any_error or os_error_in(err) is not None):
+        if isinstance(err, Exception):
             raise _write_error(err, path, existing[0] if existing else None) from err
         raise
     older = [old for old in existing if checkpoint_step(old) < step]
@@ -385,7 +391,7 @@ class AsyncCheckpointer:
 def _write_in_background(directory, snapshot, step, keep_last):
     """save_checkpoint on the writer thread: (path, seconds, bytes); any failure is one CheckpointError."""
     start = perf_counter()
-    path = save_checkpoint(directory, snapshot, step, keep_last, any_error=True)
+    path = save_checkpoint(directory, snapshot, step, keep_last)
     return path, perf_counter() - start, path.stat().st_size
 
 
@@ -400,11 +406,9 @@ class RunControl:
     training loop a signal raises Preempted (Ctrl-C: Interrupted) at once; in it (``in_loop``) it sets ``signal_name``
     and the next agreement checkpoints and stops every rank at the same step (a second Ctrl-C stops at once)."""
 
-    def __init__(self, info=None):
+    def __init__(self):
         self.checkpoint_dir, self.in_loop, self.signal_name, self.ctrl_c_at = None, False, None, None
         self.info = self.first_bad_step = self.failed_write = None  # failed_write: rank 0's, held for the agreement
-        if info is not None:
-            self.attach(info)
         self._previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
 
     def attach(self, info):
@@ -421,11 +425,9 @@ class RunControl:
             self.ctrl_c_at = self.ctrl_c_at or (now if ctrl_c else None)
             self.signal_name = self.signal_name or name
             return
-        last = list_checkpoints(self.checkpoint_dir)[:1] if self.checkpoint_dir else None
-        resume = f"the run's last checkpoint is {last[0]}" if last else "no checkpoint was written yet"
         self.signal_name, where = name, ("at once, by a second Ctrl-C" if again
                                          else "outside the training steps (start-up, or the final validation)")
-        raise self.stop_error(f"{where}; {resume}")
+        raise self.stop_error(f"{where}; {last_checkpoint_note(self.checkpoint_dir)}")
 
     def stop_behind(self, err):
         """The stop error this handler raised, when the code it interrupted turned it into ``err`` (threading's
@@ -675,8 +677,6 @@ class CheckpointManager:
             self.wait()
         except CheckpointError as err:  # the non-finite loss is what stops the run; report this one too
             logger.error(f"error: {err}")
-        newest = next(iter(list_checkpoints(self.directory)), None)
-        last = f"the last good checkpoint is {newest}" if newest else "no checkpoint was written yet"
         raise NonFiniteLoss(f"non-finite loss (NaN or Inf) at global step {bad_step + 1}; training stopped and no "
-                            f"checkpoint was written after it; {last}. Check the data for NaNs, lower the learning "
-                            f"rate or use amp_mode=bf16 instead of fp16, then rerun (it resumes from that checkpoint)")
+                            f"checkpoint was written after it; {last_checkpoint_note(self.directory)}. Check the data "
+                            f"for NaNs, lower the learning rate or use amp_mode=bf16, not fp16, then rerun: it resumes")
