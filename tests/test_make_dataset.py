@@ -1,4 +1,5 @@
 """Tests of the synthetic N-body -> hydro dataset generator (utils/make_dataset.py). CPU, small boxes."""
+import io
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from conftest import REPO_ROOT
 from test_symmetry import from_matrix, matrix
 from utils import make_dataset as md
 from utils import symmetry, units
-from utils import GenerationError, run
+from utils import DataError, GenerationError, run
 
 N = 32
 
@@ -184,6 +185,60 @@ def test_regenerating_without_npy_removes_the_old_twins(tmp_path, caplog):
         md.logger.removeHandler(caplog.handler)
     assert sorted(os.listdir(tmp_path)) == ["train.h5"]
     assert f"removed {md.npy_paths(out)[0]} and {md.npy_paths(out)[1]}" in caplog.text and "(--npy)" in caplog.text
+
+
+def test_partial_files_of_a_killed_generation_are_named_not_deleted(tmp_path, caplog):
+    """SIGKILL runs no clean-up: its hidden temporaries (a box's size each) are named by the next run; not deleted,
+    since on a shared file system they may be another node's writes in progress."""
+    out = tmp_path / "d.h5"
+    leftovers = [tmp_path / ".d.h5.tmp4242", tmp_path / ".d_data.npy.tmp4242"]
+    for leftover in leftovers:
+        leftover.write_bytes(b"\0" * 1000)
+    md.logger.addHandler(caplog.handler)
+    try:
+        md.write_dataset(out, 8, seed=1, progress=False)
+    finally:
+        md.logger.removeHandler(caplog.handler)
+    assert out.is_file() and all(leftover.is_file() for leftover in leftovers)
+    assert (f"{leftovers[0]}, {leftovers[1]} (0.0 GiB): partial files of a generation that was killed; delete them "
+            f"unless another process is writing d.h5 now") in caplog.text
+
+
+def test_the_twins_progress_bar_counts_the_blocks_written(tmp_path):
+    """At 160^3 a twin is written in blocks of planes, fewer for the 5 Hydro channels than the 4 Nbody ones: the
+    bar's total is the number of blocks, so it ends at 100%, not past it."""
+    n = 160
+    bar = tqdm(total=md._npy_steps(n), file=io.StringIO())
+    md.write_npy(tmp_path / "big", np.zeros((4, n, n, n), np.float32), np.zeros((5, n, n, n), np.float32),
+                 md._Progress(bar, bar.total, "twins"))
+    assert bar.n == bar.total == 5  # 81 and 65 planes a block: 2 + 3
+
+
+def test_twins_without_their_h5_are_kept_unless_forced(tmp_path):
+    """DALI reads .npy twins alone, so twins with no .h5 beside them may be someone's only copy of their data: a new
+    box at that name needs --force, with or without --npy, and removes nothing before it is given."""
+    out = tmp_path / "train.h5"
+    assert md.main(["--box", "16", "--seed", "1", "--out", str(out), "--npy"]) == 0
+    out.unlink()
+    twins = [twin.read_bytes() for twin in md.npy_paths(out)]
+    for npy in ([], ["--npy"]):
+        with pytest.raises(GenerationError, match=f"^{md.npy_paths(out)[0]}, {md.npy_paths(out)[1]} already exist; "
+                                                  f"pass --force to overwrite"):
+            md.main(["--box", "16", "--seed", "2", "--out", str(out), *npy])
+    assert not out.exists() and [twin.read_bytes() for twin in md.npy_paths(out)] == twins
+
+
+def test_ensure_dataset_refuses_a_generated_file_of_another_box_or_seed(tmp_path):
+    """A config asking for another generated box (quickstart with a new --box_size) must not train on the old one."""
+    path = md.ensure_dataset(tmp_path / "quick.h5", 16, seed=4, progress=False)
+    for box, seed in ((16, 5), (24, 4)):
+        with pytest.raises(DataError, match=rf"^{path} holds the generated 16\^3 box of seed 4, not the {box}\^3 box "
+                                            rf"of seed {seed} asked for; delete it \(and any \.npy twins beside it\) "
+                                            rf"to generate that one$"):
+            md.ensure_dataset(path, box, seed=seed, progress=False)
+    with h5py.File(path, "r+") as f:  # a file made elsewhere says neither: it is the user's to vouch for
+        del f.attrs["seed"]
+    assert md.ensure_dataset(path, 24, seed=5, progress=False) == path
 
 
 def test_npy_only_writes_the_twins_of_an_existing_file(tmp_path, capsys):
@@ -489,6 +544,38 @@ def test_cli_checks_available_memory_first(tmp_path, capsys, monkeypatch):
     message = _one_line_error(["--box", "64", "--out", str(tmp_path / "big.h5")], capsys)
     assert "not enough memory for a 64^3 box" in message and "MemAvailable" in message
     assert os.listdir(tmp_path) == []
+
+
+GIB = 2 ** 30
+
+
+@pytest.mark.parametrize("cgroup, files, headroom", [
+    ("0::/slurm/job_1\n", {"slurm/job_1/memory.max": 8 * GIB, "slurm/job_1/memory.current": 6 * GIB,
+                           "slurm/job_1/memory.stat": "anon 1\ninactive_file 1073741824\n"}, 3 * GIB),  # v2
+    ("0::/user.slice\n", {"user.slice/memory.max": "max", "user.slice/memory.current": GIB,
+                          "user.slice/memory.stat": "inactive_file 0\n"}, None),  # v2 without a limit
+    ("4:memory:/docker/abc\n0::/\n", {"memory/memory.limit_in_bytes": 4 * GIB,  # v1 in a container: the mount is
+                                      "memory/memory.usage_in_bytes": 3 * GIB,   # the container's own cgroup
+                                      "memory/memory.stat": "total_inactive_file 0\n"}, GIB),
+    ("4:memory:/\n", {"memory/memory.limit_in_bytes": 9223372036854771712, "memory/memory.usage_in_bytes": GIB,
+                      "memory/memory.stat": "total_inactive_file 0\n"}, None)])  # v1's "no limit"
+def test_memory_available_is_the_jobs_memory_limit_where_that_is_less(tmp_path, monkeypatch, cgroup, files,
+                                                                       headroom):
+    """Slurm's --mem and docker --memory are cgroup limits, which MemAvailable does not show: a box that passes it
+    would be killed by the kernel mid-generation instead of refused with one line."""
+    proc, fs = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(cgroup)
+    (proc / "meminfo").write_text("MemTotal:  104857600 kB\nMemAvailable:  52428800 kB\n")  # 50 GiB
+    for name, value in files.items():
+        (fs / name).parent.mkdir(parents=True, exist_ok=True)
+        (fs / name).write_text(f"{value}\n")
+    monkeypatch.setattr(md, "PROC", proc)
+    monkeypatch.setattr(md, "CGROUP_FS", fs)
+    assert md.cgroup_headroom() == headroom
+    assert md.memory_available() == (50 * GIB if headroom is None else headroom)
+    (proc / "self" / "cgroup").unlink()  # no /proc (not Linux): MemAvailable alone, or nothing
+    assert md.cgroup_headroom() is None
 
 
 def test_cli_failure_midway_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):

@@ -95,7 +95,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from utils import GenerationError, run
+from utils import DataError, GenerationError, run
 from utils.arguments import at_least, positive_float, positive_int
 from utils.out_of_memory import is_out_of_memory
 from utils.units import (CLIP, DEFAULT_CELL_SIZE, DENSITY_FLOOR, DENSITY_LOG_SCALE, TEMPERATURE_LOG10_OFFSET,
@@ -169,15 +169,50 @@ def _gib(nbytes):
     return f"{nbytes / 2 ** 30:.1f} GiB"
 
 
+PROC, CGROUP_FS = Path("/proc"), Path("/sys/fs/cgroup")
+# (controller folder, limit, usage, the reclaimable page cache's line in memory.stat) of cgroup v2 and v1
+_CGROUP_MEMORY = {"v2": ("", "memory.max", "memory.current", "inactive_file"),
+                  "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+
+
 def memory_available():
-    """Bytes the system can still give a process (/proc/meminfo MemAvailable), None where unknown."""
+    """Bytes the system can still give this process, None where unknown: /proc/meminfo's MemAvailable, or less where
+    the process's memory cgroup (Slurm's --mem, docker --memory) allows less. The kernel kills a process that passes
+    its cgroup's limit, whatever MemAvailable says."""
+    known = [cgroup_headroom()]
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        with open(PROC / "meminfo") as f:
+            known += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except OSError:
         pass
+    known = [value for value in known if value is not None]
+    return min(known) if known else None
+
+
+def cgroup_headroom():
+    """Bytes this process's memory cgroup still allows (its limit less what it uses, page cache it can reclaim not
+    counted), None without a limit or a readable cgroup."""
+    try:
+        lines = (PROC / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        version = "v2" if hierarchy == "0" and not controllers else "v1" if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        controller, limit_file, usage_file, cache_line = _CGROUP_MEMORY[version]
+        # The cgroup's own folder; inside a container the cgroup file system is mounted at the container's cgroup.
+        for folder in (CGROUP_FS / controller / path.lstrip("/"), CGROUP_FS / controller):
+            try:
+                limit, usage = ((folder / name).read_text().strip() for name in (limit_file, usage_file))
+                words = (folder / "memory.stat").read_text().split()  # "name value" lines
+                stat = dict(zip(words[::2], words[1::2]))
+            except OSError:
+                continue
+            if limit.isdigit() and int(limit) < 2 ** 60:  # v1 says "no limit" with a number near 2^63
+                return int(limit) - int(usage) + int(stat.get(cache_line, 0))
+            break
     return None
 
 
@@ -206,8 +241,9 @@ def check_memory(n, slab, device, host_extra=0):
     available = memory_available()
     if available is not None and need > available:
         raise GenerationError(f"not enough memory for a {n}^3 box: it needs about {_gib(need)} more, "
-                              f"{_gib(available)} available (MemAvailable); free memory, use a machine with "
-                              f"more, or a smaller box (make_dataset's --box, train.py's --box_size)")
+                              f"{_gib(available)} available (MemAvailable, or the job's memory limit); free memory, "
+                              f"ask the job for more, use a machine with more, or a smaller box (make_dataset's "
+                              f"--box, train.py's --box_size)")
 
 
 def output_bytes(box, npy=False):
@@ -796,6 +832,18 @@ def _tmp_path(path):
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
+def warn_of_leftovers(path):
+    """Name the hidden temporary files of ``path`` and its twins that a killed generation (SIGKILL, an out-of-memory
+    kill: no clean-up runs) left: the size of a box each, which nobody sees in ``ls``. Not deleted: on a shared file
+    system they may be another node's writes in progress."""
+    leftovers = [tmp for target in (Path(path), *npy_paths(path)) for tmp in target.parent.glob(f".{target.name}.tmp*")
+                 if tmp.is_file() and tmp != _tmp_path(target)]
+    if leftovers:
+        logger.warning(f"{', '.join(map(str, leftovers))} ({_gib(sum(tmp.stat().st_size for tmp in leftovers))}): "
+                       f"partial files of a generation that was killed; delete them unless another process is "
+                       f"writing {Path(path).name} now")
+
+
 def _file_attrs():
     """The attributes every generated file carries: the normalisation constants (utils/units.py) and the
     generator's version."""
@@ -813,7 +861,7 @@ def _write_npy_file(path, fields, progress=None):
     """fields (C,N,N,N) -- an array or HDF5 dataset -- as an (N,N,N,C) float32 .npy file, a slab of
     planes at a time (never the whole volume in memory)."""
     channels, n = fields.shape[0], fields.shape[1]
-    slab = max(1, min(n, 2 ** 26 // (8 * channels * n * n)))
+    slab = _npy_slab(channels, n)
     with open(path, "wb") as fp:
         np.lib.format.write_array_header_1_0(fp, {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")),
                                                   "fortran_order": False, "shape": (n,) * 3 + (channels,)})
@@ -827,8 +875,14 @@ def _write_npy_file(path, fields, progress=None):
                 progress.step()
 
 
+def _npy_slab(channels, n):
+    """Planes per block of a .npy twin: about 512 MiB of float32 (N, N, C) planes."""
+    return max(1, min(n, 2 ** 26 // (8 * channels * n * n)))
+
+
 def _npy_steps(n):
-    return 2 * -(-n // max(1, min(n, 2 ** 26 // (8 * 4 * n * n))))
+    """Progress steps of writing both twins: one per block of each (4 Nbody and 5 Hydro channels)."""
+    return sum(-(-n // _npy_slab(channels, n)) for channels in (4, 5))
 
 
 def write_npy(path_stem, nbody, hydro, progress=None, then=None):
@@ -867,9 +921,11 @@ def write_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT
 
     Streams slabs: peak memory ~15 bytes per cell whatever the box. Checks free memory and disk
     first (GenerationError, one line, nothing written). Writes to temporary names and renames, so
-    an interrupted or failed run leaves nothing behind (the .h5 comes last: its existence means done).
+    an interrupted or failed run leaves nothing behind (the .h5 comes last: its existence means done); a killed one
+    leaves its hidden temporary files, which the next run names (``warn_of_leftovers``).
     """
     path = Path(path)
+    warn_of_leftovers(path)
     cell, p = _physics(box, box_length, smoothing, physics)
     device = resolve_device(device)
     slab = slab or slab_planes(box, device)
@@ -908,24 +964,40 @@ def write_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT
 
 def ensure_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT_SMOOTHING,
                    progress=None, device=None, slab=None, **physics):
-    """Generate ``path`` (and with npy its .npy twins) only if missing; return the path.
+    """Generate ``path`` (and with npy its .npy twins) only if missing; return the path. An existing file this module
+    wrote for another box or seed is a DataError: reusing it would train on data the config did not ask for.
 
     Files are written to a temporary name and renamed, so an interrupted run never leaves a
     partial file that a later call would mistake for a finished one.
     """
     path = Path(path)
+    if path.exists():
+        with h5py.File(path, "r") as f:
+            made = (f.attrs.get("box"), f.attrs.get("seed"))
+        if None not in made and tuple(map(int, made)) != (box, seed):
+            raise DataError(f"{path} holds the generated {made[0]}^3 box of seed {made[1]}, not the {box}^3 box of "
+                            f"seed {seed} asked for; delete it (and any .npy twins beside it) to generate that one")
     if not path.exists():
         write_dataset(path, box, seed, npy, box_length, smoothing, progress, device, slab, **physics)
     elif npy and not all(p.exists() for p in npy_paths(path)):
-        write_npy_from_h5(path)
+        write_npy_from_h5(path, progress)
     return path
 
 
-def write_npy_from_h5(path):
-    """Write (or replace) the .npy twins of the existing HDF5 file ``path``; returns their paths."""
+def write_npy_from_h5(path, progress=None):
+    """Write (or replace) the .npy twins of the existing HDF5 file ``path``, with a progress bar (``progress`` as
+    write_dataset's); returns their paths."""
     with h5py.File(path, "r") as f:
-        check_disk(path, output_bytes(f["Nbody"].shape[1]), f"the .npy twins of {path}")
-        return write_npy(path, f["Nbody"], f["Hydro"])
+        n = f["Nbody"].shape[1]
+        check_disk(path, output_bytes(n), f"the .npy twins of {path}")
+        bar = _Progress(progress, _npy_steps(n), f"{Path(path).stem} .npy twins")
+        try:
+            twins = write_npy(path, f["Nbody"], f["Hydro"], progress=bar)
+        except BaseException:
+            bar.close(failed=True)
+            raise
+        bar.close()
+        return twins
 
 
 def remove_stale_twins(path):
@@ -959,7 +1031,8 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="where the FFTs and scatter-adds run (default auto: CUDA when available)")
     parser.add_argument("--slab", type=positive_int, default=None,
-                        help="planes per slab (default: from the memory budget; the result does not depend on it)")
+                        help="planes per slab (default: from the memory budget; the result depends on it only "
+                             "through float32 rounding)")
     parser.add_argument("--force", action="store_true", help="overwrite existing output files")
     args = parser.parse_args(argv)
     if args.out.endswith(os.sep):  # a folder, made or not: Path() would drop the slash and write a file of its name
@@ -977,8 +1050,9 @@ def main(argv=None):
     if args.seed < 0:
         parser.error(f"--seed must be >= 0 (numpy's generators take no negative seeds), got {args.seed}")
 
-    targets = [Path(args.out)] + (list(npy_paths(args.out)) if args.npy else [])
-    refuse_existing(targets, args.force, "overwrite")
+    # The twins too without --npy: an older box's are removed (DALI would read them), and they may be someone's data.
+    refuse_existing([Path(args.out), *npy_paths(args.out)], args.force,
+                    "overwrite" if args.npy else "overwrite them (.npy twins beside a new box are removed)")
     start = time.perf_counter()
     # A failure is one line (utils/__init__.py's run: ``error: ...``, exit status 2), no traceback; write_dataset has
     # left nothing partial behind.
