@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import yaml  # noqa: E402
 
-from utils.config import DEFAULT_YAML, load_config  # noqa: E402
+from utils.config import DEFAULT_YAML, NULL, load_config  # noqa: E402
 
 
 def write_random_box(path, box, seed=0, in_channels=4, out_channels=5, attrs=True):
@@ -122,7 +122,7 @@ def tiny_params(tiny_files):
     def make(**overrides):
         values = {"train_path": str(tiny_files[0]), "val_path": str(tiny_files[1]), "box_size": [24, 16],
                   "model_channels": [4, 8], "global_batch_size": 4, "Nsamples": 32, "Nsamples_val": 8,
-                  "num_epochs": 1, "num_data_workers": 0, "generate_data": None, "data_size": 8, "device": "cpu",
+                  "num_epochs": 1, "num_data_workers": 0, "generate_data": NULL, "data_size": 8, "device": "cpu",
                   **overrides}
         return load_config("quickstart", overrides=values)
     return make

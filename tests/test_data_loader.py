@@ -137,6 +137,21 @@ def test_wrong_channel_count(tiny_params, tmp_path):
         RandomCropDataset(tiny_params(train_path=str(path)), "train")
 
 
+@pytest.mark.parametrize("write, found", [
+    (lambda f: f.create_group("Hydro"), "not a dataset"),
+    (lambda f: f.create_dataset("Hydro", data=np.zeros((5, 24, 24, 24), np.int16)), "of type int16"),
+    (lambda f: f.create_dataset("Hydro", data=np.zeros((5, 24, 24, 24), np.complex64)), "of type complex64")])
+def test_a_volume_that_is_not_floats(tiny_params, tmp_path, write, found):
+    """A group would fail as an AttributeError traceback; integers and complex numbers would be cast quietly."""
+    path = tmp_path / "types.h5"
+    with h5py.File(path, "w") as f:
+        f["Nbody"] = np.zeros((4, 24, 24, 24), np.float16)  # any float width is data
+        write(f)
+    with pytest.raises(DataError, match=rf"^{path}: 'Hydro' is {found}; expected floats \(C, N, N, N\), normalised "
+                                        rf"as utils/units\.py says$"):
+        RandomCropDataset(tiny_params(train_path=str(path)), "train")
+
+
 def test_non_cubic_box(tiny_params, tmp_path):
     path = tmp_path / "flat.h5"
     with h5py.File(path, "w") as f:
@@ -166,6 +181,29 @@ def test_crop_larger_than_box(tiny_params):
 def test_batch_not_divisible_by_world_size():
     with pytest.raises(ConfigError, match="global batch size 6 is not divisible by the world size 4"):
         ShardedSampler(64, 6, 0, 4)
+
+
+def test_dali_twins_alone_are_data_that_is_never_replaced(tiny_params, tmp_path, monkeypatch):
+    """DALI reads the .npy twins alone: a run with them is not missing data, and first-use generation leaves them be
+    (a generated .h5 beside them would delete them as an older box's); the missing-data advice for DALI says --npy."""
+    from utils import make_dataset
+    from utils.data import prepare_data
+    from utils.distributed import DistInfo
+    train, val = tmp_path / "train.h5", tmp_path / "val.h5"
+    params = tiny_params(data_loader_config="dali-lowmem", train_path=str(train), val_path=str(val))
+    with pytest.raises(DataError, match=rf"make them with `python -m utils\.make_dataset --box 24 --seed 1 --out "
+                                        rf"{train} --npy && python -m utils\.make_dataset --box 16 --seed 2 --out "
+                                        rf"{val} --npy`"):
+        prepare_data(params, DistInfo(), lambda line: None)
+    for twin in make_dataset.npy_paths(train):
+        twin.write_bytes(b"someone's data")
+    with pytest.raises(DataError, match=rf"^missing data: {val} \(16\^3\); make it with"):
+        prepare_data(params, DistInfo(), lambda line: None)
+    calls = []
+    monkeypatch.setattr(make_dataset, "ensure_dataset", lambda path, *args, **kwargs: calls.append(path.name))
+    prepare_data(tiny_params(data_loader_config="dali-lowmem", train_path=str(train), val_path=str(val),
+                             generate_data={"train_seed": 1, "val_seed": 2}), DistInfo(), lambda line: None)
+    assert calls == ["val.h5"]
 
 
 def test_generated_data_is_made_on_the_runs_device(tiny_params, tmp_path, monkeypatch):

@@ -45,12 +45,16 @@ def prepare_data(params, info, log):
     seeds = params.generate_data or {"train_seed": 1, "val_seed": 2}  # else the seeds the message suggests
     files = [(resolve_path(params.train_path), params.box_size[0], seeds["train_seed"]),
              (resolve_path(params.val_path), params.box_size[1], seeds["val_seed"])]
+    dali = params.data_loader_config == "dali-lowmem"
+    if dali:  # DALI reads the .npy twins, alone if need be: someone's data, never replaced by a generated box
+        from utils.make_dataset import npy_paths
+        files = [file for file in files if not all(twin.exists() for twin in npy_paths(file[0]))]
     if params.generate_data is None:
         missing = [(path, box, seed) for path, box, seed in files if not path.exists()]
         if missing:
             largest = max(box for _, box, _ in missing)
             make = " && ".join(f"python -m utils.make_dataset --box {box} --seed {seed} --out {path}"
-                               for path, box, seed in missing)
+                               + " --npy" * dali for path, box, seed in missing)
             raise DataError(f"missing data: {' and '.join(f'{path} ({box}^3)' for path, box, _ in missing)}; make "
                             f"{'it' if len(missing) == 1 else 'them'} with `{make}` (the {largest}^3 box needs "
                             f"about {14 * largest ** 3 / 2 ** 30:.1f} GiB of memory and {36 * largest ** 3 / 1e9:.1f} "
@@ -64,6 +68,6 @@ def prepare_data(params, info, log):
             if not path.exists():
                 log(f"Generating {box}^3 dataset {path} (seed {seed}), first use only")
             # only what is missing (for DALI also the .npy twins of an existing file), on the run's device
-            ensure_dataset(path, box, seed, npy=params.data_loader_config == "dali-lowmem", device=info.device)
+            ensure_dataset(path, box, seed, npy=dali, device=info.device)
     if info.enabled:
         dist.barrier()

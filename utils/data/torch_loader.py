@@ -39,6 +39,10 @@ def read_volume_shapes(path, channels, hint=""):
                 if key not in f:
                     raise DataError(f"{path} has no dataset '{key}' (found: {', '.join(f.keys()) or 'none'}); "
                                     f"expected " + " and ".join(f"'{k}' ({c}, N, N, N)" for k, c in channels.items()))
+                kind = f[key].dtype.kind if isinstance(f[key], h5py.Dataset) else None  # a group has no dtype
+                if kind != "f":  # integers would be cast silently and trained against the tanh output's range
+                    raise DataError(f"{path}: '{key}' is {f'of type {f[key].dtype}' if kind else 'not a dataset'}; "
+                                    f"expected floats (C, N, N, N), normalised as utils/units.py says")
                 shapes[key] = shape = f[key].shape
                 if len(shape) != 4 or shape[0] != num_channels:
                     raise DataError(f"{path}: dataset '{key}' has shape {shape}, expected ({num_channels}, N, N, N)"
@@ -58,8 +62,8 @@ def check_data_file(path, box, in_channels, out_channels):
                         f"{path / 'train.h5'})")
     if not path.exists():
         raise DataError(f"data file {path} does not exist; generate one with "
-                        f"`python -m utils.make_dataset --box {box} --out {path}` or point "
-                        f"train_path/val_path at the real files (see README, 'Data')")
+                        f"`python -m utils.make_dataset --box {box} --seed N --out {path}` (other seeds for training "
+                        f"and validation) or point train_path/val_path at the real files (see README, 'Data')")
     shapes = read_volume_shapes(path, {"Nbody": in_channels, "Hydro": out_channels})
     if shapes["Nbody"][1:] != shapes["Hydro"][1:]:
         raise DataError(f"{path}: Nbody box {shapes['Nbody'][1:]} differs from Hydro box {shapes['Hydro'][1:]}; the "
