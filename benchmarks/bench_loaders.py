@@ -34,7 +34,7 @@ from utils.config import load_config, resolve_path  # noqa: E402
 from utils.data import RandomCropDataset, ShardedSampler, get_data_loader  # noqa: E402
 from utils.data.fast import crop_reader, get_fast_loader, transform_staged  # noqa: E402
 from utils.data.gpu import get_gpu_loader  # noqa: E402
-from utils.make_dataset import ensure_dataset  # noqa: E402
+from utils.make_dataset import ensure_dataset, npy_paths, write_npy_from_h5  # noqa: E402
 
 
 LOADERS = ("straightforward lowmem", "straightforward inmem", "straightforward synthetic", "fast lowmem",
@@ -120,7 +120,8 @@ def dali_factory(args, path):
     from utils.data.dali import get_dali_loader
 
     def factory(device):
-        ensure_dataset(path, args.box, seed=1, npy=True)  # DALI reads the (D, H, W, C) .npy twins
+        if not all(twin.exists() for twin in npy_paths(path)):
+            write_npy_from_h5(path)  # DALI reads the (D, H, W, C) .npy twins
         return get_dali_loader(make_params(args, path, "lowmem"), "train", 0, 1, device)
     return factory
 
@@ -210,7 +211,8 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
     path = resolve_path(args.data or f"data/bench_{args.box}.h5")
-    ensure_dataset(path, args.box, seed=1)
+    if not path.exists():  # --data: any file of that box (its seed does not matter here)
+        ensure_dataset(path, args.box, seed=1)
 
     loaders, results, skipped = {}, {}, {}
     factories = loader_factories(args, path)
