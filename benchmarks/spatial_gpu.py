@@ -56,6 +56,7 @@ from utils.spatial import SpatialConv, SpatialGroup, shard_model, spatial_loss  
 WHOLE_CROPS = (64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768)
 SLABS = "128:2,128:4,128:8,256:2,256:4,256:8,384:8,512:8"
 TINY = dict(channels=[4, 8], crops=(8, 16), slabs="16:2,16:4")
+CHECK_PARTS = ("spatial", "spatial_compile", "ddp_compile")
 
 
 class Loopback:
@@ -145,12 +146,16 @@ def step_case(channels, crop, size, device, steps, batch=1):
 
 
 def run_case(channels, crop, size, device, steps, batch=1):
-    """step_case, or {"status": "out of memory"}; frees the device either way."""
+    """step_case, or {"status": "out of memory"} or {"status": "error: ..."} (a kernel's limit at a large crop, say:
+    the slabs after it are still measured); frees the device either way."""
     try:
         with loopback():
             return step_case(channels, crop, size, device, steps, batch)
     except torch.OutOfMemoryError as error:
         return {"crop": crop, "spatial_parallel": size, "status": "out of memory", "error": str(error).split("\n")[0]}
+    except RuntimeError as error:
+        first = str(error).strip().split("\n")[0]
+        return {"crop": crop, "spatial_parallel": size, "status": f"error: {type(error).__name__}: {first}"}
     finally:
         gc.collect()
         if device.type == "cuda":
@@ -172,7 +177,8 @@ def measure_memory(channels, crops, slabs, device, steps, log=print, finished=la
         results["whole"].append(row)
         fits = [row["crop"] for row in results["whole"] if row["status"] == "ok"]
         results["largest_whole_crop"] = max(fits) if fits else None
-        results["memory_wall_found"] = row["status"] != "ok"  # else the largest crop that fits is larger still
+        # else the largest crop that fits is larger still (or the sweep stopped at an error, not at the wall)
+        results["memory_wall_found"] = row["status"] == "out of memory"
         log(describe(row))
         finished(results)
         if row["status"] != "ok":
@@ -305,7 +311,7 @@ def check_worker(rank, port, out_dir, parts):
     results = {}
     for part in parts:
         check = {"spatial": check_spatial, "spatial_compile": functools.partial(check_spatial, compile=True),
-                 "ddp_compile": check_ddp_compile}[part]
+                 "ddp_compile": check_ddp_compile}[part]  # CHECK_PARTS
         try:
             results[part] = check(info, device)
         except Exception as error:  # recorded: the other part still runs
@@ -336,20 +342,30 @@ def main(argv=None):
     parser.add_argument("--batch", type=positive_int, default=1,
                         help="memory: crops per step (the layers a slab runs whole "
                              "share them between the S ranks when S divides it)")
-    parser.add_argument("--parts", default="spatial,spatial_compile,ddp_compile",
-                        help="check: spatial, spatial_compile, ddp_compile")
+    parser.add_argument("--parts", default=",".join(CHECK_PARTS), help=f"check: {', '.join(CHECK_PARTS)}")
     parser.add_argument("--out", type=Path, help="JSON file to write")
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--out": args.out})
     if args.batch < 1:
         parser.error(f"--batch is a number of crops, at least 1; got {args.batch}")
+    parts = args.parts.split(",")
+    unknown = [part for part in parts if part not in CHECK_PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(CHECK_PARTS)}")
+    crops = slabs = None
+    try:  # before any work: a typo must not cost a GPU session's sweep
+        crops = [positive_int(c) for c in args.crops.split(",")] if args.crops else None
+        slabs = [tuple(map(positive_int, item.split(":"))) for item in args.slabs.split(",")] if args.slabs else None
+    except (ValueError, argparse.ArgumentTypeError) as error:
+        parser.error(f"--crops takes edges such as 128,256 and --slabs crop:S pairs such as 128:2,256:8 ({error})")
+    if slabs and any(len(pair) != 2 for pair in slabs):
+        parser.error(f"--slabs takes crop:S pairs such as 128:2,256:8; got {args.slabs}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.mode == "memory":
         channels = TINY["channels"] if args.tiny else None
-        crops = [int(c) for c in args.crops.split(",")] if args.crops else (TINY["crops"] if args.tiny
-                                                                            else WHOLE_CROPS)
-        slabs = [tuple(int(v) for v in item.split(":")) for item in
-                 (args.slabs or (TINY["slabs"] if args.tiny else SLABS)).split(",")]
+        crops = crops or (TINY["crops"] if args.tiny else WHOLE_CROPS)
+        slabs = slabs or [tuple(int(v) for v in item.split(":")) for item in
+                          (TINY["slabs"] if args.tiny else SLABS).split(",")]
         channels = channels or load_config("base").model_channels
         def save(results):
             if args.out:

@@ -416,7 +416,8 @@ def test_part_j_judges_a_stopped_sweep_and_a_failed_check(tmp_path):
                         "largest_whole_crop": 64, "memory_wall_found": False,
                         "slabs": [{"crop": 256, "spatial_parallel": 8, "status": "ok", "step_ms": 15.4,
                                    "peak_allocated_gib": 2.18, "compute_efficiency": 0.69}]})
-    suite.judge_check({"ranks": [{"spatial": {"ok": False, "error": "RuntimeError: writev: Bad address"}}] * 2})
+    suite.judge_check({"ranks": [{"spatial": {"ok": False, "error": "RuntimeError: writev: Bad address"},
+                                  "spatial_compile": {"ok": False, "error": "BackendCompilerFailed: inductor"}}] * 2})
     suite.judge_check({"ended": "killed after 60 s"})
     checks = {c["name"]: c for c in suite.checks}
     assert checks["spatial: a training step's memory per crop"]["detail"] == (
@@ -425,6 +426,8 @@ def test_part_j_judges_a_stopped_sweep_and_a_failed_check(tmp_path):
     assert goal["status"] == "PASS" and goal["kind"] == "goal" and goal["detail"].startswith("2.18 GiB")
     failed = checks["two gloo ranks: S = 2 equals the unsharded model (fp32)"]
     assert failed["status"] == "FAIL" and "Bad address" in failed["detail"]
+    compiled = checks["two gloo ranks: compiled S = 2 equals the unsharded model"]  # spatial_gpu check's default part
+    assert compiled["status"] == "FAIL" and compiled["detail"] == "BackendCompilerFailed: inductor"
     assert checks["spatial: two gloo ranks on one device"] == {
         "name": "spatial: two gloo ranks on one device", "status": "FAIL", "detail": "killed after 60 s",
         "kind": "check"}

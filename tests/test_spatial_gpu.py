@@ -79,3 +79,33 @@ def test_the_sweep_stops_at_the_first_crop_that_does_not_fit(monkeypatch):
     assert results["whole"][1]["error"] == "CUDA out of memory. Tried to allocate 2.00 GiB"
     assert results["slabs"][0]["status"] == "ok" and "compute_efficiency" not in results["slabs"][0]
     assert lines[1] == "crop 16^3, S = 1: out of memory"
+
+
+def test_an_error_at_a_large_crop_ends_the_whole_crops_not_the_slabs(monkeypatch):
+    """A kernel's limit (32-bit indexing, a grid dimension) at a large crop is no memory wall: recorded as an error,
+    and the slabs, the sweep's point, are still measured."""
+    real = spatial_gpu.step_case
+
+    def step_case(channels, crop, size, device, steps, batch=1):
+        if size == 1 and crop >= 16:
+            raise RuntimeError("CUDA error: invalid configuration argument\nCUDA kernel errors might be reported later")
+        return real(channels, crop, size, device, steps, batch)
+
+    monkeypatch.setattr(spatial_gpu, "step_case", step_case)
+    results = spatial_gpu.measure_memory([4, 8], [8, 16, 24], [(16, 2)], torch.device("cpu"), 1, log=lambda line: 0)
+    assert [row["status"] for row in results["whole"]] == [
+        "ok", "error: RuntimeError: CUDA error: invalid configuration argument"]
+    assert results["largest_whole_crop"] == 8 and results["memory_wall_found"] is False
+    assert results["slabs"][0]["status"] == "ok"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "--parts", "spatail"], "--parts: unknown spatail; choose from spatial, spatial_compile, ddp_compile"),
+    (["memory", "--slabs", "16"], "--slabs takes crop:S pairs such as 128:2,256:8; got 16"),
+    (["memory", "--crops", "64,x"], "--crops takes edges such as 128,256 and --slabs crop:S pairs"),
+    (["memory", "--slabs", "16:0"], "must be positive, got 0")])
+def test_a_mistyped_flag_is_one_line_before_any_work(argv, message, capsys):
+    """Not a KeyError in two spawned ranks, or a ValueError after the whole crops' sweep of a GPU session."""
+    with pytest.raises(SystemExit):
+        spatial_gpu.main(argv)
+    assert message in capsys.readouterr().err

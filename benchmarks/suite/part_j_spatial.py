@@ -54,8 +54,9 @@ class SpatialPart:
         largest = memory.get("largest_whole_crop")
         self.check("spatial: a training step's memory per crop", largest is not None,
                    f"largest crop trained at S = 1: {largest}^3 ("
-                   + ("the next did not fit" if memory.get("memory_wall_found") else "the sweep ended before any "
-                      "crop failed to fit") + "); " + "; ".join(
+                   + ("the next did not fit" if memory.get("memory_wall_found") else
+                      f"the next failed, {whole[-1]['status']}" if whole[-1]["status"].startswith("error") else
+                      "the sweep ended before any crop failed to fit") + "); " + "; ".join(
                        f"{row['crop']}^3 {row.get('peak_allocated_gib', '-')} GiB" for row in whole
                        if row["status"] == "ok") if whole else memory.get("ended", "no result"))
         measured = [row for row in slabs if row["status"] == "ok"]
@@ -76,6 +77,7 @@ class SpatialPart:
             self.check("spatial: two gloo ranks on one device", False, check.get("ended", "no result"))
             return
         for part, what in (("spatial", "S = 2 equals the unsharded model (fp32)"),
+                           ("spatial_compile", "compiled S = 2 equals the unsharded model"),
                            ("ddp_compile", "the compiled *_opt step under DDP tracks one eager process")):
             rows = [rank[part] for rank in ranks if part in rank]
             if rows:
