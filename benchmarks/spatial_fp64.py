@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.results_file import check_outputs  # noqa: E402
+from benchmarks.results_file import check_outputs, command_line, write_keeping_notes  # noqa: E402
 from utils.arguments import positive_int  # noqa: E402
 
 
@@ -94,13 +94,13 @@ def main(argv=None):
         print(rows[-1], flush=True)
     import torch
     lines = ["# One rank against two ranks sharing each crop (`--spatial_parallel 2`), in float32 and float64", "",
-             f"Command: `python benchmarks/spatial_fp64.py --nsamples {args.nsamples}`. Machine: {cpu_name()}, "
+             f"Command: `{command_line(__file__, argv)}`. Machine: {cpu_name()}, "
              f"{os.cpu_count()} cores, torch {torch.__version__}, gloo, one thread per rank. quickstart, one epoch "
              f"({args.nsamples // 8} steps of 8 crops of 32³), lyman_alpha off.", "",
              "| precision | largest relative difference of a step's loss | validation loss, 1 rank | "
              "validation loss, S = 2 | relative difference |", "| --- | ---: | ---: | ---: | ---: |", *rows]
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        write_keeping_notes(args.out, "\n".join(lines) + "\n")  # the reading below the table stays
     return 0
 
 
