@@ -29,6 +29,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=5, help="verifications timed (default 5)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary checkpoint is written")
     args = parser.parse_args(argv)
+    if not Path(args.dir).is_dir():
+        parser.error(f"--dir {args.dir} is not a folder; give an existing one (on the file system to measure)")
     model = build_model(load_config(args.config))
     optimizer = torch.optim.Adam(model.parameters())
     for parameter in model.parameters():
@@ -53,4 +55,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from utils import run
+    run(main)  # a ReportedError (a bad config, say) is one line and exit status 2; an int is the exit status

@@ -61,6 +61,10 @@ def parse_args(argv=None):
     unknown = [name for name in args.loaders if name not in LOADERS]
     if unknown:
         parser.error(f"unknown loader {', '.join(unknown)}; choose from: {', '.join(LOADERS)}")
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        parser.error(f"--device is cpu or cuda (cuda:N), got {args.device}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda, but no CUDA GPU is visible to this torch; pass --device cpu")
     return args
 
 
@@ -263,4 +267,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from utils import run
+    run(main)  # a ReportedError (a bad config, say) is one line and exit status 2; an int is the exit status

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
-from utils.arguments import positive_int  # noqa: E402
+from utils.arguments import positive_int, widths  # noqa: E402
 from networks.UNet import UNet  # noqa: E402
 from networks.conv_forms import (FORMS, apply_conv_forms, describe_conv_forms, form_computes, matmul_fits,  # noqa: E402
                                  stride2_conv)
@@ -255,7 +255,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--batch", type=positive_int, default=None, help="default 64 (2 with --tiny)")
     parser.add_argument("--crop", type=positive_int, default=None, help="default 64 (16 with --tiny)")
-    parser.add_argument("--channels", type=lambda text: [int(c) for c in text.split(",")], default=None,
+    parser.add_argument("--channels", type=widths, default=None,
                         help="U-Net widths, comma-separated (default: the reference's; 8,16 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a CPU smoke test of this script")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
@@ -263,10 +263,14 @@ def main(argv=None):
     check_outputs(parser, files={"--out": args.out})
     tiny = dict(batch=2, crop=16, channels=[8, 16]) if args.tiny else dict(batch=64, crop=64, channels=None)
     settings = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in tiny.items()}
+    levels = len(settings["channels"] or REFERENCE_CHANNELS)
+    if settings["crop"] % 2 ** levels:
+        parser.error(f"--crop {settings['crop']} must be divisible by 2^{levels} (one halving per level)")
     results = measure(**settings, repeats=3 if args.tiny else 10)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    from utils import run
+    run(main)  # a ReportedError (a bad config, say) is one line and exit status 2; an int is the exit status

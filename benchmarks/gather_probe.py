@@ -184,4 +184,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils import run
+    run(main)  # a ReportedError (a bad config, say) is one line and exit status 2; an int is the exit status

@@ -38,7 +38,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results_file import check_outputs  # noqa: E402
-from utils.arguments import positive_int  # noqa: E402
+from utils.arguments import positive_int, widths  # noqa: E402
 from utils.profiling import quiet_profiler  # noqa: E402
 
 # PyTorch's own fallback ops and kernels. Plain "im2col" would also match cuDNN's GEMM engine (im2col4d_kernel):
@@ -221,7 +221,7 @@ def main(argv=None):
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--benchmark", action="store_true", help="autotune each case as training does (slower)")
-    parser.add_argument("--channels", default=",".join(map(str, REFERENCE_CHANNELS)),
+    parser.add_argument("--channels", type=widths, default=list(REFERENCE_CHANNELS),
                         help="U-Net widths, comma-separated (default: the reference model's)")
     parser.add_argument("--out", type=Path, help="write the cases as JSON here")
     args = parser.parse_args(argv)
@@ -234,7 +234,7 @@ def main(argv=None):
     quiet_profiler(on_gpu)
     env = environment()
     print(json.dumps(env), flush=True)
-    channels = [int(c) for c in args.channels.split(",")]
+    channels = args.channels
     if args.crop % 2 ** len(channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(channels)} for {len(channels)} levels")
     cases = run_probe(args.batch, args.crop, modes, args.repeats, channels=channels, benchmark=args.benchmark)
@@ -247,4 +247,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils import run
+    run(main)  # a ReportedError (a bad config, say) is one line and exit status 2; an int is the exit status

@@ -50,4 +50,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from utils import run
+    run(main)  # a ReportedError (a bad config, say) is one line and exit status 2; an int is the exit status

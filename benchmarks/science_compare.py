@@ -328,4 +328,5 @@ def write_markdown(out, args, costs, samples, results, options):
 
 
 if __name__ == "__main__":
-    main()
+    from utils import run
+    run(main)  # a ReportedError (a bad config, say) is one line and exit status 2; an int is the exit status

@@ -74,6 +74,17 @@ REFUSED = [
      "argument --smoothing: must be at least 0.0, got -1"),
     ("utils/make_dataset.py", ["--out", "x.h5", "--box", "1"], "argument --box: must be at least 2, got 1"),
     ("science/report.py", ["run", "--dpi", "0"], "argument --dpi: must be positive, got 0"),
+    ("benchmarks/conv_variants.py", ["--tiny", "--channels", "0,8"],
+     "argument --channels: must be positive widths, comma-separated (such as 8,16,32), got 0,8"),
+    ("benchmarks/conv_variants.py", ["--tiny", "--crop", "18"], "--crop 18 must be divisible by 2^2 (one halving "
+                                                                 "per level)"),
+    ("benchmarks/kernel_probe.py", ["--channels", "4,x"],
+     "argument --channels: must be positive widths, comma-separated (such as 8,16,32), got 4,x"),
+    ("benchmarks/bench_loaders.py", ["--device", "gpu"], "--device is cpu or cuda (cuda:N), got gpu"),
+    ("benchmarks/bench_checkpoint.py", ["--dir", "missing"], "--dir missing is not a folder; give an existing one "
+                                                             "(on the file system to measure)"),
+    ("benchmarks/spatial_gpu.py", ["check", "--parts", "spatail"],
+     "--parts: unknown spatail; choose from spatial, spatial_compile, ddp_compile"),
 ]
 
 
@@ -83,6 +94,14 @@ def test_a_value_out_of_range_is_one_line_before_any_work(script, argv, message,
     code, _, err = run_script(script, argv)
     assert code == 2 and err.endswith(f"error: {message}\n"), err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_benchmarks_own_error_is_one_line_too(tmp_path, monkeypatch):
+    """The benchmarks end through utils.run, as train.py does: a ReportedError (here the config's) is its one line and
+    exit status 2, not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_script("benchmarks/bench_checkpoint.py", ["--config", "nosuch"])
+    assert code == 2 and err.startswith("error: unknown config 'nosuch' in ") and err.count("\n") == 1, err
 
 
 # Numeric flags left as plain int or float, each with its own check (a reason in the message) or none needed

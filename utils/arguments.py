@@ -30,6 +30,17 @@ positive_float = bounded(float, lambda value: value > 0, "positive")  # rates, b
 fraction = bounded(float, lambda value: 0 <= value <= 1, "a fraction in [0, 1]")  # NaN is refused too
 
 
+def widths(text):
+    """A U-Net's widths, comma-separated positive ints (``8,16,32``), as a list."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive widths, comma-separated (such as 8,16,32), got {text}")
+    return values
+
+
 def refuse_repeats(parser, flag, values):
     """``parser.error`` when a list flag names one value twice: a study would run it (or count it) twice, under
     one run name."""
