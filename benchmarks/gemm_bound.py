@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.results_file import check_outputs  # noqa: E402
+from benchmarks.results_file import check_outputs, command_line  # noqa: E402
 from utils.arguments import positive_int  # noqa: E402
 from benchmarks.conv_variants import timed  # noqa: E402
 from benchmarks.roofline import DEFAULT_CHANNELS, RESULTS, measured_kernel_ms, model_layers  # noqa: E402
@@ -90,7 +90,7 @@ def markdown(result):
     s = result["setup"]
     lines = [f"# The U-Net's convolutions as plain matrix products: {s['device']}, torch {s['torch']}, "
              f"batch {s['batch']}, {s['crop']}³ crops, {s['dtype']}", "",
-             f"`python benchmarks/gemm_bound.py --batch {s['batch']} --crop {s['crop']} --dtype {s['dtype']}` "
+             f"`{s['command']}` "
              f"(median of {s['repeats']} per product). Conv: the fastest form's kernel ms"
              + (f" from `{s['measured_from']}`" if s["measured_from"] else ": none measured for this setup") + ".",
              "", "| layer | M × N × K | GEMM ms (its passes) | GEMM TFLOP/s | conv ms (form) | at most saved ms |",
@@ -109,9 +109,9 @@ def markdown(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--tiny", action="store_true", help="small model, batch 2, 16^3 crops: a CPU smoke test")
-    parser.add_argument("--batch", type=positive_int, default=64)
-    parser.add_argument("--crop", type=positive_int, default=64)
-    parser.add_argument("--channels", type=positive_int, nargs="+", default=DEFAULT_CHANNELS, help="the model's widths")
+    parser.add_argument("--batch", type=positive_int, help="default 64")
+    parser.add_argument("--crop", type=positive_int, help="default 64")
+    parser.add_argument("--channels", type=positive_int, nargs="+", help="the widths (default: the reference model's)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--repeats", type=positive_int, default=10,
                         help="timed runs of each product; the median counts")
@@ -120,14 +120,19 @@ def main(argv=None):
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--json": args.json})
-    if args.tiny:
-        args.channels, args.batch, args.crop = TINY["channels"], TINY["batch"], TINY["crop"]
+    given = [f"--{key}" for key in ("batch", "crop", "channels") if getattr(args, key) is not None]
+    if args.tiny and given:
+        parser.error(f"--tiny sets the batch, crop and widths itself; drop {', '.join(given)} or --tiny")
+    defaults = TINY if args.tiny else {"channels": DEFAULT_CHANNELS, "batch": 64, "crop": 64}
+    for key, value in defaults.items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     if args.crop % 2 ** len(args.channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(args.channels)} (one halving per level)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         parser.error("the full model's products take minutes on a CPU and say nothing about a GPU; use --tiny")
     result = analyse(args, device)
+    result["setup"]["command"] = command_line(__file__, argv)  # what reproduces it, --tiny and all
     print(markdown(result), end="")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

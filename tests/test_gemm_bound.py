@@ -22,7 +22,9 @@ def test_tiny_run_on_the_cpu(tmp_path, capsys):
     assert set(rows["down0"]["gemm_ms"]) == {"forward", "weight_grad"}  # the data needs no gradient
     assert set(rows["last"]["gemm_ms"]) == {"forward", "input_grad", "weight_grad"}
     assert all(row["total_gemm_ms"] > 0 and row["conv_ms"] is None for row in rows.values())
-    assert result["total_conv_ms"] is None and "| down1 | 128 × 8 × 256 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert result["total_conv_ms"] is None and "| down1 | 128 × 8 × 256 |" in out
+    assert f"`python benchmarks/gemm_bound.py --tiny --repeats 2 --json {tmp_path / 'gemm.json'}` (median of 2" in out
 
 
 def test_the_full_model_on_a_cpu_is_refused_in_one_line(capsys, monkeypatch):
@@ -34,7 +36,9 @@ def test_the_full_model_on_a_cpu_is_refused_in_one_line(capsys, monkeypatch):
 
 def test_sizes_and_repeats_below_one_are_refused_in_one_line(capsys):
     for argv, message in ((["--tiny", "--repeats", "0"], "argument --repeats: must be positive, got 0"),
-                          (["--batch", "0"], "argument --batch: must be positive, got 0")):
+                          (["--batch", "0"], "argument --batch: must be positive, got 0"),
+                          (["--tiny", "--crop", "32"], "--tiny sets the batch, crop and widths itself; drop --crop "
+                                                       "or --tiny")):
         with pytest.raises(SystemExit) as stop:
             main(argv)
         assert stop.value.code == 2 and capsys.readouterr().err.endswith(f" error: {message}\n")
