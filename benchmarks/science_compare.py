@@ -200,7 +200,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--options", nargs="+", default=["transposed", "transposed_blur"],
                         choices=SCHEMA["upsample"].choices, metavar="OPTION",
-                        help=f"values of the config key upsample: {', '.join(SCHEMA['upsample'].choices)}")
+                        help=f"values of the config key upsample: {', '.join(SCHEMA['upsample'].choices)}; "
+                             f"transposed among them (with --from_json: the JSON's)")
     parser.add_argument("--seeds", nargs="+", type=at_least(0), default=[0, 1])
     parser.add_argument("--long_epochs", type=at_least(0), default=16, help="epochs of the longer run (0: none)")
     parser.add_argument("--expdir", default="/tmp/science_compare")
@@ -215,6 +216,9 @@ def parse_args(argv=None):
     refuse_repeats(parser, "seeds", args.seeds)
     if args.from_json and not Path(args.from_json).is_file():
         parser.error(f"--from_json {args.from_json} does not exist; give the JSON an earlier run wrote")
+    if not args.from_json and "transposed" not in args.options:  # the budget and the goals are relative to it
+        parser.error(f"--options must include transposed, the reference's upsampling that the others are measured "
+                     f"against; got {' '.join(args.options)}")
     check_outputs(parser, files={"--out": args.out})
     return args
 
@@ -225,6 +229,7 @@ def main(argv=None):
     options = args.options
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
+        options = list(dict.fromkeys(result["option"] for result in saved["results"]))  # the run's, in its order
         boxes = {}
         for result in saved["results"]:      # whole-box metrics remade from the checkpoints (today's code)
             prediction, truth, metrics = whole_box(Path(result["run_dir"]))

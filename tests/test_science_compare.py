@@ -15,6 +15,8 @@ def test_without_out_the_table_goes_under_expdir(tmp_path):
     (["--options", "transposed", "transposed"], "--options repeats transposed; give each once"),
     (["--seeds", "0", "0"], "--seeds repeats 0; give each once"),
     (["--from_json", "missing.json"], "--from_json missing.json does not exist; give the JSON an earlier run wrote"),
+    (["--options", "transposed_blur"], "--options must include transposed, the reference's upsampling that the "
+                                       "others are measured against; got transposed_blur"),  # else hours, then NaNs
 ])
 def test_a_bad_paste_is_one_line_before_any_training(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
