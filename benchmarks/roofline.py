@@ -281,6 +281,12 @@ def main(argv=None):
     check_outputs(parser, files={"--json": args.json, "--out": args.out})
     if args.crop % 2 ** len(args.channels):
         parser.error(f"--crop {args.crop} must be divisible by 2^{len(args.channels)} (one halving per level)")
+    if args.measured is not None:  # named: a typo must not read as "nothing measured"
+        try:
+            json.loads(args.measured.read_text())
+        except (OSError, ValueError) as err:
+            parser.error(f"--measured {args.measured} is not a readable results JSON ({type(err).__name__}); give "
+                         f"one such as benchmarks/results/h100.json")
     result = analyse(args)
     report = markdown(result)
     print(report, end="")

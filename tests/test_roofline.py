@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.roofline import ConvLayer, main, measured_kernel_ms, model_layers, parameter_bytes, roofline
+from benchmarks.roofline import (RESULTS, ConvLayer, main, measured_kernel_ms, model_layers, parameter_bytes,
+                                 roofline)
 from networks.UNet import UNet
 
 CHANNELS = [64, 128, 256, 512, 512, 512]
@@ -118,14 +119,19 @@ def test_measured_kernel_times_come_from_h200_jsons_condensed_table():
                                 "best_tflops": pytest.approx(3 * 171.8 / 2.734, rel=1e-3)}  # 3 passes of 171.8 GFLOP
     assert measured["down1"]["best"] == measured["down1"]["native"] == 2.666
     assert result["measured_best_kernel_ms"] == pytest.approx(15.58, abs=0.01)  # roofline_h200.md
-    assert measured_kernel_ms("benchmarks/results/h200.json", CHANNELS, 32, 64) == {}
+    assert measured_kernel_ms(RESULTS / "h200.json", CHANNELS, 32, 64) == {}  # the file is there: another batch
 
 
-def test_no_measured_times_for_another_setup(tmp_path):
-    assert measured_kernel_ms("benchmarks/results/h100.json", CHANNELS, 32, 64) == {}
+def test_no_measured_times_for_another_setup(tmp_path, capsys):
+    assert measured_kernel_ms(RESULTS / "h100.json", CHANNELS, 64, 64)  # the file is there and measured batch 64
+    assert measured_kernel_ms(RESULTS / "h100.json", CHANNELS, 32, 64) == {}
     assert measured_kernel_ms(tmp_path / "missing.json", CHANNELS, 64, 64) == {}
     assert all(row["measured"] is None for row in main(["--batch", "32"])["layers"])
     assert all(row["measured"] is None for row in main(["--dtype", "fp32", "--peak_tflops", "67"])["layers"])
+    for named in (tmp_path / "missing.json", RESULTS / "h100.md"):  # named: a typo is an error, not "none"
+        with pytest.raises(SystemExit):
+            main(["--measured", str(named)])
+        assert f"--measured {named} is not a readable results JSON" in capsys.readouterr().err
 
 
 def test_parameter_update_bytes():
