@@ -32,7 +32,8 @@ duration (benchmarks/suite/settings.py) would overrun it is not started but repo
 that runs it alone, and every finished part's results are saved as soon as it ends. The suite ends by printing
 the fewest further calls that run every skipped part (packed in order by the same guesses), each into a folder of
 its own: by the guesses ``OUT`` runs a-c and prints the call for the rest, ``OUT2 --parts defgh``; with
-``--compile`` the parts take three calls, ``ab``, ``cdef`` and ``gh``.
+``--compile`` it runs a, b, d and e (c's seven compiled runs would overrun; the later parts that still fit run)
+and prints ``OUT2 --parts cfgh``.
 
 OUT_DIR receives at most 8 files: summary.json (the results behind benchmarks/results/h100.json),
 summary.md, probe.json, ladder.json, ladder.md, ladder.png, suite.log (every step and its output)

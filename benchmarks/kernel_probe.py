@@ -19,7 +19,7 @@ classified from the profiler's op and kernel names:
 Then the pass is timed with CUDA events (median of ``--repeats``), giving TFLOP/s per case. By
 default cuDNN picks its algorithms by heuristics: whether PyTorch calls cuDNN or its slow fallback
 does not depend on that, and autotuning every case (``--benchmark``, what train.py's
-``cudnn.benchmark`` does) costs about a second per case on an H100 (70 s for the 60 cases). On a
+``cudnn.benchmark`` does) costs about a second per case on an H100 (84 cases by default: 12 layers, 7 modes). On a
 CPU the same code runs (``--batch 1 --crop 16 --channels 4,8`` is a smoke test) and reports which CPU
 ops ran as information only: the slow-path check is about the GPU (cuDNN expected), while the CPU's
 kernel depends on its instruction set (without AVX-512, PyTorch runs bf16 channels-last Conv3d in

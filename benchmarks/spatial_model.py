@@ -361,7 +361,7 @@ def efficiency_tables(setup, measured, batches=(1, 8, 32, 64)):
             node.append(row(f"{crop}³", spatial, *(f"{1e3 * t[k]:.2f}" for k in ("compute", "halo", "ddp", "step")),
                             *(f"{100 * e:.1f}%" for e in effs), f"{100 * versus:.1f}%"))
     gpus = (16, 128, 512)
-    across = [row("crop", "S", *(f"{n} GPUs ({n // setup.network.gpus_per_node} nodes)" for n in gpus)),
+    across = [row("crop", "S", *(f"{n} GPUs ({-(-n // setup.network.gpus_per_node)} nodes)" for n in gpus)),
               row(*["---:"] * (2 + len(gpus)))]
     for crop in CROPS[1:]:
         for s in SPATIAL:
@@ -432,7 +432,9 @@ def report(setup, measured, command="python benchmarks/spatial_model.py"):
         "Halo and gather MB: sent per step by the busiest rank, forward + backward. x 1/S: the shard's compute over "
         "1/S of the unsharded layer's (1: no waste; layers that run whole cost S, or 1 when the ranks share the "
         "batch's crops).", "", *layer_table(crop, spatial, setup, measured), "",
-        "## Inside one node (NVLink): efficiency = t(1 GPU, whole crop) / (S x t(slab))", "",
+        "## Inside one node (NVLink): efficiency = t(1 GPU, whole crop) / (S x t(slab))"
+        + (f"; S above {n.gpus_per_node} spans nodes, its halos at the node's bandwidth"
+           if max(SPATIAL) > n.gpus_per_node else ""), "",
         f"Times for batch {setup.batch}.", "", *node, "",
         "## S x D across nodes: efficiency against one GPU (in brackets: against data parallelism on the same "
         "GPUs)", "", *across, "",
@@ -484,6 +486,9 @@ def main(argv=None):
     parser.add_argument("--plot", type=Path, help="PNG of efficiency against S")
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--out": args.out, "--plot": args.plot})
+    if args.plot:
+        from science.plots import figure_path  # a format matplotlib cannot write: one line now, not after the work
+        args.plot = figure_path(args.plot, "spatial_model.png", "--plot")
     network = Network(args.intra_bw * 1e9, args.node_bw * 1e9, args.alpha_us * 1e-6, args.gpus_per_node)
     setup = Setup(args.batch, args.dtype, network, args.overlap, 2 if args.bf16_gradients else 4)
     measured = measured_layer_ms()
