@@ -20,10 +20,11 @@ import yaml
 from conftest import REPO_ROOT, TINY_OVERRIDES
 from utils.config import DEFAULT_YAML
 
-# 32 steps over 2 epochs (global batch 4, 2 per rank), a checkpoint after every step.
-RUN_FLAGS = ["--Nsamples", "64", "--checkpoint_every_n_steps", "1", "--keep_checkpoints", "2", "--deterministic",
-             "--log_every_n_steps", "4"]
-FINAL_STEP = 32
+# 128 steps over 2 epochs (global batch 4, 2 per rank), a checkpoint after every step: long enough that a loaded
+# machine, on which the test sees a step late, cannot let the run finish before the kill.
+RUN_FLAGS = ["--Nsamples", "256", "--checkpoint_every_n_steps", "1", "--keep_checkpoints", "2", "--deterministic",
+             "--log_every_n_steps", "16"]
+FINAL_STEP = 128
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # Every process of one launch carries this variable; torchrun puts each rank in a session of its own,
 # so a process group does not reach them, and a killed agent leaves no parent to find them by.
@@ -141,7 +142,7 @@ def reference(tiny_yaml, tmp_path_factory):
 def test_ddp_run_killed_with_kill_9_then_rerun_ends_bit_identical(victims, seed, tiny_yaml, reference, tmp_path,
                                                                   launches):
     rng = np.random.default_rng(seed)
-    kill_after = int(rng.integers(2, FINAL_STEP - 6))  # a checkpoint step, then a random moment of the next step
+    kill_after = int(rng.integers(2, FINAL_STEP // 2))  # a checkpoint step, then a random moment of the next step
     delay = float(rng.uniform(0.0, 0.05))
     expdir = tmp_path / "runs"
     cmd = command(tiny_yaml, expdir)

@@ -16,10 +16,12 @@ from conftest import REPO_ROOT, write_random_box
 
 pytestmark = pytest.mark.slow  # integration: run with --full (CI does)
 
-# 32 steps over 2 epochs, a checkpoint after every step, deterministic kernels.
-RUN_FLAGS = ["--Nsamples", "64", "--checkpoint_every_n_steps", "1", "--keep_checkpoints", "2", "--deterministic",
-             "--log_every_n_steps", "4"]
-FINAL_STEP = 32
+# 128 steps over 2 epochs, a checkpoint after every step, deterministic kernels. The steps take about 8 ms each here:
+# the tests signal or kill a run at a step they see on disk, and a loaded machine may let it run on for several steps
+# before they act, so the run is long enough that it cannot finish, or end its epoch, first.
+RUN_FLAGS = ["--Nsamples", "256", "--checkpoint_every_n_steps", "1", "--keep_checkpoints", "2", "--deterministic",
+             "--log_every_n_steps", "16"]
+FINAL_STEP = 128
 
 
 def run_dir(tmp_path, run_num, world_size=1, config="tiny"):
@@ -78,7 +80,7 @@ def start_and_wait_for_step(cmd, checkpoints, step, started, timeout=240):
     while newest_step(checkpoints) < step:
         assert process.poll() is None, process.communicate()
         assert time.time() < deadline, "run did not reach the step in time"
-        time.sleep(0.05)
+        time.sleep(0.01)
     return process
 
 
@@ -93,7 +95,7 @@ def reference(tiny_argv, tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kill_9_at_a_random_step_then_rerun_gives_identical_weights(tiny_argv, tmp_path, reference, seed, started):
-    kill_after = int(np.random.default_rng(seed).integers(2, FINAL_STEP - 2))
+    kill_after = int(np.random.default_rng(seed).integers(2, FINAL_STEP // 2))  # half the run left at least
     cmd = command(tiny_argv, "killed")
     process = start_and_wait_for_step(cmd, run_dir(tmp_path, "killed") / "checkpoints", kill_after, started)
     os.killpg(process.pid, signal.SIGKILL)
@@ -162,7 +164,7 @@ def test_truncated_newest_checkpoint_is_skipped_with_a_warning(tiny_argv, tmp_pa
 
 def test_a_finished_run_is_not_trained_again(tiny_argv, tmp_path, reference):
     result = run(command(tiny_argv, "reference"))
-    assert result.returncode == 0 and "This run already finished (32 of 32 steps)" in result.stdout
+    assert result.returncode == 0 and "This run already finished (128 of 128 steps)" in result.stdout
 
 
 def test_resume_with_a_run_changing_config_is_refused(tiny_argv, tmp_path, reference):
@@ -183,7 +185,7 @@ def test_events_of_an_attempt_killed_before_its_first_checkpoint_are_dropped(tin
 
     logs = run_dir(tmp_path, "dead") / "logs"
     dead = SummaryWriter(str(logs))
-    for step, value in ((0, 123.0), (16, 456.0)):
+    for step, value in ((0, 123.0), (16, 456.0)):  # within its first epoch
         dead.add_scalar("Loss/valid", value, step)
     dead.close()
     time.sleep(1.1)  # event files are named by the second they were opened in, and read in name order
@@ -192,7 +194,7 @@ def test_events_of_an_attempt_killed_before_its_first_checkpoint_are_dropped(tin
     events = EventAccumulator(str(logs))
     events.Reload()
     points = [(p.step, p.value) for p in events.Scalars("Loss/valid")]
-    assert [step for step, _ in points] == [0, 16, 32], points
+    assert [step for step, _ in points] == [0, 64, 128], points
     assert not {123.0, 456.0} & {value for _, value in points}, points
 
 
