@@ -107,8 +107,9 @@ def test_one_write_in_flight_and_the_stall_includes_waiting_for_it(tmp_path, hel
     threading.Timer(0.3, held_writes.release.set).start()
     stall = writer.save(second, 2, keep_last=3, started=started)  # waits for step 1's write
     assert stall >= 0.3 and writer.stall_seconds[1] == stall
-    # ...and says how much of it was that wait: about the 0.3 s the write was held; none for the first save
-    assert writer.wait_seconds[0] < 0.1 and 0.25 <= writer.wait_seconds[1] <= stall
+    # ...and says how much of it was that wait: most of the 0.3 s the write was held (less whatever this thread was
+    # descheduled for between the timer's start and save's, on a loaded machine); next to none for the first save
+    assert writer.wait_seconds[0] < 0.1 < 0.15 <= writer.wait_seconds[1] <= stall
     assert (tmp_path / "ckpt_step00000001.pt").exists() and len(writer.write_seconds) == 1
     writer.close()
     assert names(tmp_path) == ["ckpt_step00000001.pt", "ckpt_step00000002.pt"] and writer.saves == 2
@@ -388,8 +389,10 @@ def test_a_failed_write_under_ddp_stops_every_rank_with_exit_2(tiny_argv, tmp_pa
     (NCCL: 10 minutes, then SIGABRT), and a failed preemption checkpoint does not exit 3 (which requeues)."""
     script = tmp_path / "failing_rank0.py"
     script.write_text(FAILING_RANK0.format(repo=str(REPO_ROOT)))
-    if stop:  # no checkpoint before the signal's; 256 steps per epoch, so the signal lands within the epoch
-        argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--Nsamples", "1024", "--num_epochs", "1"]
+    if stop:  # no checkpoint before the signal's (none periodic: with every write failing, a late signal would
+        #       meet a failed periodic one first); 256 steps per epoch, so the signal lands within the epoch
+        argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "0", "--Nsamples",
+                            "1024", "--num_epochs", "1"]
     else:     # the second periodic checkpoint fails in the background
         argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "2"]
     processes = start_two_ranks(script, argv, FAIL_AFTER="0" if stop else "2")

@@ -262,6 +262,7 @@ def test_an_xdist_worker_takes_its_share_of_the_cores_for_threads_and_compile_pr
     from conftest import share_the_cores
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # share_the_cores sets it; monkeypatch puts it back after
     threads, compile_threads = torch.get_num_threads(), inductor_config.compile_threads
     try:
         share_the_cores(4)

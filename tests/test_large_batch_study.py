@@ -51,8 +51,8 @@ def fake_run(run_dir, batch, scaling, epochs, val_points, rates=(100.0, 120.0, 1
                                                   "seed": seed})
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dict(params)))
-    start = time.time()
-    writer = SummaryWriter(str(run_dir / "logs"))
+    writer = SummaryWriter(str(run_dir / "logs"))  # its file's header is the run's first event: now
+    start = time.time()  # after it, so that a stall between the two cannot shift every wall time
     for step, seconds, loss in val_points:
         writer.add_scalar("Loss/valid", loss, step, walltime=start + seconds)
     for epoch, rate in enumerate(rates, 1):

@@ -75,7 +75,7 @@ def test_fp16_is_timed_with_its_backward_and_said_to_be_slower_on_this_cpu():
     quickstart 64x slower in fp16 than in fp32 on this project's Xeon (AMX, AVX512-FP16), 18-92x in the probe."""
     warning = utils.cpu_amp.slow_amp("fp16")  # one probe, 1-2 s
     assert warning.startswith("amp_mode fp16 is slower than fp32 on this CPU (a fp16 convolution's forward and back")
-    assert float(warning.split(" took ")[1].split("x")[0]) > 10
+    assert float(warning.split(" took ")[1].split("x")[0]) > 4  # far past SLOWER; 17.8 here, timing-noise proof
     assert utils.cpu_amp.slow_amp("fp16", torch.device("cuda")) is None   # only a CPU is timed
     assert utils.cpu_amp.slow_amp("none") is None
 
@@ -84,10 +84,11 @@ PROBE = "import json, utils.cpu_amp; print(json.dumps(utils.cpu_amp.amp_time_rat
 
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
-@pytest.mark.parametrize("isa, above", [("AVX2", 10), ("AVX512_CORE", utils.cpu_amp.SLOWER)])
+@pytest.mark.parametrize("isa, above", [("AVX2", 4), ("AVX512_CORE", utils.cpu_amp.SLOWER)])
 def test_the_probe_finds_bf16_slower_where_onednn_has_no_bf16_instructions(isa, above):
     """The probe, on this CPU with oneDNN held to an older instruction set (ONEDNN_MAX_CPU_ISA): with AVX2 PyTorch
-    runs bf16 convolutions in aten::slow_conv3d (16x measured), with plain AVX-512 oneDNN emulates bf16 (3.5x)."""
+    runs bf16 convolutions in aten::slow_conv3d (16x measured on a Xeon, 11-18x on this project's EPYC: the probe
+    stops once past 10x, so the bound sits well below that), with plain AVX-512 oneDNN emulates bf16 (3.5x)."""
     if isa == "AVX512_CORE" and not torch.cpu._is_avx512_supported():
         pytest.skip("this CPU has no AVX-512 to hold oneDNN to")
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO_ROOT, env={**os.environ, "ONEDNN_MAX_CPU_ISA": isa},

@@ -13,8 +13,8 @@ from science.metrics import L1_TAGS
 
 def write_run(run_dir, losses, minutes_per_epoch, science=False):
     """logs/ of a run: Loss/valid at step 0 then, per epoch, Loss/train and Loss/valid (plus science scalars)."""
-    start = time.time()
-    writer = SummaryWriter(log_dir=str(run_dir / "logs"))
+    writer = SummaryWriter(log_dir=str(run_dir / "logs"))  # its file's header is the run's first event: now
+    start = time.time()  # after it, so that a stall between the two cannot shift every wall time
     writer.add_scalar("Loss/valid", losses[0] * 2, 0, walltime=start)
     for epoch, loss in enumerate(losses, start=1):
         walltime = start + 60 * minutes_per_epoch * epoch

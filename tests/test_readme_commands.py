@@ -51,7 +51,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import project_files
+from conftest import free_port, project_files
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = REPO_ROOT / "README.md"
@@ -439,6 +439,9 @@ def user_env():
                "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"})}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["CUDA_VISIBLE_DEVICES"] = ""  # the laptop path, also where CI has a GPU
+    # torchrun without --standalone binds 29500 unless told; another job on a shared host may hold it. PET_MASTER_PORT
+    # is torchrun's own default for --master_port, so the README's command line stays as written.
+    env["PET_MASTER_PORT"] = str(free_port())
     return env
 
 

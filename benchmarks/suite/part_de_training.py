@@ -83,7 +83,7 @@ class TrainingParts:
                    + (f" (up to {max(waits):.2f} s: saves {60 * self.size['checkpoint_minutes']:.0f} s apart)" if waits
                       else "")
                    + f"; writes {', '.join(f'{w:.1f}' for w in writes)} s; {rate:.0f} samples/s with checkpoints vs "
-                   f"{without or float('nan'):.0f} without", kind="goal" if self.cuda else "check")
+                   f"{without or float('nan'):.0f} without", kind="goal")  # a time: never a check, CPU or GPU
 
 
 def epoch_rate(out_log, epoch):
