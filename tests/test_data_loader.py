@@ -1,4 +1,5 @@
 import multiprocessing
+import sys
 
 import h5py
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 from utils import symmetry
 from utils.config import ConfigError
 from utils.data import DataError, RandomCropDataset, ShardedSampler, get_data_loader, sample_plan
+from utils.data.torch_loader import get_torch_loader
 
 
 def collect(params, rank=0, world_size=1, epoch=0, split="train"):
@@ -50,14 +52,31 @@ def test_same_stream_for_1_and_3_workers(tiny_params):
 def test_same_stream_whatever_the_worker_start_method(tiny_params, method):
     # Linux forks workers; macOS spawns them, and Python 3.14 starts them from a fork server on Linux too. A spawned
     # worker gets the dataset pickled and imports the modules afresh: the stream must not depend on the parent's state
-    serial = collect(tiny_params(num_data_workers=0, fast_loader=False), epoch=1)
+    # (lowmem: inmem forks its workers on Linux whatever the default, below)
+    serial = collect(tiny_params(num_data_workers=0, fast_loader=False, data_loader_config="lowmem"), epoch=1)
     default = multiprocessing.get_start_method()
     multiprocessing.set_start_method(method, force=True)
     try:
-        parallel = collect(tiny_params(num_data_workers=2, fast_loader=False), epoch=1)
+        parallel = collect(tiny_params(num_data_workers=2, fast_loader=False, data_loader_config="lowmem"), epoch=1)
     finally:
         multiprocessing.set_start_method(default, force=True)
     assert_same_stream(serial, parallel)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork is Linux's; macOS spawns (and copies) whatever we ask")
+def test_inmem_workers_are_forked_whatever_the_default_start_method(tiny_params):
+    """inmem's volumes reach forked workers as shared pages; spawn or forkserver (Python 3.14's default on Linux)
+    would pickle a copy of both into every worker (38.7 GB each at the base config)."""
+    default = multiprocessing.get_start_method()
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        loader, _ = get_torch_loader(tiny_params(num_data_workers=2, fast_loader=False), "train")
+        lowmem, _ = get_torch_loader(tiny_params(num_data_workers=2, fast_loader=False, data_loader_config="lowmem"),
+                                     "train")
+    finally:
+        multiprocessing.set_start_method(default, force=True)
+    assert loader.multiprocessing_context.get_start_method() == "fork"
+    assert lowmem.multiprocessing_context is None  # lowmem opens the file in each worker: the default will do
 
 
 @pytest.mark.parametrize("fast", [False, True])

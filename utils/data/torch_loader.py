@@ -13,6 +13,7 @@ faster loaders (fast.py, gpu.py, dali.py) build on ``SplitSpec``, ``sample_plan`
 import atexit
 import multiprocessing.util  # registers its exit handler first, so that ours (below) runs before it
 import os
+import sys
 import signal
 from dataclasses import dataclass
 from functools import lru_cache
@@ -252,7 +253,11 @@ def get_torch_loader(params, split, rank=0, world_size=1, device=torch.device("c
     """``(loader, sampler)``: the straightforward ``DataLoader`` of ``split`` (see ``get_data_loader``)."""
     spec = SplitSpec.from_params(params, split, rank, world_size)
     dataset, sampler, workers = RandomCropDataset(spec), build_sampler(spec), spec.num_workers
+    # inmem's volumes reach forked workers as copy-on-write pages they only read; spawn or forkserver (macOS's
+    # default, and Linux's from Python 3.14) would pickle a copy into every worker: 38.7 GB each at the base config.
+    fork = spec.mode == "inmem" and workers > 0 and sys.platform == "linux"
     loader = DataLoader(dataset, batch_size=sampler.local_batch_size, sampler=sampler, num_workers=workers,
+                        multiprocessing_context="fork" if fork else None,
                         pin_memory=device.type == "cuda",  # page-locked buffers: faster, async H2D copies
                         persistent_workers=workers > 0,    # no worker restart (and re-open) every epoch
                         prefetch_factor=2 if workers > 0 else None,
