@@ -296,7 +296,9 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
     log_startup(params, state, run_dir, steps_per_epoch, train_loader)
     checkpoints = CheckpointManager(state, run_dir, control)
     resumed_loss_sum = checkpoints.resume(resume_from, resume_fallback)
-    if info.is_main:  # now that the checkpoint accepted this config, it is the run's record
+    # config.yaml: the command that made the run. A resume's accepted changes (logged above) keep it, so that the
+    # command still finds its run; a folder without one gets this command's.
+    if info.is_main and (state.global_step == 0 or not (run_dir / "config.yaml").exists()):
         save_config(params, run_dir / "config.yaml")
     if state.global_step >= num_steps and not checkpoints.validation_pending:
         logger.info(f"This run already finished ({state.global_step} of {num_steps} steps); nothing to do. "

@@ -167,6 +167,21 @@ def test_a_finished_run_is_not_trained_again(tiny_argv, tmp_path, reference):
     assert result.returncode == 0 and "This run already finished (128 of 128 steps)" in result.stdout
 
 
+def test_a_resume_with_accepted_changes_keeps_the_runs_command(tiny_argv, tmp_path):
+    """config.yaml records the command that made the run: continuing it by name with settings that do not define the
+    run (logging, here) must not rewrite it, or the original command would no longer find its run and train anew."""
+    original = [sys.executable, str(REPO_ROOT / "train.py"), *tiny_argv, "--Nsamples", "32"]
+    assert run(original).returncode == 0
+    record = run_dir(tmp_path, "0") / "config.yaml"
+    before = record.read_text()
+    changed = run(original + ["--run_num", "0", "--log_every_n_steps", "1"])
+    assert changed.returncode == 0 and "changed settings: log_every_n_steps 2 -> 1" in changed.stdout, changed.stdout
+    assert record.read_text() == before
+    again = run(original)
+    assert again.returncode == 0 and "This run already finished (16 of 16 steps)" in again.stdout, again.stdout
+    assert sorted(p.name for p in run_dir(tmp_path, "0").parent.iterdir()) == ["0"]
+
+
 def test_resume_with_a_run_changing_config_is_refused(tiny_argv, tmp_path, reference):
     record = run_dir(tmp_path, "reference") / "config.yaml"
     before = record.read_text()
