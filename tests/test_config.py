@@ -127,6 +127,16 @@ def test_bad_values_are_named(tmp_path, key, value, expected):
         load_config("base", overrides={key: value})
 
 
+@pytest.mark.parametrize("given", [2.0e-3, [2.0e-3]])
+def test_a_section_flag_on_a_yaml_section_that_is_one_value_is_one_line(tmp_path, given):
+    """--lr_schedule.start_lr merges into the YAML's section: one written as a number or a list is the section's own
+    error, as without the flag, not a TypeError traceback."""
+    path = write_yaml(tmp_path, lambda c: c.update(lr_schedule=given))
+    with pytest.raises(ConfigError, match=r"^config key 'lr_schedule' must be a mapping with keys scaling, start_lr, "
+                                          r"end_lr, warmup_steps, got "):
+        load_config("base", path, overrides={"lr_schedule.start_lr": 1e-3})
+
+
 def test_a_yaml_written_for_older_code_is_told_what_to_add(tmp_path):
     """A key added to the schema since the user's YAML was written: the message gives the lines to add."""
     path = write_yaml(tmp_path, lambda c: [c.pop(key) for key in ("conv_forms", "gpu_prefetch")])

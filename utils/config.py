@@ -257,6 +257,8 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
         if section not in SCHEMA:
             raise ConfigError(f"unknown override '{key}'; valid keys: {', '.join(sorted(SCHEMA))}")
         value = None if value is NULL else value
+        if sub and not isinstance(values[section] or {}, dict):  # the YAML gives a section one value
+            _validate(section, values[section], SCHEMA[section])  # its one-line error
         values[section] = {**(values[section] or {}), sub: value} if sub else value
     params = Params({key: _validate(key, values[key], entry) for key, entry in SCHEMA.items()}, config_name=name)
     _check_consistency(params)
