@@ -495,7 +495,8 @@ def parse_args(argv=None):
                         help="auto (default): continue from the newest valid checkpoint in the run directory; "
                              "never: start over (in a new run folder unless --run_num names one); or a "
                              "checkpoint path")
-    parser.add_argument("--local_batch_size", type=int, metavar="N",
+    from utils.arguments import positive_int  # a 0 is refused here, not blamed on global_batch_size
+    parser.add_argument("--local_batch_size", type=positive_int, metavar="N",
                         help="per-rank batch (crops per data rank); sets global_batch_size = N x world size "
                              "(/ --spatial_parallel)")
     parser.add_argument("--print_config", action="store_true",
@@ -516,6 +517,8 @@ def config_overrides(args, world_size):
         # crops per data rank: world size / spatial_parallel data ranks (the flag's, else the config's own)
         spatial = overrides.get("spatial_parallel") or load_config(args.config, args.yaml_config,
                                                                    overrides).spatial_parallel
+        from utils.spatial import check_spatial_parallel
+        check_spatial_parallel(world_size, spatial)  # else world_size // spatial is 0: global_batch_size 0's error
         overrides["global_batch_size"] = args.local_batch_size * (world_size // spatial)
     expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
     if expdir:  # given on the command line or in the environment: relative to where you are

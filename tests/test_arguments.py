@@ -108,7 +108,6 @@ def test_a_benchmarks_own_error_is_one_line_too(tmp_path, monkeypatch):
 PLAIN = {
     ("predict.py", "--tile"), ("predict.py", "--overlap"), ("predict.py", "--batch_size"),  # ConfigErrors naming
     ("predict.py", "--spatial_parallel"), ("predict.py", "--lya_stride"),  # the checkpoint's limits (test_predict)
-    ("train.py", "--local_batch_size"),  # the config schema's check, as for every key
     ("benchmarks/prefetch_probe.py", "--steps"),  # at least 3: the first copy has no step to hide under
     ("utils/make_dataset.py", "--seed"),  # at least 0: numpy's generators take no negative seeds
 }

@@ -80,6 +80,16 @@ def test_local_batch_size_counts_the_data_ranks_of_the_flag_or_the_config(tmp_pa
     assert load_config("base", path, overrides).global_batch_size == 8
 
 
+def test_local_batch_size_errors_name_what_is_wrong(capsys):
+    """Not "global_batch_size must be a positive integer, got 0", a key the user did not set: fewer ranks than
+    spatial_parallel is the spatial error, a 0 the flag's own."""
+    with pytest.raises(ConfigError, match=r"^spatial_parallel 4 does not divide the world size 2; launch a multiple"):
+        overrides_from(["--local_batch_size", "4", "--spatial_parallel", "4"], world_size=2)
+    with pytest.raises(SystemExit):
+        overrides_from(["--local_batch_size", "0"])
+    assert "argument --local_batch_size: must be positive, got 0" in capsys.readouterr().err
+
+
 def test_contradicting_flags():
     with pytest.raises(ConfigError, match="contradicts"):
         overrides_from(["--enable_amp", "--amp_mode=bf16"])
