@@ -523,6 +523,9 @@ def config_overrides(args, world_size):
     expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
     if expdir:  # given on the command line or in the environment: relative to where you are
         overrides["expdir"] = str(Path(expdir).expanduser().resolve())
+    for key in ("train_path", "val_path"):  # flags too (in the YAML: relative to the repository, utils/config.py)
+        if overrides.get(key) is not None:
+            overrides[key] = str(Path(overrides[key]).expanduser().resolve())
     return overrides
 
 

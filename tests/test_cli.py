@@ -230,6 +230,18 @@ def test_a_run_made_before_a_speed_knob_existed_is_still_the_same_command(tmp_pa
     assert not same_command(tmp_path, params)  # a key that is there and differs: another command
 
 
+def test_data_paths_match_as_the_files_they_name(tmp_path):
+    """A data-path flag is made absolute (relative to where you are); the YAML's, and older runs' records, are
+    relative to the repository: the same file either way is the same command, another file is not."""
+    from utils.config import REPO_ROOT
+    from utils.run_dir import same_command
+    relative = load_config("quickstart")
+    absolute = load_config("quickstart", overrides={"train_path": str(REPO_ROOT / relative.train_path)})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(dict(relative), sort_keys=False))
+    assert same_command(tmp_path, absolute)
+    assert not same_command(tmp_path, load_config("quickstart", overrides={"train_path": str(tmp_path / "t.h5")}))
+
+
 def test_a_new_run_says_how_its_command_differs_from_the_closest_run_beside_it(tmp_path):
     """A job resubmitted with one flag changed trains from scratch in a new folder: out.log names the keys, as their
     flags name them, and the values in both runs, for the run that differs in the fewest keys (the newest of equals):

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -88,6 +90,16 @@ def test_local_batch_size_errors_name_what_is_wrong(capsys):
     with pytest.raises(SystemExit):
         overrides_from(["--local_batch_size", "0"])
     assert "argument --local_batch_size: must be positive, got 0" in capsys.readouterr().err
+
+
+def test_data_path_flags_are_relative_to_where_you_are(tmp_path, monkeypatch):
+    """As --expdir: a relative --train_path typed in another folder names a file there, not in the repository (where
+    quickstart would then generate its data); the YAML's own paths stay relative to the repository."""
+    monkeypatch.chdir(tmp_path)
+    overrides = overrides_from(["--train_path", "mine/t.h5", "--val_path", "~/v.h5"])
+    assert overrides["train_path"] == str(tmp_path / "mine" / "t.h5")
+    assert overrides["val_path"] == str(Path.home() / "v.h5")
+    assert load_config("quickstart").train_path == "data/quickstart_train.h5"  # resolve_path: the repository's
 
 
 def test_contradicting_flags():

@@ -352,10 +352,12 @@ def test_a_trace_window_on_cuda_waits_for_the_gpu_at_its_edges(tmp_path, monkeyp
         assert calls == window + ["synchronize", "profiler stop"]
 
 
-def test_profile_window_must_be_a_nonempty_range(tmp_path):
-    params = load_config("quickstart", overrides={"profile_window": [5, 5]})
-    with pytest.raises(ConfigError, match="0 < start < stop"):
-        Profiler(params, tmp_path, torch.device("cpu"))
+@pytest.mark.parametrize("window", [[5, 5], [30, 20]])  # [0, 4]: the schema (positive ints)
+def test_profile_window_must_be_a_nonempty_range(window):
+    """Checked with the config, before a run folder is made for a run that could not profile."""
+    with pytest.raises(ConfigError, match=rf"^profile_window \[{window[0]}, {window[1]}\] must be \[start, stop\) "
+                                          rf"with 0 < start < stop$"):
+        load_config("quickstart", overrides={"profile_window": window})
 
 
 # --- benchmarks/ladder.py -----------------------------------------------------------------------

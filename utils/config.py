@@ -364,6 +364,8 @@ def _check_consistency(params):
     if params.Nsamples < params.global_batch_size:
         raise ConfigError(f"Nsamples={params.Nsamples} is smaller than global_batch_size={params.global_batch_size}: "
                           f"an epoch would have no step; raise Nsamples or lower the batch")
+    if not 0 < params.profile_window[0] < params.profile_window[1]:  # before a run folder is made for it
+        raise ConfigError(f"profile_window {params.profile_window} must be [start, stop) with 0 < start < stop")
     if params.static_graph and params.micro_batches > 1:  # DDP's reducer asserts, or stops all-reducing
         raise ConfigError("static_graph does not work with micro_batches > 1 (DDP's no_sync, pytorch#143580); use "
                           "--no-static_graph, or micro_batches 1")
