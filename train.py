@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from networks.UNet import build_model, conv_input_sizes, loss_func
 from utils import ConfigError, OneLineParser, ReportedError, first_line, metrics, run as cli  # cli: errors as one line
-from utils.checkpoint import CheckpointManager, RunControl
+from utils.checkpoint import CheckpointManager, RunControl, refuse_other_config
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
                           config_yaml, load_config)
 from utils.data import get_data_loader, prepare_data
@@ -432,6 +432,8 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
                 # existing run's only once its checkpoint accepted this config (train), so a refused command
                 # leaves the record of the run it was refused by.
                 save_config(params, run_dir / "config.yaml")
+            if resume == "auto":  # a config the run's checkpoints refuse: before the data, not after it
+                refuse_other_config(run_dir, params)
             prepare_data(params, info, logger.info)
             with training_stream(info.device, params.stream_priority):  # DDP's gradient hooks are made here too
                 state = build_training(params, info, make_optimizer, run_dir)

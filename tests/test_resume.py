@@ -187,9 +187,15 @@ def test_resume_with_a_run_changing_config_is_refused(tiny_argv, tmp_path, refer
     before = record.read_text()
     result = run(command(tiny_argv, "reference", extra=["--global_batch_size", "8"]))
     assert result.returncode == 2
-    assert "was written with a different config: global_batch_size 4 -> 8" in result.stderr
+    assert f"run {run_dir(tmp_path, 'reference')} was written with a different config: global_batch_size 4 -> 8" \
+        in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert record.read_text() == before  # the refused command did not overwrite the run's record
+    assert "Data loader:" not in result.stdout  # refused before the data is loaded (the base config: 38.7 GB a rank)
+    # --resume with a checkpoint of the run: its own config is what refuses
+    result = run(command(tiny_argv, "other", extra=["--global_batch_size", "8", "--resume", str(
+        run_dir(tmp_path, "reference") / "checkpoints" / f"ckpt_step{FINAL_STEP:08d}.pt")]))
+    assert result.returncode == 2 and "was written with a different config: global_batch_size 4 -> 8" in result.stderr
 
 
 def test_events_of_an_attempt_killed_before_its_first_checkpoint_are_dropped(tiny_argv, tmp_path):

@@ -29,6 +29,7 @@ from time import monotonic, perf_counter
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from utils import (STOP_SIGNALS, CheckpointError, Interrupted, NonFiniteLoss, Preempted, StorageError, first_line,
@@ -300,6 +301,13 @@ def set_rng_state(state):
 def config_differences(saved, current, keys=RUN_DEFINING_KEYS):
     """[(key, saved value, current value)] for the ``keys`` whose meanings differ (``utils.config.differences``)."""
     return differences(saved, current, keys, _COMPARED_AS)
+
+
+def refuse_other_config(run_dir, params):
+    """check_compatible against the config.yaml of a run that has checkpoints (the command that made it): a command
+    they would refuse stops now, not after every rank has loaded the data and built the model."""
+    if list_checkpoints(Path(run_dir) / "checkpoints") and (Path(run_dir) / "config.yaml").is_file():
+        check_compatible(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()), dict(params), f"run {run_dir}")
 
 
 def check_compatible(saved, current, source="the checkpoint"):

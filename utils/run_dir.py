@@ -56,13 +56,11 @@ def differing_keys(run_dir, params):
     if not isinstance(saved, dict):
         return None
     current = yaml.safe_load(config_yaml(params))  # the same round trip the saved file took
-    for config in (saved, current):  # data paths as the files they name: a flag's are absolute, the YAML's not
-        config.update({key: str(resolve_path(config[key])) for key in ("train_path", "val_path")
-                       if isinstance(config.get(key), str)})
     ignored = {"expdir"} | {key for key in current if key not in saved and key in SCHEMA
                             and not SCHEMA[key].defines_run}
     return differences({k: v for k, v in saved.items() if k not in ignored},
-                       {k: v for k, v in current.items() if k not in ignored})
+                       {k: v for k, v in current.items() if k not in ignored},
+                       compared_as={"train_path": resolve_path, "val_path": resolve_path})  # a flag's: absolute
 
 
 def same_command(run_dir, params):
