@@ -230,6 +230,19 @@ def test_a_run_made_before_a_speed_knob_existed_is_still_the_same_command(tmp_pa
     assert not same_command(tmp_path, params)  # a key that is there and differs: another command
 
 
+def test_a_run_named_with_leading_zeros_is_continued_by_its_command(tmp_path):
+    """The reference names its runs "00": the same command without --run_num must find that folder, not look for
+    "0" and start a new run beside it."""
+    from utils.run_dir import choose_run_num, save_config
+    params = load_config("quickstart")
+    for name in ("00", "7"):
+        (tmp_path / name).mkdir()
+    save_config(params, tmp_path / "00" / "config.yaml")
+    save_config(load_config("quickstart", overrides={"seed": 5}), tmp_path / "7" / "config.yaml")
+    assert choose_run_num(tmp_path, params, fresh=False) == "00"
+    assert choose_run_num(tmp_path, params, fresh=True) == "8"
+
+
 def test_data_paths_match_as_the_files_they_name(tmp_path):
     """A data-path flag is made absolute (relative to where you are); the YAML's, and older runs' records, are
     relative to the repository: the same file either way is the same command, another file is not."""

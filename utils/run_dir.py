@@ -85,13 +85,13 @@ def new_run_note(parent, run_dir, params):
 
 def choose_run_num(parent, params, fresh):
     """The newest numbered run this same config started (unless ``fresh``), else the next free number."""
-    numbers = sorted(int(p.name) for p in parent.iterdir() if p.name.isdigit() and p.is_dir()) \
-        if parent.is_dir() else []
+    names = sorted((p.name for p in parent.iterdir() if p.name.isdigit() and p.is_dir()), key=int) \
+        if parent.is_dir() else []  # as named: the reference's run_num is "00"
     if not fresh:
-        for number in reversed(numbers):
-            if same_command(parent / str(number), params):
-                return str(number)
-    return str(numbers[-1] + 1 if numbers else 0)
+        for name in reversed(names):
+            if same_command(parent / name, params):
+                return name
+    return str(int(names[-1]) + 1 if names else 0)
 
 
 def make_run_dir(run_num, resume, params, info):
