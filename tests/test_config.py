@@ -159,6 +159,23 @@ def test_a_section_flag_on_a_yaml_section_that_is_one_value_is_one_line(tmp_path
         load_config("base", path, overrides={"lr_schedule.start_lr": 1e-3})
 
 
+def test_a_key_or_a_config_given_twice_is_named_with_its_line(tmp_path):
+    """PyYAML keeps the last of two equal keys in silence: a second quickstart at a file's end would replace the real
+    one. A `<<` merge's keys may still be overridden: config/UNet.yaml's configs do that throughout."""
+    text = DEFAULT_YAML.read_text()
+    assert load_config("bs512_test").num_epochs == 4  # merged from bs64_opt's anchor, then set again: allowed
+    path = tmp_path / "dup.yaml"
+    path.write_text(text.replace("bs512_test:\n  <<: *bs64_opt\n", "bs512_test:\n  <<: *bs64_opt\n  num_epochs: 3\n"))
+    line = next(number for number, text in enumerate(path.read_text().splitlines(), 1)  # the second: the file's own
+                if text.startswith("  num_epochs: 4 "))
+    with pytest.raises(ConfigError, match=rf"^malformed YAML in .*dup\.yaml at line {line}, column 3: duplicate key "
+                                          rf"'num_epochs'$"):
+        load_config("bs512_test", path)
+    path.write_text(text + "\nquickstart:\n  <<: *base\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'quickstart'$"):
+        load_config("base", path)
+
+
 def test_a_yaml_written_for_older_code_is_told_what_to_add(tmp_path):
     """A key added to the schema since the user's YAML was written: the message gives the lines to add."""
     path = write_yaml(tmp_path, lambda c: [c.pop(key) for key in ("conv_forms", "gpu_prefetch")])

@@ -223,11 +223,23 @@ class Params(dict):
             raise AttributeError(key) from None
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """A key given twice in one mapping (a config name, or a key in a config) is an error, where PyYAML lets the last
+    one win in silence; ``<<`` merges are not keys."""
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value:
+            if key.tag != "tag:yaml.org,2002:merge" and key.value in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{key.value}'", key.start_mark)
+            seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(yaml_path):
     """The file's {config name: config}, or a one-line ConfigError (a YAML error with its line and column)."""
     path = Path(yaml_path)
     try:
-        configs = yaml.safe_load(path.read_text())
+        configs = yaml.load(path.read_text(), Loader=_UniqueKeys)
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
