@@ -292,7 +292,9 @@ def test_resume_never_in_a_named_run_starts_a_clean_history(tiny_argv, tmp_path)
     train.main(argv + ["--resume", "never"])
     run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "0"
     archives = [p for p in run_dir.iterdir() if p.name.startswith("previous-")]
-    assert len(archives) == 1 and sorted(p.name for p in archives[0].iterdir()) == ["checkpoints", "logs", "out.log"]
+    assert len(archives) == 1 and sorted(p.name for p in archives[0].iterdir()) == ["checkpoints", "config.yaml",
+                                                                                     "logs", "out.log"]
+    assert (run_dir / "config.yaml").is_file()  # the new run's record
     events = list((run_dir / "logs").glob("events.out.tfevents.*"))
     assert len(events) == 1
     accumulator = EventAccumulator(str(events[0]))

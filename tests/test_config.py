@@ -159,6 +159,14 @@ def test_a_section_flag_on_a_yaml_section_that_is_one_value_is_one_line(tmp_path
         load_config("base", path, overrides={"lr_schedule.start_lr": 1e-3})
 
 
+def test_a_runs_config_yaml_is_a_config_of_its_own(tmp_path):
+    """What --print_config prints and a run folder records (config_name included) loads as a named config."""
+    params = load_config("short_opt", overrides={"num_epochs": 3})
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump({"mine": dict(params)}))
+    assert dict(load_config("mine", path)) == {**params, "config_name": "mine"}  # its own name now
+
+
 def test_a_key_or_a_config_given_twice_is_named_with_its_line(tmp_path):
     """PyYAML keeps the last of two equal keys in silence: a second quickstart at a file's end would replace the real
     one. A `<<` merge's keys may still be overridden: config/UNet.yaml's configs do that throughout."""

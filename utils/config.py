@@ -261,6 +261,7 @@ def load_config(name, yaml_path=DEFAULT_YAML, overrides=None):
         raise ConfigError(f"config '{name}' in {yaml_path} must be a mapping of keys to values, got a "
                           f"{type(configs[name]).__name__}")
     values = dict(configs[name] or {})
+    values.pop("config_name", None)  # a run's config.yaml (or --print_config's output) pasted as a named config
     _check_keys(values, SCHEMA, f" in config '{name}'", lambda missing: _missing_hint(missing, yaml_path))
     for key, value in (overrides or {}).items():
         if value is None:

@@ -210,7 +210,7 @@ def save_config(params, path):
 
 def archive_previous_run(run_dir):
     """Move an earlier run's files into previous-<time>/: the new run starts a clean history, nothing is lost."""
-    old = [run_dir / name for name in ("checkpoints", "logs", "out.log") if (run_dir / name).exists()]
+    old = [run_dir / name for name in ("checkpoints", "logs", "out.log", "config.yaml") if (run_dir / name).exists()]
     if not old:
         return None
     archive = run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
