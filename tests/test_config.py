@@ -159,6 +159,16 @@ def test_a_section_flag_on_a_yaml_section_that_is_one_value_is_one_line(tmp_path
         load_config("base", path, overrides={"lr_schedule.start_lr": 1e-3})
 
 
+def test_a_section_missing_keys_says_sections_are_replaced_whole(tmp_path):
+    """YAML's `<<` merges the top level only: a config giving lr_schedule one key drops the inherited others."""
+    path = write_yaml(tmp_path, lambda c: c.update(lr_schedule={"start_lr": 1e-3}))
+    with pytest.raises(ConfigError, match=r"^missing config keys end_lr, scaling, warmup_steps in lr_schedule; give "
+                                          r"all of scaling, start_lr, end_lr, warmup_steps: a config's lr_schedule "
+                                          r"replaces the one it inherits whole, a flag --lr_schedule\.KEY sets a key "
+                                          r"of the section there$"):
+        load_config("base", path)
+
+
 def test_a_runs_config_yaml_is_a_config_of_its_own(tmp_path):
     """What --print_config prints and a run folder records (config_name included) loads as a named config."""
     params = load_config("short_opt", overrides={"num_epochs": 3})

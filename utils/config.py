@@ -176,7 +176,8 @@ def _validate(name, value, key):
     if value is None and key.nullable:
         return None
     if isinstance(key.type, dict) and isinstance(value, dict):
-        _check_keys(value, key.type, f" in {name}")
+        _check_keys(value, key.type, f" in {name}", lambda missing: f"; give all of {', '.join(key.type)}: a config's "
+                    f"{name} replaces the one it inherits whole, a flag --{name}.KEY sets a key of the section there")
         return {sub: _validate(f"{name}.{sub}", value[sub], key.type[sub]) for sub in key.type}
     checked = value
     if key.type is float and isinstance(value, str):  # PyYAML (YAML 1.1) reads `2e-4` as a string
