@@ -328,7 +328,7 @@ def test_every_command_of_the_results_files_and_the_scripts_usage_is_accepted():
 OTHER_TOOLS_FLAGS = {"--nproc_per_node", "--max_restarts", "--logdir", "--capture-range", "--capture-range-end",
                      "--trace", "--constraint", "--gpus-per-node", "--ntasks-per-node", "--signal",
                      "--kill-on-bad-exit", "--export", "--image", "--module", "--full", "--dist", "--ignore",
-                     "--timeout", "--no-"}
+                     "--timeout", "--no-", "--cpu-bind", "--mem", "--memory"}  # srun's, sbatch's, docker run's
 
 
 def test_every_flag_the_readme_names_exists():
