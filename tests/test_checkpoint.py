@@ -88,7 +88,7 @@ def half_then_raise(exception):
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch, crash, raised):
     save_checkpoint(tmp_path, payload(1), 1, keep_last=3)
     monkeypatch.setattr(torch, "save", half_then_raise(crash))
-    with pytest.raises(raised, match=str(crash)):  # the CheckpointError names the cause
+    with pytest.raises(raised, match=str(crash) or None):  # the CheckpointError names the cause
         save_checkpoint(tmp_path, payload(2), 2, keep_last=3)
     assert names(tmp_path) == ["ckpt_step00000001.pt"]  # no temporary file, no partial step 2
     path, loaded = latest_valid_checkpoint(tmp_path)
