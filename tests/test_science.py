@@ -282,3 +282,17 @@ def test_untrained_constant_prediction_reads_na(generated):
     assert "nan" not in line
     assert f"T-rho gamma n/a (densities fill < 2 bins of the fit) (target {scalars['T_rho/gamma_true']:.3f})" in line
     assert science.format_fit(1234.4, ".0f", " K") == "1234 K"
+
+
+def test_the_mean_predictor_reads_the_label_twin_where_there_is_no_h5(tmp_path, tiny_params):
+    """A DALI run may have the .npy twins alone: its end-of-run baseline (the training mean per channel) reads the
+    (N, N, N, C) label twin then, and gives what the .h5 gives."""
+    from types import SimpleNamespace
+    from science import mean_predictor_l1
+    h5 = md.ensure_dataset(tmp_path / "train.h5", 16, seed=1, npy=True, progress=False)
+    params = tiny_params(train_path=str(h5))
+    loader, sampler = [(None, torch.rand(2, 5, 8, 8, 8))], SimpleNamespace(set_epoch=lambda epoch: None)
+    state = SimpleNamespace(info=DistInfo(), to_device=lambda tensor: tensor)
+    from_h5 = mean_predictor_l1(params, loader, sampler, state)
+    h5.unlink()
+    assert mean_predictor_l1(params, loader, sampler, state) == pytest.approx(from_h5, rel=1e-6)
