@@ -552,6 +552,11 @@ GIB = 2 ** 30
 @pytest.mark.parametrize("cgroup, files, headroom", [
     ("0::/slurm/job_1\n", {"slurm/job_1/memory.max": 8 * GIB, "slurm/job_1/memory.current": 6 * GIB,
                            "slurm/job_1/memory.stat": "anon 1\ninactive_file 1073741824\n"}, 3 * GIB),  # v2
+    ("0::/slurm/job_2/step_0/task_0\n", {  # Slurm limits the job; the task's own cgroup says "max"
+        "slurm/job_2/memory.max": 8 * GIB, "slurm/job_2/memory.current": 6 * GIB, "slurm/job_2/memory.stat":
+        "inactive_file 0\n", "slurm/job_2/step_0/task_0/memory.max": "max",
+        "slurm/job_2/step_0/task_0/memory.current": 5 * GIB, "slurm/job_2/step_0/task_0/memory.stat": "anon 1\n"},
+     2 * GIB),
     ("0::/user.slice\n", {"user.slice/memory.max": "max", "user.slice/memory.current": GIB,
                           "user.slice/memory.stat": "inactive_file 0\n"}, None),  # v2 without a limit
     ("4:memory:/docker/abc\n0::/\n", {"memory/memory.limit_in_bytes": 4 * GIB,  # v1 in a container: the mount is

@@ -190,30 +190,33 @@ def memory_available():
 
 
 def cgroup_headroom():
-    """Bytes this process's memory cgroup still allows (its limit less what it uses, page cache it can reclaim not
-    counted), None without a limit or a readable cgroup."""
+    """Bytes this process's memory cgroups still allow: the least, over its cgroup and every parent with a limit (Slurm
+    limits the job's cgroup, the task runs in a child), of the limit less what is used (page cache it can reclaim not
+    counted); None without a limit or a readable cgroup."""
     try:
         lines = (PROC / "self" / "cgroup").read_text().splitlines()
     except OSError:
         return None
+    headrooms = []
     for line in lines:
         hierarchy, controllers, path = line.split(":", 2)
         version = "v2" if hierarchy == "0" and not controllers else "v1" if "memory" in controllers.split(",") else None
         if version is None:
             continue
         controller, limit_file, usage_file, cache_line = _CGROUP_MEMORY[version]
-        # The cgroup's own folder; inside a container the cgroup file system is mounted at the container's cgroup.
-        for folder in (CGROUP_FS / controller / path.lstrip("/"), CGROUP_FS / controller):
+        own = Path(path.lstrip("/"))
+        # Up to the mount's root; inside a container the file system is mounted at the container's own cgroup, so
+        # the folders named by the host's path are not there and the root is its cgroup.
+        for folder in (CGROUP_FS / controller / level for level in (own, *own.parents)):
             try:
                 limit, usage = ((folder / name).read_text().strip() for name in (limit_file, usage_file))
                 words = (folder / "memory.stat").read_text().split()  # "name value" lines
-                stat = dict(zip(words[::2], words[1::2]))
             except OSError:
                 continue
             if limit.isdigit() and int(limit) < 2 ** 60:  # v1 says "no limit" with a number near 2^63
-                return int(limit) - int(usage) + int(stat.get(cache_line, 0))
-            break
-    return None
+                stat = dict(zip(words[::2], words[1::2]))
+                headrooms.append(int(limit) - int(usage) + int(stat.get(cache_line, 0)))
+    return min(headrooms, default=None)
 
 
 def slab_planes(n, device="cpu"):
