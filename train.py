@@ -429,8 +429,8 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
                     logger.info(line)
             if info.is_main and not (run_dir / "config.yaml").exists():
                 # A new run's record at once (a rerun finds its folder even if this attempt fails early); an
-                # existing run's only once its checkpoint accepted this config (train), so a refused command
-                # leaves the record of the run it was refused by.
+                # existing run keeps the record of the command that made it (train writes it again only where
+                # no checkpoint was resumed), so neither a refused command nor an accepted change replaces it.
                 save_config(params, run_dir / "config.yaml")
             if resume == "auto":  # a config the run's checkpoints refuse: before the data, not after it
                 refuse_other_config(run_dir, params)
@@ -525,9 +525,9 @@ def config_overrides(args, world_size):
     expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
     if expdir:  # given on the command line or in the environment: relative to where you are
         overrides["expdir"] = str(Path(expdir).expanduser().resolve())
-    for key in ("train_path", "val_path"):  # flags too (in the YAML: relative to the repository, utils/config.py)
-        if overrides.get(key) is not None:
-            overrides[key] = str(Path(overrides[key]).expanduser().resolve())
+    for key in ("train_path", "val_path"):  # flags too (in the YAML: relative to the repository, utils/config.py);
+        if overrides.get(key) is not None:    # symbolic links kept, as the YAML's paths keep them
+            overrides[key] = os.path.abspath(os.path.expanduser(overrides[key]))
     return overrides
 
 

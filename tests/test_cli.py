@@ -233,7 +233,7 @@ def test_a_run_made_before_a_speed_knob_existed_is_still_the_same_command(tmp_pa
 def test_a_run_named_with_leading_zeros_is_continued_by_its_command(tmp_path):
     """The reference names its runs "00": the same command without --run_num must find that folder, not look for
     "0" and start a new run beside it."""
-    from utils.run_dir import choose_run_num, save_config
+    from utils.run_dir import choose_run_num, new_run_note, save_config
     params = load_config("quickstart")
     for name in ("00", "7"):
         (tmp_path / name).mkdir()
@@ -241,6 +241,8 @@ def test_a_run_named_with_leading_zeros_is_continued_by_its_command(tmp_path):
     save_config(load_config("quickstart", overrides={"seed": 5}), tmp_path / "7" / "config.yaml")
     assert choose_run_num(tmp_path, params, fresh=False) == "00"
     assert choose_run_num(tmp_path, params, fresh=True) == "8"
+    note = new_run_note(tmp_path, tmp_path / "8", load_config("quickstart", overrides={"num_epochs": 3}))
+    assert note.startswith("a new run: this command differs from run 00's (the closest beside it) in num_epochs")
 
 
 def test_data_paths_match_as_the_files_they_name(tmp_path):

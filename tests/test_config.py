@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,8 @@ def test_local_batch_size_counts_the_data_ranks_of_the_flag_or_the_config(tmp_pa
 
 
 def test_local_batch_size_errors_name_what_is_wrong(capsys):
-    """Not "global_batch_size must be a positive integer, got 0", a key the user did not set: fewer ranks than
-    spatial_parallel is the spatial error, a 0 the flag's own."""
+    """Each error names what the user set: fewer ranks than spatial_parallel is the spatial error, a 0 the flag's
+    own, neither an error about global_batch_size, which the user did not set."""
     with pytest.raises(ConfigError, match=r"^spatial_parallel 4 does not divide the world size 2; launch a multiple"):
         overrides_from(["--local_batch_size", "4", "--spatial_parallel", "4"], world_size=2)
     with pytest.raises(SystemExit):
@@ -96,8 +97,10 @@ def test_data_path_flags_are_relative_to_where_you_are(tmp_path, monkeypatch):
     """As --expdir: a relative --train_path typed in another folder names a file there, not in the repository (where
     quickstart would then generate its data); the YAML's own paths stay relative to the repository."""
     monkeypatch.chdir(tmp_path)
-    overrides = overrides_from(["--train_path", "mine/t.h5", "--val_path", "~/v.h5"])
-    assert overrides["train_path"] == str(tmp_path / "mine" / "t.h5")
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "mine").symlink_to(tmp_path / "scratch")  # data on scratch, linked: the link stays in the path, as
+    overrides = overrides_from(["--train_path", "mine/t.h5", "--val_path", "~/v.h5"])  # the YAML's keep theirs
+    assert overrides["train_path"] == os.path.join(os.getcwd(), "mine", "t.h5")
     assert overrides["val_path"] == str(Path.home() / "v.h5")
     assert load_config("quickstart").train_path == "data/quickstart_train.h5"  # resolve_path: the repository's
 
@@ -163,7 +166,8 @@ def test_a_section_missing_keys_says_sections_are_replaced_whole(tmp_path):
     """YAML's `<<` merges the top level only: a config giving lr_schedule one key drops the inherited others."""
     path = write_yaml(tmp_path, lambda c: c.update(lr_schedule={"start_lr": 1e-3}))
     with pytest.raises(ConfigError, match=r"^missing config keys end_lr, scaling, warmup_steps in lr_schedule; give "
-                                          r"all of scaling, start_lr, end_lr, warmup_steps: a config's lr_schedule "
+                                          r"all of scaling, start_lr, end_lr, warmup_steps, or merge an anchored "
+                                          r"section \(\{<<: \*anchor, key: value\}\): a config's lr_schedule "
                                           r"replaces the one it inherits whole, a flag --lr_schedule\.KEY sets a key "
                                           r"of the section there$"):
         load_config("base", path)

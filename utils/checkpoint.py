@@ -34,7 +34,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from utils import (STOP_SIGNALS, CheckpointError, Interrupted, NonFiniteLoss, Preempted, StorageError, first_line,
                    os_error_in, storage_cause)
-from utils.config import SCHEMA, differences, resolve_path
+from utils.config import DATA_FILES, SCHEMA, differences
 from utils.distributed import all_reduce_sum
 
 logger = logging.getLogger("train")
@@ -44,8 +44,7 @@ RUN_DEFINING_KEYS = tuple(key for key, entry in SCHEMA.items() if entry.defines_
 RESUME_MAY_CHANGE_KEYS = tuple(key for key, entry in SCHEMA.items() if not entry.defines_run)
 # Equal meaning, several spellings: paths resolve against the repository; every loader but synthetic reads the same
 # files and serves the same sample stream, so only synthetic against files defines the run.
-_COMPARED_AS = {"train_path": resolve_path, "val_path": resolve_path,
-                "data_loader_config": lambda loader: "synthetic" if loader == "synthetic" else "files"}
+_COMPARED_AS = {**DATA_FILES, "data_loader_config": lambda loader: "synthetic" if loader == "synthetic" else "files"}
 
 # --- 1. the file format -------------------------------------------------------------------------------------------
 # The digest is the zip comment, the file's last bytes (length, tag, hex SHA-256 of torch.save's archive): fsynced and

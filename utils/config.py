@@ -176,8 +176,9 @@ def _validate(name, value, key):
     if value is None and key.nullable:
         return None
     if isinstance(key.type, dict) and isinstance(value, dict):
-        _check_keys(value, key.type, f" in {name}", lambda missing: f"; give all of {', '.join(key.type)}: a config's "
-                    f"{name} replaces the one it inherits whole, a flag --{name}.KEY sets a key of the section there")
+        _check_keys(value, key.type, f" in {name}", lambda missing: f"; give all of {', '.join(key.type)}, or merge an "
+                    f"anchored section ({{<<: *anchor, key: value}}): a config's {name} replaces the one it inherits "
+                    f"whole, a flag --{name}.KEY sets a key of the section there")
         return {sub: _validate(f"{name}.{sub}", value[sub], key.type[sub]) for sub in key.type}
     checked = value
     if key.type is float and isinstance(value, str):  # PyYAML (YAML 1.1) reads `2e-4` as a string
@@ -396,3 +397,8 @@ def resolve_path(path):
     """Relative data paths are relative to the repository root, so runs work from any directory."""
     path = Path(os.path.expanduser(path))
     return path if path.is_absolute() else REPO_ROOT / path
+
+
+# Two configs name the same data files when their paths resolve alike: a flag's are absolute (train.py), the YAML's
+# relative to the repository (``differences``' compared_as, for run folders and checkpoints alike).
+DATA_FILES = {"train_path": resolve_path, "val_path": resolve_path}

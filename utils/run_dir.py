@@ -23,7 +23,7 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from utils import ConfigError, StorageError, storage_cause
-from utils.config import SCHEMA, config_yaml, differences, resolve_path
+from utils.config import DATA_FILES, SCHEMA, config_yaml, differences, resolve_path
 
 
 def resume_on_restart(resume, environ=os.environ):
@@ -60,7 +60,7 @@ def differing_keys(run_dir, params):
                             and not SCHEMA[key].defines_run}
     return differences({k: v for k, v in saved.items() if k not in ignored},
                        {k: v for k, v in current.items() if k not in ignored},
-                       compared_as={"train_path": resolve_path, "val_path": resolve_path})  # a flag's: absolute
+                       compared_as=DATA_FILES)
 
 
 def same_command(run_dir, params):
@@ -71,11 +71,12 @@ def new_run_note(parent, run_dir, params):
     """Why a command starts a new run: how it differs from the closest run beside it (the fewest keys; the newest of
     equals), most likely the one whose command it changed. A job resubmitted with one flag changed trains from
     scratch; out.log's first lines must say so, not the wasted hours."""
-    found = {int(p.name): differing_keys(p, params) for p in parent.iterdir() if p.name.isdigit() and p != run_dir}
-    found = {number: keys for number, keys in found.items() if keys is not None}  # None: no config.yaml to read
+    found = {p.name: differing_keys(p, params) for p in parent.iterdir()
+             if p.name.isdigit() and p.is_dir() and p != run_dir}  # by name: the reference's runs are "00"
+    found = {name: keys for name, keys in found.items() if keys is not None}  # None: no config.yaml to read
     if not found or [] in found.values():  # the first run, or the same command just written by another process
         return None
-    number = min(found, key=lambda n: (len(found[n]), -n))
+    number = min(found, key=lambda name: (len(found[name]), -int(name)))
     keys = found[number]
     shown = ", ".join(f"{key} ({there} there, {here} here)" for key, there, here in keys[:3])
     more = f" and {len(keys) - 3} more key(s)" if len(keys) > 3 else ""
