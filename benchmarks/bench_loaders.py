@@ -72,7 +72,7 @@ def make_params(args, path, mode):
     return load_config("base", overrides={
         "train_path": str(path), "val_path": str(path), "box_size": [args.box, args.box],
         "data_size": args.crop, "global_batch_size": args.batch, "Nsamples": args.batch * args.batches_per_trial,
-        "num_data_workers": args.workers, "data_loader_config": mode, "generate_data": None,
+        "num_data_workers": args.workers, "data_loader_config": mode,
         "model_channels": [16],  # no model is built; one level keeps any even crop size valid
     })
 

@@ -88,12 +88,15 @@ def launch_command(launcher, num_ranks):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_ranks}"]
     # Packed: without --nodes, srun spreads a 4-rank step over 4 nodes of an 8-node allocation, and the
     # study would time inter-node traffic where one node's NVLink is meant. srun does not pass the
-    # allocation's --cpus-per-task on to the step (Slurm >= 22.05). --cpu-bind=cores, as submit_pm.sh: each rank
-    # on its own cores whatever the site's default binding (REVERSE_GPUS in export_DDP_vars.sh assumes it).
+    # allocation's --cpus-per-task on to the step (Slurm >= 22.05). GPU ranks get --cpu-bind=cores, as in
+    # submit_pm.sh: each on its own cores whatever the site's default (REVERSE_GPUS in export_DDP_vars.sh assumes
+    # it); CPU ranks keep the site's binding there too.
+    import torch
     per_node = int(os.environ["SLURM_NTASKS_PER_NODE"])
     return ["srun", f"--nodes={math.ceil(num_ranks / per_node)}", f"--ntasks={num_ranks}",
             f"--ntasks-per-node={min(num_ranks, per_node)}",
-            f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}", "--cpu-bind=cores",
+            f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}",
+            *(["--cpu-bind=cores"] if torch.cuda.is_available() else []),
             "bash", "-c", 'source export_DDP_vars.sh && exec "$@"', "task", sys.executable]
 
 

@@ -40,7 +40,7 @@ from benchmarks.results_file import check_outputs, shown_path, write_keeping_not
 from utils.arguments import at_least, refuse_repeats  # noqa: E402
 from networks.UNet import build_model, loss_func  # noqa: E402
 from science import report as science_report  # noqa: E402
-from utils.config import SCHEMA, load_config  # noqa: E402
+from utils.config import SCHEMA, ConfigError, load_config  # noqa: E402
 
 QUICKSTART_SAMPLES = 2048       # Nsamples of quickstart: 256 steps of 8 per epoch
 THREADS = 1                     # per run: on a shared 2-core machine two threads thrash when another job runs
@@ -198,10 +198,11 @@ def comparison_figure(boxes, options, path):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--options", nargs="+", default=["transposed", "transposed_blur"],
+    parser.add_argument("--options", nargs="+",
                         choices=SCHEMA["upsample"].choices, metavar="OPTION",
                         help=f"values of the config key upsample: {', '.join(SCHEMA['upsample'].choices)}; "
-                             f"transposed among them (with --from_json: the JSON's)")
+                             f"transposed among them (default: transposed transposed_blur; with --from_json, the "
+                             f"JSON's)")
     parser.add_argument("--seeds", nargs="+", type=at_least(0), default=[0, 1])
     parser.add_argument("--long_epochs", type=at_least(0), default=16, help="epochs of the longer run (0: none)")
     parser.add_argument("--expdir", default="/tmp/science_compare")
@@ -212,13 +213,16 @@ def parse_args(argv=None):
                                             "directories must still exist); no training")
     args = parser.parse_args(argv)
     args.out = args.out or str(Path(args.expdir) / "science_compare.md")
+    if args.from_json and args.options:
+        parser.error("--from_json redraws the options its JSON holds; drop --options")
+    args.options = args.options or ["transposed", "transposed_blur"]
     refuse_repeats(parser, "options", args.options)
     refuse_repeats(parser, "seeds", args.seeds)
     if args.from_json and not Path(args.from_json).is_file():
         parser.error(f"--from_json {args.from_json} does not exist; give the JSON an earlier run wrote")
     if not args.from_json and "transposed" not in args.options:  # the budget and the goals are relative to it
         parser.error(f"--options must include transposed, the reference's upsampling that the others are measured "
-                     f"against; got {' '.join(args.options)}")
+                     f"against; got {' '.join(args.options)}")  # (a JSON without it is refused in main)
     check_outputs(parser, files={"--out": args.out})
     return args
 
@@ -230,6 +234,8 @@ def main(argv=None):
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         options = list(dict.fromkeys(result["option"] for result in saved["results"]))  # the run's, in its order
+        if "transposed" not in options:
+            raise ConfigError(f"{args.from_json} holds no transposed run, which the goals are measured against")
         boxes = {}
         for result in saved["results"]:      # whole-box metrics remade from the checkpoints (today's code)
             prediction, truth, metrics = whole_box(Path(result["run_dir"]))

@@ -487,7 +487,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check_outputs(parser, files={"--out": args.out, "--plot": args.plot})
     if args.plot:
-        from science.plots import figure_path  # a format matplotlib cannot write: one line now, not after the work
+        from science.plots import figure_path  # a format matplotlib cannot write: one line before the work
         args.plot = figure_path(args.plot, "spatial_model.png", "--plot")
     network = Network(args.intra_bw * 1e9, args.node_bw * 1e9, args.alpha_us * 1e-6, args.gpus_per_node)
     setup = Setup(args.batch, args.dtype, network, args.overlap, 2 if args.bf16_gradients else 4)

@@ -109,7 +109,7 @@ def test_one_write_in_flight_and_the_stall_includes_waiting_for_it(tmp_path, hel
     assert stall >= 0.3 and writer.stall_seconds[1] == stall
     # ...and says how much of it was that wait: most of the 0.3 s the write was held (less whatever this thread was
     # descheduled for between the timer's start and save's, on a loaded machine); next to none for the first save
-    assert writer.wait_seconds[0] < 0.1 < 0.15 <= writer.wait_seconds[1] <= stall
+    assert writer.wait_seconds[0] < 0.1 and 0.15 <= writer.wait_seconds[1] <= stall
     assert (tmp_path / "ckpt_step00000001.pt").exists() and len(writer.write_seconds) == 1
     writer.close()
     assert names(tmp_path) == ["ckpt_step00000001.pt", "ckpt_step00000002.pt"] and writer.saves == 2

@@ -21,11 +21,11 @@ from science import report as science_report
 from utils import checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, latest_valid_checkpoint, load_checkpoint,
                               save_checkpoint)
-from utils.config import DEFAULT_YAML, load_config
+from utils.config import DEFAULT_YAML, NULL, load_config
 
 CHANGED = "changed after it was written (its bytes do not match the SHA-256 digest saved with it"
 NO_DIGEST = "has no digest (written by an older version of this code)"
-TINY_MODEL = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": None}
+TINY_MODEL = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": NULL}
 
 
 def payload(step, seed=0):

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("nvidia.dali", reason="DALI is an optional extra: pip install -r requirements-dali.txt")
 
 from utils import symmetry  # noqa: E402
-from utils.config import load_config  # noqa: E402
+from utils.config import NULL, load_config  # noqa: E402
 from utils.data.dali import HeldUntilConsumed, get_dali_loader  # noqa: E402
 from utils.data import DataError, RandomCropDataset, sample_plan  # noqa: E402
 from utils.make_dataset import ensure_dataset, npy_paths  # noqa: E402
@@ -30,7 +30,7 @@ def dali_params(npy_boxes):
     def make(**overrides):
         values = {"train_path": str(npy_boxes[0]), "val_path": str(npy_boxes[1]), "box_size": [TRAIN_BOX, VAL_BOX],
                   "model_channels": [4, 8], "global_batch_size": 4, "Nsamples": 48, "Nsamples_val": 10,
-                  "num_epochs": 1, "num_data_workers": 1, "generate_data": None, "data_size": CROP,
+                  "num_epochs": 1, "num_data_workers": 1, "generate_data": NULL, "data_size": CROP,
                   "data_loader_config": "lowmem", **overrides}
         return load_config("quickstart", overrides=values)
     return make

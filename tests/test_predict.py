@@ -20,11 +20,11 @@ from conftest import REPO_ROOT
 from networks.UNet import UNet, build_model
 from utils import DataError
 from utils.checkpoint import save_checkpoint
-from utils.config import load_config
+from utils.config import NULL, load_config
 from utils.make_dataset import make_dataset
 from utils.units import physical_attrs
 
-TINY = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": None,
+TINY = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": NULL,
         "weight_init.conv_scale": 0.05}
 
 

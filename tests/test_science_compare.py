@@ -17,6 +17,8 @@ def test_without_out_the_table_goes_under_expdir(tmp_path):
     (["--from_json", "missing.json"], "--from_json missing.json does not exist; give the JSON an earlier run wrote"),
     (["--options", "transposed_blur"], "--options must include transposed, the reference's upsampling that the "
                                        "others are measured against; got transposed_blur"),  # else hours, then NaNs
+    (["--from_json", "old.json", "--options", "transposed"], "--from_json redraws the options its JSON holds; drop "
+                                                               "--options"),
 ])
 def test_a_bad_paste_is_one_line_before_any_training(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

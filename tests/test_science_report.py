@@ -9,11 +9,11 @@ from networks.UNet import build_model
 from science import report as science_report
 from science import plots as science_plots
 from utils.checkpoint import save_checkpoint
-from utils.config import load_config
+from utils.config import NULL, load_config
 from utils.make_dataset import make_dataset
 from utils.units import physical_attrs
 
-TINY = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": None,
+TINY = {"model_channels": [4, 8], "data_size": 8, "box_size": [24, 16], "generate_data": NULL,
         "weight_init.conv_scale": 0.05}
 DPI = 20  # 15 x 19 inch page: 300 x 380 pixels, enough to check the layout
 

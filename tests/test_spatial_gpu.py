@@ -105,7 +105,8 @@ def test_an_error_at_a_large_crop_ends_the_whole_crops_not_the_slabs(monkeypatch
     (["memory", "--crops", "64,x"], "--crops takes edges such as 128,256 and --slabs crop:S pairs"),
     (["memory", "--slabs", "16:0"], "must be positive, got 0")])
 def test_a_mistyped_flag_is_one_line_before_any_work(argv, message, capsys):
-    """Not a KeyError in two spawned ranks, or a ValueError after the whole crops' sweep of a GPU session."""
+    """A mistyped flag is one line before any work: before the two ranks spawn, and before the whole crops' sweep
+    that would take a GPU session's minutes."""
     with pytest.raises(SystemExit):
         spatial_gpu.main(argv)
     assert message in capsys.readouterr().err

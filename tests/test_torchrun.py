@@ -71,6 +71,8 @@ def test_benchy_throughput_is_the_whole_jobs_full_mean():
 def test_slurm_steps_are_packed_onto_as_few_nodes_as_the_ranks_need(monkeypatch, ranks, nodes, per_node):
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "32")
-    command = launch_command("slurm", ranks)
-    assert command[:6] == ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={per_node}",
-                           "--cpus-per-task=32", "--cpu-bind=cores"]
+    for gpus in (True, False):  # GPU ranks bound to their cores, as submit_pm.sh binds them; CPU ranks as the site
+        monkeypatch.setattr("torch.cuda.is_available", lambda: gpus)
+        command = launch_command("slurm", ranks)
+        assert command[:6] == ["srun", f"--nodes={nodes}", f"--ntasks={ranks}", f"--ntasks-per-node={per_node}",
+                               "--cpus-per-task=32", "--cpu-bind=cores" if gpus else "bash"]

@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import train
 from utils import metrics
 from utils import ConfigError
-from utils.config import load_config
+from utils.config import NULL, load_config
 from utils.data import get_data_loader
 from utils.distributed import cleanup, init_distributed
 from conftest import free_port
@@ -70,7 +70,7 @@ def ddp_weights(tiny_files, tmp_path_factory):
         return load_config("quickstart", overrides={
             "train_path": str(tiny_files[0]), "val_path": str(tiny_files[1]), "box_size": [24, 16],
             "model_channels": [4, 8], "global_batch_size": 4, "Nsamples": 32, "Nsamples_val": 8,
-            "num_data_workers": 0, "generate_data": None, "data_size": 8, "device": "cpu", **overrides})
+            "num_data_workers": 0, "generate_data": NULL, "data_size": 8, "device": "cpu", **overrides})
     knobs = dict(ddp_comm_hook="bf16", bucket_cap_mb=1, gradient_as_bucket_view=True, static_graph=True,
                  broadcast_buffers=False)
     runs = [("plain", params()), ("knobs", params(**knobs)), ("noddp", params(noddp=True)),
