@@ -407,9 +407,9 @@ def test_a_run_folder_in_use_stops_every_ddp_rank(tiny_argv, tmp_path):
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 @pytest.mark.parametrize("when", ["before any checkpoint", "after a checkpoint"])
 def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_argv, capsys, monkeypatch, when):
-    handler_before = signal.getsignal(signal.SIGUSR1)
+    handler_before, argv = signal.getsignal(signal.SIGUSR1), tiny_argv + ["--num_epochs", "1", "--run_num", "0"]
     if when == "after a checkpoint":
-        train.main(tiny_argv + ["--num_epochs", "1", "--run_num", "0"])
+        train.main(argv)  # the same command again below: another would be refused before the data
     real = train.prepare_data
 
     def slow_start(*args):  # a signal while data is being staged (prepare_data(params, info[, log]))
@@ -418,7 +418,7 @@ def test_a_stop_signal_during_start_up_exits_3_naming_the_last_checkpoint(tiny_a
         pytest.fail("the signal should have stopped the start-up")
 
     monkeypatch.setattr(train, "prepare_data", slow_start)
-    code, err = run_train_cli(tiny_argv + ["--run_num", "0"], capsys)
+    code, err = run_train_cli(argv, capsys)
     assert code == 3 and err.startswith("stopped: stopped by SIGUSR1 outside the training steps")
     if when == "before any checkpoint":
         assert "no checkpoint was written yet" in err

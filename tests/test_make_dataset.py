@@ -222,8 +222,9 @@ def test_twins_without_their_h5_are_kept_unless_forced(tmp_path):
     out.unlink()
     twins = [twin.read_bytes() for twin in md.npy_paths(out)]
     for npy in ([], ["--npy"]):
+        removed = " them \\(\\.npy twins beside a new box are removed\\)" if not npy else ""
         with pytest.raises(GenerationError, match=f"^{md.npy_paths(out)[0]}, {md.npy_paths(out)[1]} already exist; "
-                                                  f"pass --force to overwrite"):
+                                                  f"pass --force to overwrite{removed}$"):
             md.main(["--box", "16", "--seed", "2", "--out", str(out), *npy])
     assert not out.exists() and [twin.read_bytes() for twin in md.npy_paths(out)] == twins
 

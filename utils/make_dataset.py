@@ -1054,8 +1054,9 @@ def main(argv=None):
         parser.error(f"--seed must be >= 0 (numpy's generators take no negative seeds), got {args.seed}")
 
     # The twins too without --npy: an older box's are removed (DALI would read them), and they may be someone's data.
+    twins_removed = not args.npy and any(twin.exists() for twin in npy_paths(args.out))
     refuse_existing([Path(args.out), *npy_paths(args.out)], args.force,
-                    "overwrite" if args.npy else "overwrite them (.npy twins beside a new box are removed)")
+                    "overwrite them (.npy twins beside a new box are removed)" if twins_removed else "overwrite")
     start = time.perf_counter()
     # A failure is one line (utils/__init__.py's run: ``error: ...``, exit status 2), no traceback; write_dataset has
     # left nothing partial behind.
