@@ -66,13 +66,17 @@ def test_an_alias_that_contradicts_its_key_is_refused():
     assert overrides(["--disable_tf32", "--no-enable_tf32"])["enable_tf32"] is False  # agreeing is fine
 
 
-@pytest.mark.parametrize("typo", [["--num_epoch", "1"], ["--box", "64", "64"], ["--amp", "bf16"]])
-def test_abbreviations_are_errors_not_guesses(typo, capsys):
+@pytest.mark.parametrize("typo, near", [(["--num_epoch", "1"], "--num_epochs"), (["--box", "64", "64"], None),
+                                        (["--amp", "bf16"], None),
+                                        (["--lr_schedule.start_lrr=1"], "--lr_schedule.start_lr")])
+def test_abbreviations_are_errors_not_guesses(typo, near, capsys):
+    """Never run as another flag; a near miss is named in the error for the user to choose, never taken."""
     with pytest.raises(SystemExit) as exit_info:
         train.parse_args(typo)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "unrecognized arguments" in err
     assert len(err.splitlines()) == 1 and "--help` lists the flags" in err   # one line, not the 50-line usage
+    assert (f"; did you mean {near} for {typo[0]}?" in err) if near else "did you mean" not in err
 
 
 @pytest.mark.parametrize("argv", [["--full_scale", "false"], ["--channels_last", "True"]])

@@ -4,6 +4,7 @@ an error: a user error ends with ``error: ...`` on stderr and exit code 2, a pre
 and keeps its traceback. POSIX only: on Windows, importing it ends the process with one line (exit status 2).
 """
 import argparse
+import difflib
 import errno
 import os
 import re
@@ -101,6 +102,9 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message):  # `--full_scale false` as in YAML leaves "false" unrecognized: say how on/off flags go
         if message.startswith("unrecognized") and {"true", "false"} & set(message.lower().split()[2:]):
             message += "; on/off flags take no value: --KEY or --no-KEY"
+        for word in message.split()[2:] if message.startswith("unrecognized") else []:  # a typo: its nearest flag
+            near = difflib.get_close_matches(word.split("=")[0], self._option_string_actions, n=1, cutoff=0.8)
+            message += f"; did you mean {near[0]} for {word}?" if word.startswith("--") and near else ""
         self.exit(2, f"{self.prog}: error: {message} (`python {self.prog} --help` lists the flags)\n")
 
 
