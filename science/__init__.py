@@ -79,13 +79,10 @@ class ValidationScience:
             write_tensorboard(writer, step, self.metrics, scalars, self.example)
 
 
-def _channel_means(hydro, channels_last):
-    """Per-channel means of a (C, N, N, N) or (N, N, N, C) volume; of an even sub-grid for boxes above 256^3."""
-    n = hydro.shape[0 if channels_last else 1]
-    cells = (slice(None, None, max(1, n // 256)),) * 3
-    channels = range(hydro.shape[-1 if channels_last else 0])
-    return np.stack([(hydro[(*cells, c)] if channels_last else hydro[(c, *cells)]).mean(dtype=np.float64)
-                     for c in channels])
+def _channel_means(hydro):
+    """Per-channel means of a (C, N, N, N) volume; of an even sub-grid for boxes above 256^3."""
+    stride = max(1, hydro.shape[1] // 256)
+    return np.stack([hydro[c, ::stride, ::stride, ::stride].mean(dtype=np.float64) for c in range(hydro.shape[0])])
 
 
 @torch.no_grad()
@@ -94,10 +91,10 @@ def mean_predictor_l1(params, val_loader, val_sampler, state):
     path = resolve_path(params.train_path)
     if path.exists():
         with h5py.File(path, "r") as f:
-            mean = _channel_means(f["Hydro"], channels_last=False)  # (C, N, N, N)
-    else:  # a DALI run on the .npy twins alone: the (N, N, N, C) label twin, mapped, not read whole
+            mean = _channel_means(f["Hydro"])
+    else:  # a DALI run on the .npy twins alone: the (N, N, N, C) label twin, mapped (not read whole), as (C, N, N, N)
         from utils.make_dataset import npy_paths
-        mean = _channel_means(np.load(npy_paths(path)[1], mmap_mode="r"), channels_last=True)
+        mean = _channel_means(np.load(npy_paths(path)[1], mmap_mode="r").transpose(3, 0, 1, 2))
     mean = torch.from_numpy(mean).float().to(state.info.device).view(1, -1, 1, 1, 1)
     total, count = 0.0, 0
     val_sampler.set_epoch(0)
