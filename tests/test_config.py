@@ -125,7 +125,11 @@ def write_yaml(tmp_path, mutate):
 
 def test_misspelt_key_is_named(tmp_path):
     path = write_yaml(tmp_path, lambda c: c.update(num_epoch=3))
-    with pytest.raises(ConfigError, match="unknown config key num_epoch in config 'base'"):
+    with pytest.raises(ConfigError, match="unknown config key num_epoch in config 'base'; did you mean num_epochs "
+                                          "for num_epoch[?] valid keys: N_in_channels, "):  # named, never taken
+        load_config("base", path)
+    path = write_yaml(tmp_path, lambda c: c.update(epochs=3, num_epochs=3))  # nothing near: no guess
+    with pytest.raises(ConfigError, match="unknown config key epochs in config 'base'; valid keys: "):
         load_config("base", path)
 
 
@@ -216,6 +220,9 @@ def test_a_yaml_written_for_older_code_is_told_what_to_add(tmp_path):
 def test_nested_key_checked_and_named_as_its_flag(tmp_path):
     path = write_yaml(tmp_path, lambda c: c["lr_schedule"].update(start_rate=1.0))
     with pytest.raises(ConfigError, match="unknown config key start_rate in lr_schedule; valid keys: end_lr, "):
+        load_config("base", path)
+    path = write_yaml(tmp_path, lambda c: c["lr_schedule"].update(warmup_step=8))
+    with pytest.raises(ConfigError, match="unknown config key warmup_step in lr_schedule; did you mean warmup_steps "):
         load_config("base", path)
     with pytest.raises(ConfigError, match="config key 'lr_schedule.start_lr' must be a finite number > 0, got 'abc'"):
         load_config("base", overrides={"lr_schedule.start_lr": "abc"})

@@ -100,7 +100,8 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line instead of the usage block (train.py's has some 50 lines of flags)."""
 
     def error(self, message):  # `--full_scale false` as in YAML leaves "false" unrecognized: say how on/off flags go
-        if message.startswith("unrecognized") and {"true", "false"} & set(message.lower().split()[2:]):
+        valued = message.startswith("unrecognized") and {"true", "false"} & set(message.lower().split()[2:])
+        if valued or "ignored explicit argument" in message:  # --KEY false, or --KEY=false
             message += "; on/off flags take no value: --KEY or --no-KEY"
         for word in message.split()[2:] if message.startswith("unrecognized") else []:  # a typo: its nearest flag
             near = difflib.get_close_matches(word.split("=")[0], self._option_string_actions, n=1, cutoff=0.8)

@@ -8,6 +8,7 @@ A flag not given is ``None`` and changes nothing, so an absent flag never turns 
 key is one ``Key``, which makes both its check and its flag (``--key``, ``--section.key``).
 """
 import argparse
+import difflib
 import math
 import operator
 import os
@@ -195,8 +196,11 @@ def _check_keys(values, schema, where, hint=lambda missing: ""):
     """A one-line ConfigError naming the keys of ``values`` that ``schema`` lacks, else those it has and they lack."""
     unknown, missing = sorted(set(values) - set(schema)), sorted(set(schema) - set(values))
     if unknown:
+        near = [f"{key} for {typo}" for typo in unknown
+                for key in difflib.get_close_matches(typo, schema, n=1, cutoff=0.8)]  # a typo: its nearest key
         raise ConfigError(f"unknown config key{'s' * (len(unknown) > 1)} {', '.join(unknown)}{where}; "
-                          f"valid keys: {', '.join(sorted(schema))}")
+                          + (f"did you mean {', '.join(near)}? " if near else "")
+                          + f"valid keys: {', '.join(sorted(schema))}")
     if missing:
         raise ConfigError(f"missing config key{'s' * (len(missing) > 1)} {', '.join(missing)}{where}"
                           + hint(missing))
