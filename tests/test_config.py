@@ -294,3 +294,18 @@ def test_the_example_logs_config_is_what_print_config_prints_for_quickstart():
     recorded = (REPO_ROOT / "example_logs" / "quickstart" / "1GPU" / "0" / "config.yaml").read_text()
     assert recorded == config_yaml(load_config("quickstart")), \
         "example_logs/ no longer matches today's quickstart: record it again as example_logs/README.md says"
+
+
+def test_differences_show_values_as_yaml_writes_them():
+    """A section against a null compares whole (not `null -> <absent>` plus one `<absent> -> 1` per entry), and the
+    one-line listings of new-run notes and refused checkpoints write values as the user's YAML does."""
+    from utils.config import ABSENT, differences, listed
+    saved = {"generate_data": None, "amp": True, "lr_schedule": {"start_lr": 0.01}, "box_size": [64, 64], "seed": 0}
+    current = {"generate_data": {"train_seed": 1, "val_seed": 2}, "amp": False, "lr_schedule": {"start_lr": 2e-3},
+               "box_size": [64, 64], "train_path": "data/train.h5"}
+    found = differences(saved, current)
+    assert found == [("amp", True, False), ("generate_data", None, {"train_seed": 1, "val_seed": 2}),
+                     ("lr_schedule.start_lr", 0.01, 0.002), ("seed", 0, ABSENT), ("train_path", ABSENT, "data/train.h5")]
+    assert listed(found) == ("amp true -> false, generate_data null -> {train_seed: 1, val_seed: 2}, "
+                             "lr_schedule.start_lr 0.01 -> 0.002, seed 0 -> <absent>, train_path <absent> -> data/train.h5")
+    assert listed(found[:1], "{key} ({there} there, {here} here)") == "amp (true there, false here)"

@@ -34,7 +34,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from utils import (STOP_SIGNALS, CheckpointError, Interrupted, NonFiniteLoss, Preempted, StorageError, first_line,
                    os_error_in, storage_cause)
-from utils.config import DATA_FILES, SCHEMA, differences
+from utils.config import DATA_FILES, SCHEMA, differences, listed
 from utils.distributed import all_reduce_sum
 
 logger = logging.getLogger("train")
@@ -313,8 +313,7 @@ def check_compatible(saved, current, source="the checkpoint"):
     """CheckpointError naming every run-defining key whose value differs between the configs."""
     differences = config_differences(saved, current)
     if differences:
-        listed = ", ".join(f"{key} {old} -> {new}" for key, old, new in differences)
-        raise CheckpointError(f"{source} was written with a different config: {listed}; "
+        raise CheckpointError(f"{source} was written with a different config: {listed(differences)}; "
                               f"use --resume never or a new --run_num")
 
 
@@ -543,7 +542,7 @@ class CheckpointManager:
             _remove([p for p in list_checkpoints(self.directory) if checkpoint_step(p) > state.global_step],
                     f"going back to step {state.global_step}")
         logger.info(f"Resumed from {path} at global step {state.global_step}"
-                    + (f"; changed settings: {', '.join(f'{k} {a} -> {b}' for k, a, b in changed)}" if changed else "")
+                    + (f"; changed settings: {listed(changed)}" if changed else "")
                     + ("; its epoch's validation, skipped by the stopped run, comes first"
                        if self.validation_pending else ""))
         return payload["epoch_loss_sum"] if info.is_main else 0.0

@@ -299,8 +299,9 @@ def differences(saved, current, keys=None, compared_as=None):
     def flat(config):
         entries = {}
         for key in (keys if keys is not None else dict.fromkeys([*saved, *current])):
-            value = config.get(key, ABSENT)
-            entries.update({f"{key}.{sub}": v for sub, v in value.items()} if isinstance(value, dict) else {key: value})
+            value, sections = config.get(key, ABSENT), (saved.get(key), current.get(key))
+            entries.update({f"{key}.{sub}": v for sub, v in value.items()}  # a section against a null: whole
+                           if all(isinstance(section, dict) for section in sections) else {key: value})
         return entries
 
     def same(key, old, new):
@@ -309,6 +310,14 @@ def differences(saved, current, keys=None, compared_as=None):
     old, new = flat(saved), flat(current)
     return [(key, old.get(key, ABSENT), new.get(key, ABSENT)) for key in sorted(old.keys() | new.keys())
             if not same(key, old.get(key, ABSENT), new.get(key, ABSENT))]
+
+
+def listed(differences, form="{key} {there} -> {here}"):
+    """``differences`` as one line, each value as YAML writes it (null, true, {a: 1}), as the user wrote it."""
+    def shown(value):
+        return value if value == ABSENT else yaml.safe_dump(
+            value, default_flow_style=True, width=math.inf).removesuffix("...\n").strip()
+    return ", ".join(form.format(key=key, there=shown(there), here=shown(here)) for key, there, here in differences)
 
 
 def config_flags():

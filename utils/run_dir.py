@@ -23,7 +23,7 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from utils import ConfigError, StorageError, storage_cause
-from utils.config import DATA_FILES, SCHEMA, config_yaml, differences, resolve_path
+from utils.config import DATA_FILES, SCHEMA, config_yaml, differences, listed, resolve_path
 
 
 def resume_on_restart(resume, environ=os.environ):
@@ -78,7 +78,7 @@ def new_run_note(parent, run_dir, params):
         return None
     number = min(found, key=lambda name: (len(found[name]), -int(name)))
     keys = found[number]
-    shown = ", ".join(f"{key} ({there} there, {here} here)" for key, there, here in keys[:3])
+    shown = listed(keys[:3], "{key} ({there} there, {here} here)")
     more = f" and {len(keys) - 3} more key(s)" if len(keys) > 3 else ""
     return (f"a new run: this command differs from run {number}'s (the closest beside it) in {shown}{more}; the "
             f"same command continues its run, any other starts a new one")
