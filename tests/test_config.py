@@ -305,7 +305,9 @@ def test_differences_show_values_as_yaml_writes_them():
                "box_size": [64, 64], "train_path": "data/train.h5"}
     found = differences(saved, current)
     assert found == [("amp", True, False), ("generate_data", None, {"train_seed": 1, "val_seed": 2}),
-                     ("lr_schedule.start_lr", 0.01, 0.002), ("seed", 0, ABSENT), ("train_path", ABSENT, "data/train.h5")]
+                     ("lr_schedule.start_lr", 0.01, 0.002), ("seed", 0, ABSENT),
+                     ("train_path", ABSENT, "data/train.h5")]
     assert listed(found) == ("amp true -> false, generate_data null -> {train_seed: 1, val_seed: 2}, "
-                             "lr_schedule.start_lr 0.01 -> 0.002, seed 0 -> <absent>, train_path <absent> -> data/train.h5")
+                             "lr_schedule.start_lr 0.01 -> 0.002, seed 0 -> <absent>, "
+                             "train_path <absent> -> data/train.h5")
     assert listed(found[:1], "{key} ({there} there, {here} here)") == "amp (true there, false here)"
