@@ -304,7 +304,8 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
         logger.info(f"This run already finished ({state.global_step} of {num_steps} steps); nothing to do. "
                     f"Use a new --run_num (or --resume never) to train again")
         return None
-    step = make_step(state)
+    # A finished run's pending validation trains nothing: no compile or CUDA graph capture for it.
+    step = make_step(state) if state.global_step < num_steps or params.enable_benchy else None
     flops_per_step = 3 * metrics.flops_per_sample(state.model, params.data_size) * params.global_batch_size
     peak = metrics.peak_flops(info.device, params.amp_mode, params.enable_tf32, params.peak_tflops)
     if peak:
