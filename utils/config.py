@@ -110,7 +110,8 @@ SCHEMA = {  # every key of every named config
     "enable_benchy": Key(bool, "benchmark mode"),
     "benchy": Key(BENCHY, "benchmark-mode trials"),
     "enable_manual_profiling": Key(bool, "NVTX ranges and a CUDA profiler window"),
-    "profile_dir": Key(str, "write a torch.profiler trace of the profiler window here", nullable=True),
+    "profile_dir": Key(str, "write a torch.profiler trace of the profiler window here (a relative path: in the run "
+                            "folder)", nullable=True),
     "profile_window": Key(list, "global steps [start, stop) of the profiler window", length=2),
     "data_loader_config": Key(str, "data loader", RUN, choices=("synthetic", "inmem", "lowmem", "gpu", "dali-lowmem")),
     "fast_loader": Key(bool, "threads fill crops straight into reusable (pinned) batches; synthetic/inmem/lowmem"),
