@@ -363,7 +363,8 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                         step_losses.append(loss.clone())  # clone: a graph step's loss is overwritten by the next
                         state.global_step += 1
                     last_in_epoch = step_in_epoch == steps_per_epoch - 1
-                    if state.global_step % params.log_every_n_steps == 0 or last_in_epoch:
+                    # A signal: after_step may stop here, so the steps since the last log line reach TensorBoard now
+                    if state.global_step % params.log_every_n_steps == 0 or last_in_epoch or control.signal_name:
                         log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses,
                                      lr, meter)
                     checkpoints.after_step(loss, loss_sum, last_in_epoch)  # a checkpoint when due; stop signals

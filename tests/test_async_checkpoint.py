@@ -307,6 +307,32 @@ def test_a_stop_at_an_epochs_end_checkpoints_before_validating_and_the_rerun_val
 
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_a_stop_between_log_lines_keeps_every_steps_loss_in_tensorboard(tiny_argv, tmp_path):
+    """One process stops at the step its signal arrives, which need not be a log step: the losses of the steps since
+    the last log line reach TensorBoard before the stop, so the resumed run's curve has no gap."""
+    argv = tiny_argv + ["--deterministic", "--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "0",
+                        "--log_every_n_steps", "4"]
+    train.main(argv + ["--run_num", "whole"])
+
+    def signal_in_step_6(state, inp, tar):  # steps 5 and 6 are since the log line of step 4
+        loss = train.eager_step(state, inp, tar)
+        if state.global_step + 1 == 6:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return loss
+
+    with pytest.raises(Preempted, match="at global step 6"):
+        train.main(argv + ["--run_num", "split"], make_step=lambda state: signal_in_step_6)
+    train.main(argv + ["--run_num", "split"])
+    runs = tmp_path / "runs" / "tiny" / "1GPU"
+    curves = []
+    for run_num in ("whole", "split"):
+        events = EventAccumulator(str(runs / run_num / "logs"))
+        events.Reload()
+        curves.append([(point.step, point.value) for point in events.Scalars("Loss/train_step")])
+    assert [step for step, _ in curves[1]] == list(range(1, 17)) and curves[1] == curves[0]
+
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_failed_final_write_ends_the_run_with_one_line(tiny_argv, tmp_path, monkeypatch, capsys):
     real_fsync, calls = checkpoint.os.fsync, []
 
