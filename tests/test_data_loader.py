@@ -121,6 +121,18 @@ def test_lowmem_equals_inmem_and_augmentation_is_the_group_transform(tiny_params
         assert inp.shape == (4, 8, 8, 8) and tar.shape == (5, 8, 8, 8) and inp.dtype == torch.float32
 
 
+def test_inmem_out_of_host_memory_says_to_use_lowmem(tiny_params, monkeypatch):
+    """The whole-volume read, not a batch: the run's out-of-memory advice (micro-batches, bf16) would not help."""
+    def no_memory(self, key):
+        raise MemoryError
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", no_memory)
+    params = tiny_params(data_loader_config="inmem")
+    with pytest.raises(DataError, match=rf"^out of host memory loading {params.train_path} whole \(0.000498 GB in "
+                                        rf"float32, per rank\): use --data_loader_config lowmem \(crops read from "
+                                        rf"the file\), or more memory$"):
+        RandomCropDataset(params, "train")
+
+
 def test_validation_is_not_augmented_and_fixed(tiny_params):
     dataset = RandomCropDataset(tiny_params(), "val")
     assert (dataset.plan(0)[1] == symmetry.IDENTITY).all()

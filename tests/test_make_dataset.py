@@ -1,4 +1,5 @@
 """Tests of the synthetic N-body -> hydro dataset generator (utils/make_dataset.py). CPU, small boxes."""
+import errno
 import io
 import os
 import shutil
@@ -240,6 +241,30 @@ def test_ensure_dataset_refuses_a_generated_file_of_another_box_or_seed(tmp_path
     with h5py.File(path, "r+") as f:  # a file made elsewhere says neither: it is the user's to vouch for
         del f.attrs["seed"]
     assert md.ensure_dataset(path, 24, seed=5, progress=False) == path
+
+
+def test_ensure_dataset_failures_are_one_line_for_train_py(tmp_path, monkeypatch):
+    """train.py generates on first use: a cut-off file or a full disk (a quota statvfs does not see) must be the
+    same one line as make_dataset's own, not a traceback."""
+    cut = tmp_path / "cut.h5"
+    md.ensure_dataset(cut, 16, seed=4, progress=False)
+    cut.write_bytes(cut.read_bytes()[:1000])
+    with pytest.raises(DataError, match=rf"^cannot read {cut} as HDF5: .*; delete it to generate it again$"):
+        md.ensure_dataset(cut, 16, seed=4, progress=False)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    monkeypatch.setattr(md, "write_dataset", full_disk)
+    with pytest.raises(GenerationError, match=rf"^writing {tmp_path / 'new.h5'} failed: \[Errno {errno.EDQUOT}\] "
+                                              rf"Disk quota exceeded; nothing was written$"):
+        md.ensure_dataset(tmp_path / "new.h5", 16, seed=4, progress=False)
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+    monkeypatch.setattr(md, "write_dataset", out_of_memory)
+    with pytest.raises(GenerationError, match=r"ran out of memory generating a 16\^3 box \(MemoryError\); nothing "
+                                              r"was written. Free memory or choose a smaller --box_size$"):
+        md.ensure_dataset(tmp_path / "new.h5", 16, seed=4, progress=False)
 
 
 def test_npy_only_writes_the_twins_of_an_existing_file(tmp_path, capsys):
@@ -632,7 +657,7 @@ def test_a_failure_writing_the_npy_twins_leaves_nothing(tmp_path, monkeypatch):
         real(path, fields, progress)
 
     monkeypatch.setattr(md, "_write_npy_file", second_fails)
-    with pytest.raises(OSError):
+    with pytest.raises(GenerationError, match=r"No space left on device; nothing was written$"):
         md.ensure_dataset(tmp_path / "d.h5", 12, seed=1, npy=True, progress=False)
     assert os.listdir(tmp_path) == []
 

@@ -95,7 +95,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from utils import DataError, GenerationError, run
+from utils import DataError, GenerationError, first_line, run
 from utils.arguments import at_least, positive_float, positive_int
 from utils.out_of_memory import is_out_of_memory
 from utils.units import (CLIP, DEFAULT_CELL_SIZE, DENSITY_FLOOR, DENSITY_LOG_SCALE, TEMPERATURE_LOG10_OFFSET,
@@ -965,6 +965,21 @@ def write_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT
     return path
 
 
+@contextlib.contextmanager
+def one_line_failures(out, box, box_flag):
+    """Out of memory or a failed write (full disk, quota) as one GenerationError line (utils/__init__.py's run:
+    ``error: ...``, exit status 2), no traceback; the writers leave nothing partial behind."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as err:
+        if isinstance(err, GenerationError) or not is_out_of_memory(err):  # torch's failed allocations, CPU or CUDA
+            raise
+        raise GenerationError(f"ran out of memory generating a {box}^3 box ({type(err).__name__}); nothing "
+                              f"was written. Free memory or choose a smaller {box_flag}") from err
+    except OSError as err:
+        raise GenerationError(f"writing {out} failed: {' '.join(str(err).split())}; nothing was written") from err
+
+
 def ensure_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAULT_SMOOTHING,
                    progress=None, device=None, slab=None, **physics):
     """Generate ``path`` (and with npy its .npy twins) only if missing; return the path. An existing file this module
@@ -975,15 +990,19 @@ def ensure_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAUL
     """
     path = Path(path)
     if path.exists():
-        with h5py.File(path, "r") as f:
-            made = (f.attrs.get("box"), f.attrs.get("seed"))
+        try:
+            with h5py.File(path, "r") as f:
+                made = (f.attrs.get("box"), f.attrs.get("seed"))
+        except OSError as err:  # cut off by a full disk, say
+            raise DataError(f"cannot read {path} as HDF5: {first_line(err)}; delete it to generate it again") from None
         if None not in made and tuple(map(int, made)) != (box, seed):
             raise DataError(f"{path} holds the generated {made[0]}^3 box of seed {made[1]}, not the {box}^3 box of "
                             f"seed {seed} asked for; delete it (and any .npy twins beside it) to generate that one")
-    if not path.exists():
-        write_dataset(path, box, seed, npy, box_length, smoothing, progress, device, slab, **physics)
-    elif npy and not all(p.exists() for p in npy_paths(path)):
-        write_npy_from_h5(path, progress)
+    with one_line_failures(path, box, "--box_size"):
+        if not path.exists():
+            write_dataset(path, box, seed, npy, box_length, smoothing, progress, device, slab, **physics)
+        elif npy and not all(p.exists() for p in npy_paths(path)):
+            write_npy_from_h5(path, progress)
     return path
 
 
@@ -1058,21 +1077,10 @@ def main(argv=None):
     refuse_existing([Path(args.out), *npy_paths(args.out)], args.force,
                     "overwrite them (.npy twins beside a new box are removed)" if twins_removed else "overwrite")
     start = time.perf_counter()
-    # A failure is one line (utils/__init__.py's run: ``error: ...``, exit status 2), no traceback; write_dataset has
-    # left nothing partial behind.
     try:
-        write_dataset(args.out, args.box, args.seed, args.npy, args.box_length, args.smoothing, None,
-                      args.device, args.slab)
-    except GenerationError:
-        raise
-    except (MemoryError, RuntimeError) as err:
-        if not is_out_of_memory(err):  # torch's RuntimeErrors for a failed allocation, CPU or CUDA
-            raise
-        raise GenerationError(f"ran out of memory generating a {args.box}^3 box ({type(err).__name__}); nothing "
-                              f"was written. Free memory or choose a smaller --box") from err
-    except OSError as err:
-        raise GenerationError(f"writing {args.out} failed: {' '.join(str(err).split())}; nothing was written") \
-            from err
+        with one_line_failures(args.out, args.box, "--box"):
+            write_dataset(args.out, args.box, args.seed, args.npy, args.box_length, args.smoothing, None,
+                          args.device, args.slab)
     except KeyboardInterrupt:
         raise Interrupted("interrupted; nothing was written") from None
     print(f"wrote {args.out} ({args.box}^3, seed {args.seed}) in {time.perf_counter() - start:.1f} s",

@@ -197,8 +197,14 @@ class RandomCropDataset(Dataset):
         else:
             self.path = check_data_file(spec.path, self.box, spec.in_channels, spec.out_channels)
             if self.mode == "inmem":
-                with h5py.File(self.path, "r") as f:  # float32 whatever the file holds, as every loader gives
-                    self.inp, self.tar = (f[key][...].astype(np.float32, copy=False) for key in ("Nbody", "Hydro"))
+                try:
+                    with h5py.File(self.path, "r") as f:  # float32 whatever the file holds, as every loader gives
+                        self.inp, self.tar = (f[key][...].astype(np.float32, copy=False) for key in ("Nbody", "Hydro"))
+                except MemoryError:  # not a batch that is too large: the run's memory advice would not apply
+                    size = 4 * (spec.in_channels + spec.out_channels) * self.box ** 3 / 1e9
+                    raise DataError(f"out of host memory loading {self.path} whole ({size:.3g} GB in float32, per "
+                                    f"rank): use --data_loader_config lowmem (crops read from the file), or more "
+                                    f"memory") from None
             elif self.mode != "lowmem":
                 raise DataError(f"unknown data_loader_config '{self.mode}'")
 
