@@ -21,7 +21,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from science.metrics import (DENSITY, FIT_LOG_DENSITY_RANGE, TEMPERATURE, fit_temperature_density, log_density_edges,
                            log_temperature_edges)
-from utils import ConfigError
+from utils import ConfigError, StorageError, storage_cause
 from utils.units import denormalize_density, denormalize_temperature, denormalize_velocity
 
 
@@ -62,10 +62,17 @@ def field_colour_scale(field, images):
 
 def plain_log_ticks(ax):
     """Tick labels 0.05, not 5x10^-2, on a log y axis (call it after plotting). Minor ticks are all labelled
-    when the axis spans under a decade, only the 2s and 5s under two decades, none beyond."""
+    when the axis spans under a decade, only the 2s and 5s under two decades, none beyond; then the axis ends at
+    labelled values, so that no point lies beyond the last label (a loss falling from 0.0085 to 0.006 under 0.01)."""
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     ax.yaxis.set_major_formatter(plain)
     low, high = ax.get_ylim()
+    if high / low >= 10:
+        mantissas = (1, 2, 5) if high / low < 100 else (1,)
+        labels = [m * 10.0 ** e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+                  for m in mantissas]
+        low, high = max(v for v in labels if v <= low * (1 + 1e-9)), min(v for v in labels if v >= high * (1 - 1e-9))
+        ax.set_ylim(low, high)
     twos_and_fives = FuncFormatter(lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "25" else "")
     ax.yaxis.set_minor_formatter(plain if high / low < 10 else twos_and_fives if high / low < 100 else NullFormatter())
 
@@ -231,7 +238,8 @@ def plot_p1d(top, bottom, stats):
     secondary = top.secondary_xaxis("top", functions=(lambda k_: 2 * np.pi / (np.maximum(k_, 1e-12) * dv),
                                                       lambda w: 2 * np.pi / (np.maximum(w, 1e-12) * dv)))
     secondary.set_xlabel("wavelength [cells]")
-    secondary.xaxis.set_major_formatter(plain)
+    octaves = 2.0 ** np.arange(1, int(np.log2(stats.length)) + 1)  # as the P1D scalars' bands (decades: one tick)
+    secondary.set_xticks(octaves, [f"{w:g}" for w in octaves])
     secondary.xaxis.set_minor_formatter(NullFormatter())
 
 
@@ -249,7 +257,7 @@ def plot_example_skewers(axes, stats):
         ax.set_ylabel("F")
         ax.set_xlabel("velocity along the skewer [km/s]")
         if index == 0:
-            ax.legend(fontsize="small", loc="lower right", ncol=2)
+            ax.legend(fontsize="small", loc="best", ncol=2)  # not over where the curves part
 
 
 def flux_figure(stats):
@@ -264,6 +272,22 @@ def flux_figure(stats):
     fig.suptitle(f"Lyman-alpha forest (FGPA): {stats.settings.describe()}, A = {stats.amplitude:.4g}",
                  fontsize="medium")
     return fig
+
+
+def save_figure(fig, path, flag, **savefig):
+    """``fig.savefig(path)`` whole or not at all (a temporary file, renamed); a failed write (full disk, quota) is one
+    StorageError line naming ``flag``."""
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # the suffix: savefig's format
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, **savefig)
+        os.replace(tmp, path)
+    except BaseException as err:  # Ctrl-C included: no temporary file left behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise StorageError(f"cannot write {path} ({storage_cause(err)}); free space there or choose another "
+                               f"{flag}") from None
+        raise
 
 
 def figure_path(path, default_name, flag):

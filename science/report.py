@@ -35,7 +35,7 @@ from utils.config import resolve_path
 from utils.plot_logs import run_label
 from science.metrics import ScienceMetrics, format_fit
 from science.plots import (FIELD_NAMES, display_hydro, field_colour_scale, figure_path, plot_example_skewers,
-                           plot_flux_pdf, plot_p1d, plot_power_ratio, plot_temperature_density)
+                           plot_flux_pdf, plot_p1d, plot_power_ratio, plot_temperature_density, save_figure)
 
 NO_CELL_SIZE = "give it with --cell_size_mpc_h (comoving Mpc/h per cell: the box's length over its cells per side)"
 NUM_SKEWER_EXAMPLES = 3
@@ -221,8 +221,7 @@ def main(argv=None):
     stride = args.lya_stride or max(1, box // 64)
     metrics = measure(prediction, truth, settings, stride, device)
     fig = report_figure(prediction, truth, metrics, description)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=args.dpi)
+    save_figure(fig, output, "--output", dpi=args.dpi)
     print(f"wrote {output}")
     return output
 

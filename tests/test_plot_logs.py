@@ -51,10 +51,13 @@ def test_loss_png_of_two_runs(two_runs, capsys):
     ax = plot_logs.loss_figure(runs).axes[0]
     assert ax.get_yscale() == "log"
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert sorted(lines) == ["short/1GPU/0 train", "short/1GPU/0 valid", "short/4GPU/0 train", "short/4GPU/0 valid"]
+    train = [f"short/{n}GPU/0 train (epoch mean)" for n in (1, 4)]
+    assert sorted(lines) == [train[0], "short/1GPU/0 valid", train[1], "short/4GPU/0 valid"]
     assert list(lines["short/1GPU/0 valid"].get_xdata()) == [0, 10, 20, 30]
-    assert list(lines["short/4GPU/0 train"].get_ydata()) == pytest.approx([0.2, 0.08])
-    assert lines["short/1GPU/0 train"].get_color() != lines["short/4GPU/0 train"].get_color()
+    # an epoch's mean, logged at its end, is drawn flat across the epoch: from step 0 at the first
+    assert list(lines[train[1]].get_xdata()) == [0, 10, 20] and lines[train[1]].get_drawstyle() == "steps-pre"
+    assert list(lines[train[1]].get_ydata()) == pytest.approx([0.2, 0.2, 0.08])
+    assert lines[train[0]].get_color() != lines[train[1]].get_color()
 
 
 def test_walltime_axis_is_minutes_since_the_runs_first_event(two_runs, tmp_path):
@@ -66,8 +69,8 @@ def test_walltime_axis_is_minutes_since_the_runs_first_event(two_runs, tmp_path)
     assert "wall-clock" in ax.get_xlabel()
     lines = {line.get_label(): line for line in ax.get_lines()}
     # the first event is the event file's header, written when the SummaryWriter opened (~now)
-    assert lines["short/1GPU/0 train"].get_xdata() == pytest.approx([2, 4, 6], abs=0.05)
-    assert lines["short/4GPU/0 train"].get_xdata() == pytest.approx([0.5, 1.0], abs=0.05)
+    assert lines["short/1GPU/0 train (epoch mean)"].get_xdata() == pytest.approx([0, 2, 4, 6], abs=0.05)
+    assert lines["short/4GPU/0 train (epoch mean)"].get_xdata() == pytest.approx([0, 0.5, 1.0], abs=0.05)
 
 
 def test_science_png(two_runs, tmp_path):
@@ -127,6 +130,31 @@ def test_errors_are_one_line(tmp_path, two_runs, capsys):
     assert_one_line_error(capsys, [str(only_lr)], r".*has no Loss/train or Loss/valid scalars yet")
 
 
+def test_a_failed_write_or_ctrl_c_is_one_line(two_runs, tmp_path, capsys, monkeypatch):
+    """A full disk: one line, and no half-written PNG under the name (a temporary file, renamed); Ctrl-C: exit 130."""
+    import errno
+    from matplotlib.figure import Figure
+
+    def full_disk(self, path, **kwargs):
+        open(path, "wb").close()  # started, then the disk filled
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    out = tmp_path / "out" / "loss.png"
+    assert_one_line_error(capsys, [str(two_runs[0]), "--out", str(out)],
+                          rf"cannot write {out} \(ENOSPC: No space left on device\); free space there or choose "
+                          rf"another --out")
+    assert list(out.parent.iterdir()) == []
+
+    def interrupted(self, path, **kwargs):
+        open(path, "wb").close()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Figure, "savefig", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        plot_logs.cli([str(two_runs[0]), "--out", str(out)])
+    assert stop.value.code == 130 and capsys.readouterr().err == "stopped: interrupted (Ctrl-C)\n"
+    assert list(out.parent.iterdir()) == []
+
+
 @pytest.mark.parametrize("low, high, labelled", [
     (0.011, 0.09, ["0.02", "0.03", "0.04", "0.05", "0.06", "0.07", "0.08", "0.09"]),  # under a decade: every one
     (0.005, 0.09, ["0.005", "0.02", "0.05"]),                                         # under two: the 2s and 5s
@@ -143,3 +171,17 @@ def test_log_axis_minor_labels_thin_out_with_the_span(low, high, labelled):
     labels = [ax.yaxis.get_minor_formatter()(t, i) for i, t in enumerate(ticks)]
     assert [label for label in labels if label] == labelled
     assert ax.yaxis.get_major_formatter()(0.01, 0) == "0.01"
+
+
+@pytest.mark.parametrize("low, high, ends", [(0.00529, 0.070, (0.005, 0.1)), (0.0005, 0.9, (0.0001, 1.0)),
+                                             (0.011, 0.09, (0.011, 0.09))])
+def test_a_log_axis_spanning_a_decade_or_more_ends_at_labelled_values(low, high, ends):
+    """The quickstart's loss.png: validation 0.0085 to 0.006 lay below its lowest label, 0.01, unreadable."""
+    from matplotlib.figure import Figure
+
+    from science.plots import plain_log_ticks
+    ax = Figure().subplots()
+    ax.set_yscale("log")
+    ax.set_ylim(low, high)
+    plain_log_ticks(ax)
+    assert ax.get_ylim() == pytest.approx(ends)

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from science.metrics import L1_TAGS, T_RHO_TAGS
-from science.plots import figure_path, plain_log_ticks
+from science.plots import figure_path, plain_log_ticks, save_figure
 from utils import ReportedError, run as run_cli
 
 LOSS_TAGS = ("Loss/train", "Loss/valid")
@@ -65,14 +65,18 @@ def _x(points, walltime):
 
 
 def loss_figure(runs, walltime=False):
-    """One axes: train (solid) and validation (dashed) loss of each run {label: scalars}, log-scale y."""
+    """One axes: train (solid) and validation (dashed) loss of each run {label: scalars}, log-scale y. Loss/train is
+    an epoch's mean, logged at its end: drawn flat across the epoch, not as a point where the loss was lower."""
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.subplots()
     for color, (label, scalars) in enumerate(runs.items()):
-        for tag, style in zip(LOSS_TAGS, ("-", "--")):
-            if tag in scalars:
-                ax.plot(_x(scalars[tag], walltime), scalars[tag][2], style, color=f"C{color}", marker=".",
-                        label=f"{label} {tag.split('/')[1]}")
+        if "Loss/train" in scalars:
+            x, y = _x(scalars["Loss/train"], walltime), scalars["Loss/train"][2]
+            ax.step(np.r_[0, x], np.r_[y[:1], y], "-", where="pre", color=f"C{color}",
+                    label=f"{label} train (epoch mean)")
+        if "Loss/valid" in scalars:
+            ax.plot(_x(scalars["Loss/valid"], walltime), scalars["Loss/valid"][2], "--", color=f"C{color}",
+                    marker=".", label=f"{label} valid")
     ax.set_yscale("log")
     plain_log_ticks(ax)
     ax.set_xlabel("wall-clock time since the run's first event [min]" if walltime else "global step")
@@ -133,8 +137,7 @@ def main(argv=None):
     if args.science:
         figures.append((out.with_name(f"{out.stem}_science.png"), science_figure(runs, args.walltime)))
     for path, fig in figures:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, "--out", dpi=120)
         print(f"wrote {path}")
 
 
