@@ -28,7 +28,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from networks.UNet import build_model, conv_input_sizes, loss_func
-from utils import ConfigError, OneLineParser, ReportedError, first_line, metrics, run as cli  # cli: errors as one line
+from utils import (ConfigError, NonFiniteLoss, OneLineParser, ReportedError, first_line, metrics,
+                   run as cli)  # cli: errors as one line
 from utils.checkpoint import CheckpointManager, RunControl, refuse_other_config
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
                           config_yaml, load_config)
@@ -269,6 +270,10 @@ def validate(state, loader):
                 science.update(inp, prediction, tar)
     state.model.train()
     total, total_count = all_reduce_sum([loss_sum.item(), count], info)
+    if not math.isfinite(total):  # the same sum on every rank: all stop together
+        raise NonFiniteLoss(f"non-finite validation loss (NaN or Inf) at global step {state.global_step}: the "
+                            f"validation data ({params.val_path}) holds NaN or Inf, or the model's outputs overflow "
+                            f"(with amp_mode fp16: use bf16)")
     return total / total_count, science
 
 
@@ -383,6 +388,11 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                 log_validation(writer, state, val_loss, science)
                 checkpoints.save_epoch(epoch, last=epoch + 1 == params.num_epochs)
                 resumed_loss_sum = 0.0
+            if params.data_loader_config != "synthetic":  # in running(): a signal now ends a finished run normally
+                from science import mean_predictor_l1
+                baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
+                logger.info(f"Final validation L1 {val_loss:.5f} vs {baseline:.5f} for the mean predictor "
+                            f"(ratio {val_loss / baseline:.3f}; lower is better)")
     except BaseException as err:
         ending_with = err  # a failed close below must not replace it (a preemption must exit with 3)
         raise
@@ -392,12 +402,6 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
         finally:
             if writer:
                 writer.close(ending_with)
-
-    if params.data_loader_config != "synthetic":
-        from science import mean_predictor_l1
-        baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
-        logger.info(f"Final validation L1 {val_loss:.5f} vs {baseline:.5f} for the mean predictor "
-                    f"(ratio {val_loss / baseline:.3f}; lower is better)")
     return val_loss
 
 
@@ -434,8 +438,8 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
                 # existing run keeps the record of the command that made it (train writes it again only where
                 # no checkpoint was resumed), so neither a refused command nor an accepted change replaces it.
                 save_config(params, run_dir / "config.yaml")
-            if resume == "auto":  # a config the run's checkpoints refuse: before the data, not after it
-                refuse_other_config(run_dir, params)
+            if resume != "never":  # a config the checkpoints refuse: before the data, not after it
+                refuse_other_config(run_dir, params, resume)
             prepare_data(params, info, logger.info)
             with training_stream(info.device, params.stream_priority):  # DDP's gradient hooks are made here too
                 state = build_training(params, info, make_optimizer, run_dir)

@@ -116,7 +116,8 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(tiny_argv, 
     real_fsync, calls = os.fsync, []
 
     def fsync_then_disk_full(fd):
-        calls.append(fd)
+        if "checkpoints" in os.readlink(f"/proc/self/fd/{fd}"):  # not config.yaml's
+            calls.append(fd)
         if len(calls) > 2:  # the first checkpoint (file + directory) succeeds, the next one hits a full disk
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
@@ -137,8 +138,22 @@ def test_checkpoint_from_another_model_is_refused(tiny_argv, tmp_path, capsys):
     edit(tiny_argv[1], "model_channels:\n  - 4\n  - 8\n", "model_channels:\n  - 4\n  - 16\n")
     before = checkpoint.read_bytes()
     code, err = run_train_cli(tiny_argv + ["--run_num", "b", "--resume", str(checkpoint)], capsys)
-    assert code == 2 and "was written with a different config: model_channels [4, 8] -> [4, 16]" in err
+    assert code == 2 and err == (f"error: checkpoint {checkpoint} was written with a different config: "
+                                 f"model_channels [4, 8] -> [4, 16]; give the flags it was written with")
     assert checkpoint.read_bytes() == before
+    assert "Data loader:" not in (tmp_path / "runs" / "tiny" / "1GPU" / "b" / "out.log").read_text()  # before it
+
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_an_unreadable_config_yaml_of_a_run_with_checkpoints_is_one_line(tiny_argv, tmp_path, capsys):
+    assert train.main(tiny_argv + ["--run_num", "a"]) is not None
+    record = tmp_path / "runs" / "tiny" / "1GPU" / "a" / "config.yaml"
+    for broken in ("box_size: [24, 16\n", ""):  # cut off, or empty
+        record.write_text(broken)
+        code, err = run_train_cli(tiny_argv + ["--run_num", "a"], capsys)
+        assert code == 2 and err.startswith(f"error: {record} is unreadable or no config (") and err.endswith(
+            "); restore it, or delete it so that this command's config replaces it (the checkpoints still check "
+            "theirs)"), err
 
 
 def test_truncated_checkpoint_given_explicitly(tiny_argv, tmp_path, capsys):
@@ -146,3 +161,16 @@ def test_truncated_checkpoint_given_explicitly(tiny_argv, tmp_path, capsys):
     truncated.write_bytes(b"PK\x03\x04 not a whole checkpoint")
     code, err = run_train_cli(tiny_argv + ["--resume", str(truncated)], capsys)
     assert code == 2 and "is truncated or not a checkpoint" in err
+
+
+def test_nan_in_the_validation_data_stops_at_the_first_validation(tiny_argv, tmp_path, capsys):
+    """A NaN in the training data stops the run (exit 4); one in the validation data made every validation loss and
+    science number NaN through a whole run that ended with exit 0."""
+    import h5py
+    bad = write_random_box(tmp_path / "nan_val.h5", 16, seed=2)
+    with h5py.File(bad, "r+") as f:
+        f["Nbody"][0, :, :, :] = float("nan")
+    code, err = run_train_cli(tiny_argv + ["--val_path", str(bad)], capsys)
+    assert code == 4 and err == (f"error: non-finite validation loss (NaN or Inf) at global step 0: the validation "
+                                 f"data ({bad}) holds NaN or Inf, or the model's outputs overflow (with amp_mode "
+                                 f"fp16: use bf16)")

@@ -191,6 +191,19 @@ def test_resume_from_a_checkpoint_without_a_digest_warns(run):
     assert f"Resumed from {newest} at global step 16" in log
 
 
+def test_a_run_none_of_whose_checkpoints_loads_stops_instead_of_starting_over(run, capsys):
+    """Starting over would delete them at its first save, where a read error may be passing: exit 2, files kept."""
+    argv, checkpoints = run
+    for path in checkpoints.iterdir():
+        flip_a_weight(path)
+    before = {path.name: path.read_bytes() for path in checkpoints.iterdir()}
+    code, err = run_train_cli(argv, capsys)
+    assert code == 2 and err == (f"error: none of the 2 checkpoint(s) in {checkpoints} loads (the warnings above say "
+                                 f"why); resume from a good copy with --resume PATH, or start over with --resume "
+                                 f"never (they move to previous-<time>/)")
+    assert {path.name: path.read_bytes() for path in checkpoints.iterdir()} == before
+
+
 @pytest.mark.parametrize("damage", ["truncated", "changed"])
 def test_resume_path_to_a_damaged_checkpoint_is_a_one_line_error(run, capsys, damage):
     argv, checkpoints = run

@@ -15,7 +15,7 @@ import train
 import utils.config
 import utils.cpu_amp
 from conftest import REPO_ROOT, free_port, rank_env, run_train_cli
-from utils import Interrupted, checkpoint
+from utils import Interrupted, Preempted, checkpoint
 from utils.config import SCHEMA, ConfigError, config_flags, load_config
 
 
@@ -365,7 +365,43 @@ def test_going_back_to_a_checkpoint_drops_the_newer_ones_at_once(tiny_argv, tmp_
     monkeypatch.setattr(CheckpointManager, "after_step", killed)    # dies at its first step after the resume
     with pytest.raises(Killed):
         train.main(tiny_argv + ["--resume", str(checkpoints / "ckpt_step00000008.pt")])
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt_step00000008.pt"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt_step00000008.pt", "resumed_from"]
+    assert checkpoint.resumed_from(checkpoints) == str(checkpoints / "ckpt_step00000008.pt")  # its rerun goes on
+
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_the_same_resume_path_command_again_continues_its_run_and_leaves_other_runs_be(tiny_argv, tmp_path,
+                                                                                          monkeypatch):
+    """A job resubmitted by hand repeats its `--resume PATH`: going back to PATH every time would throw away what
+    each attempt trained (and prune its checkpoints). And PATH from elsewhere (another GPU count's run) must not
+    replace the history of a run of the same config that happens to be here."""
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    argv = tiny_argv + ["--deterministic", "--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "4",
+                        "--keep_checkpoints", "8"]
+    runs = tmp_path / "runs" / "tiny" / "1GPU"
+    whole = train.main(argv)                                                    # run 0, its own history
+    own = {path.name: path.read_bytes() for path in (runs / "0" / "checkpoints").glob("*.pt")}
+    elsewhere = tmp_path / "elsewhere" / "ckpt_step00000004.pt"                  # say, from another GPU count
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(own["ckpt_step00000004.pt"])
+    resumed = argv + ["--resume", str(elsewhere)]
+
+    def stopped_at_step_10(state, inp, tar):
+        loss = train.eager_step(state, inp, tar)
+        if state.global_step + 1 == 10:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return loss
+
+    with pytest.raises(Preempted):
+        train.main(resumed, make_step=lambda state: stopped_at_step_10)
+    assert "a new run: run(s) 0 of this command have checkpoints of their own, which --resume " \
+           in (runs / "1" / "out.log").read_text()
+    assert train.main(resumed) == whole                   # the same final loss as one uninterrupted run
+    log = (runs / "1" / "out.log").read_text()
+    assert f"This command resumed from {elsewhere} before and its run went on: it continues from its newest" in log
+    assert "Resumed from " + str(runs / "1" / "checkpoints" / "ckpt_step00000010.pt") + " at global step 10" in log
+    assert {path.name: path.read_bytes() for path in (runs / "0" / "checkpoints").glob("*.pt")} == own
 
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
@@ -467,6 +503,23 @@ def test_ctrl_c_in_the_last_validation_lets_the_finished_run_end_normally(tiny_a
            "written" in (run_dir / "out.log").read_text()
     assert f"ckpt_step{train.total_steps(load_config('tiny', tiny_argv[1])):08d}.pt" in \
         [p.name for p in (run_dir / "checkpoints").iterdir()]
+
+
+def test_a_stop_signal_in_the_final_comparison_with_the_mean_predictor_ends_the_finished_run_normally(
+        tiny_argv, monkeypatch, tmp_path):
+    """After the final checkpoint only the comparison's line is left: exit 3 ("rerun to continue") would requeue a
+    Slurm job whose rerun has nothing to do."""
+    import science
+    real = science.mean_predictor_l1
+
+    def signalled(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(science, "mean_predictor_l1", signalled)
+    assert train.main(tiny_argv) is not None
+    log = (tmp_path / "runs" / "tiny" / "1GPU" / "0" / "out.log").read_text()
+    assert "Final validation L1 " in log and "SIGTERM came after the last training step: the run is complete" in log
 
 
 def test_a_stop_signal_that_the_interrupted_code_turns_into_another_error_still_exits_3(tiny_argv, capsys,

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 if os.name != "posix":
     print("error: this project needs Linux (or another POSIX system, such as macOS): it locks run folders "
@@ -96,6 +97,22 @@ def storage_cause(err):
     return f"{type(err).__name__}: {first_line(err, 'no details')}"
 
 
+def write_atomically(path, text):
+    """``text`` into ``path``, all of it or (on any failure, a power loss included) none: temporary file, fsync,
+    rename. Raises OSError."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line instead of the usage block (train.py's has some 50 lines of flags)."""
 
@@ -112,7 +129,10 @@ class OneLineParser(argparse.ArgumentParser):
 def run(entry, *args):
     """``entry(*args)``, ending the process on a ReportedError (``<prefix>: <message>``) or a returned int."""
     try:
-        status = entry(*args)
+        try:
+            status = entry(*args)
+        except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 130, not a traceback
+            raise Interrupted("interrupted (Ctrl-C)") from None
     except ReportedError as err:
         print(f"{err.prefix}: {err}", file=sys.stderr)
         sys.exit(err.exit_code)

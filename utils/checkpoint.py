@@ -33,7 +33,7 @@ import yaml
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from utils import (STOP_SIGNALS, CheckpointError, Interrupted, NonFiniteLoss, Preempted, StorageError, first_line,
-                   os_error_in, storage_cause)
+                   os_error_in, storage_cause, write_atomically)
 from utils.config import DATA_FILES, SCHEMA, differences, listed
 from utils.distributed import all_reduce_sum
 
@@ -110,6 +110,17 @@ def list_checkpoints(directory):
     directory = Path(directory)
     found = [p for p in directory.iterdir() if CHECKPOINT_NAME.fullmatch(p.name)] if directory.is_dir() else []
     return sorted(found, key=checkpoint_step, reverse=True)
+
+
+ORIGIN_FILE = "resumed_from"  # in checkpoints/: the resolved --resume PATH this run's history starts from
+
+
+def resumed_from(directory):
+    """The ``--resume PATH`` (resolved) whose checkpoint the history in ``directory`` starts from, else None."""
+    try:
+        return (Path(directory) / ORIGIN_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def last_checkpoint_note(directory):
@@ -302,19 +313,36 @@ def config_differences(saved, current, keys=RUN_DEFINING_KEYS):
     return differences(saved, current, keys, _COMPARED_AS)
 
 
-def refuse_other_config(run_dir, params):
-    """check_compatible against the config.yaml of a run that has checkpoints (the command that made it): a command
-    they would refuse stops now, not after every rank has loaded the data and built the model."""
-    if list_checkpoints(Path(run_dir) / "checkpoints") and (Path(run_dir) / "config.yaml").is_file():
-        check_compatible(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()), dict(params), f"run {run_dir}")
+RUN_ADVICE, PATH_ADVICE = "use --resume never or a new --run_num", "give the flags it was written with"
 
 
-def check_compatible(saved, current, source="the checkpoint"):
+def refuse_other_config(run_dir, params, resume="auto"):
+    """check_compatible now, not after every rank has loaded the data and built the model: against the config.yaml
+    of a run that has checkpoints (the command that made it), or a ``--resume PATH`` checkpoint's own config."""
+    if resume != "auto":
+        try:  # memory-mapped: the config without reading the weights (resume() verifies the whole file)
+            saved = torch.load(Path(resume).expanduser(), map_location="cpu", mmap=True, weights_only=True)["config"]
+        except Exception:
+            return  # resume() says what is wrong with the file
+        return check_compatible(saved, dict(params), f"checkpoint {resume}", PATH_ADVICE)
+    path = Path(run_dir) / "config.yaml"
+    if not list_checkpoints(Path(run_dir) / "checkpoints") or not path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        saved = first_line(err)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} is unreadable or no config ({str(saved)[:80]}); restore it, or delete it so "
+                              f"that this command's config replaces it (the checkpoints still check theirs)")
+    check_compatible(saved, dict(params), f"run {run_dir}")
+
+
+def check_compatible(saved, current, source="the checkpoint", advice=RUN_ADVICE):
     """CheckpointError naming every run-defining key whose value differs between the configs."""
     differences = config_differences(saved, current)
     if differences:
-        raise CheckpointError(f"{source} was written with a different config: {listed(differences)}; "
-                              f"use --resume never or a new --run_num")
+        raise CheckpointError(f"{source} was written with a different config: {listed(differences)}; {advice}")
 
 
 # --- 3. the background writer ----------------------------------------------------------------------------------------
@@ -516,19 +544,22 @@ class CheckpointManager:
         state, info, params = self.state, self.state.info, self.state.params
         if resume_from == "never":
             return 0.0
-        found = None
-        if resume_from == "auto":
-            found = latest_valid_checkpoint(self.directory, log=logger.warning) if info.is_main else None
-            chosen = [str(found[0]) if found else None]
-            if info.enabled:
-                dist.broadcast_object_list(chosen, src=0)  # every rank loads the file rank 0 chose
-            if chosen[0] is None and fallback is None:
-                return 0.0
-            resume_from = chosen[0] or fallback
-        path = Path(resume_from).expanduser().resolve()
-        payload = found[1] if found else load_checkpoint(path, log=logger.warning)  # rank 0's is loaded (and hashed)
+        chosen, loaded = [None, False, None], None  # rank 0's choice: (file or None, from --resume PATH, its error)
+        if info.is_main:
+            try:
+                *chosen[:2], loaded = self._choose(resume_from, fallback)
+            except CheckpointError as err:
+                chosen[2] = str(err)
+        if info.enabled:
+            dist.broadcast_object_list(chosen, src=0)  # every rank loads the file rank 0 chose
+        if chosen[2] is not None:
+            raise CheckpointError(chosen[2] if info.is_main else f"rank 0: {chosen[2]}")
+        if chosen[0] is None:
+            return 0.0
+        path, given = Path(chosen[0]), chosen[1]
+        payload = loaded if loaded is not None else load_checkpoint(path, log=logger.warning)
         source = f"checkpoint {path}"
-        check_compatible(payload["config"], params, source)
+        check_compatible(payload["config"], params, source, PATH_ADVICE if given else RUN_ADVICE)
         changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
         load_model_state(state.model, payload["model"], source)
         load_optimizer_state(state.optimizer, payload["optimizer"], source)
@@ -537,15 +568,41 @@ class CheckpointManager:
         set_rng_state(payload["rng"])
         state.global_step = payload["step"]
         self.validation_pending = bool(payload.get("validation_pending", False))  # older checkpoints lack it
-        if info.is_main and path.parent == self.directory.resolve():
-            # Going back in this run: a restart before the first save must not jump forward into the newer ones.
-            _remove([p for p in list_checkpoints(self.directory) if checkpoint_step(p) > state.global_step],
-                    f"going back to step {state.global_step}")
+        if info.is_main and given:
+            if path.parent == self.directory.resolve():
+                # Going back in this run: a restart before the first save must not jump forward into the newer ones.
+                _remove([p for p in list_checkpoints(self.directory) if checkpoint_step(p) > state.global_step],
+                        f"going back to step {state.global_step}")
+            try:  # the same command again continues this history instead of going back to PATH once more
+                self.directory.mkdir(parents=True, exist_ok=True)
+                write_atomically(self.directory / ORIGIN_FILE, f"{path}\n")
+            except OSError as err:
+                raise CheckpointError(f"cannot write {self.directory / ORIGIN_FILE} ({storage_cause(err)}); free "
+                                      f"space there or choose another --expdir") from None
         logger.info(f"Resumed from {path} at global step {state.global_step}"
                     + (f"; changed settings: {listed(changed)}" if changed else "")
                     + ("; its epoch's validation, skipped by the stopped run, comes first"
                        if self.validation_pending else ""))
         return payload["epoch_loss_sum"] if info.is_main else 0.0
+
+    def _choose(self, resume_from, fallback):
+        """Rank 0: (file to resume from or None, whether it is the user's --resume PATH, its payload if loaded)."""
+        if resume_from != "auto":
+            given = str(Path(resume_from).expanduser().resolve())
+            if resumed_from(self.directory) != given:
+                return given, True, None
+            logger.info(f"This command resumed from {given} before and its run went on: it continues from its newest "
+                        f"checkpoint (to go back to {Path(given).name} again, delete {self.directory / ORIGIN_FILE})")
+            resume_from, fallback = "auto", given
+        found = latest_valid_checkpoint(self.directory, log=logger.warning)
+        if found:
+            return str(found[0]), False, found[1]
+        damaged = list_checkpoints(self.directory)
+        if damaged:  # starting over would delete them at the first save: a read error may be passing, bit rot not
+            raise CheckpointError(f"none of the {len(damaged)} checkpoint(s) in {self.directory} loads (the "
+                                  f"warnings above say why); resume from a good copy with --resume PATH, or start "
+                                  f"over with --resume never (they move to previous-<time>/)")
+        return (None, False, None) if fallback is None else (str(Path(fallback).expanduser().resolve()), True, None)
 
     @contextmanager
     def running(self, tensorboard=None):

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import yaml
 from torch.utils.tensorboard import SummaryWriter
 
-from utils import ConfigError, StorageError, storage_cause
+from utils import ConfigError, StorageError, storage_cause, write_atomically
+from utils.checkpoint import list_checkpoints, resumed_from
 from utils.config import DATA_FILES, SCHEMA, config_yaml, differences, listed, resolve_path
 
 
@@ -84,13 +85,24 @@ def new_run_note(parent, run_dir, params):
             f"same command continues its run, any other starts a new one")
 
 
-def choose_run_num(parent, params, fresh):
-    """The newest numbered run this same config started (unless ``fresh``), else the next free number."""
+def takes_history(run_dir, resume):
+    """Whether ``--resume resume`` may write into ``run_dir``: a PATH from elsewhere only into a run that has no
+    checkpoints yet or whose history starts at PATH (its rerun), so that another run of the config keeps its own."""
+    if resume in ("auto", "never"):
+        return True
+    given, checkpoints = Path(resume).expanduser().resolve(), run_dir / "checkpoints"
+    return (given.parent == checkpoints.resolve() or not list_checkpoints(checkpoints)
+            or resumed_from(checkpoints) == str(given))
+
+
+def choose_run_num(parent, params, fresh, resume="auto"):
+    """The newest numbered run this same config started that ``resume`` may continue (unless ``fresh``), else the
+    next free number."""
     names = sorted((p.name for p in parent.iterdir() if p.name.isdigit() and p.is_dir()), key=int) \
         if parent.is_dir() else []  # as named: the reference's run_num is "00"
     if not fresh:
         for name in reversed(names):
-            if same_command(parent / name, params):
+            if same_command(parent / name, params) and takes_history(parent / name, resume):
                 return name
     return str(int(names[-1]) + 1 if names else 0)
 
@@ -117,6 +129,12 @@ def make_run_dir(run_num, resume, params, info):
                                 f"that run instead, pass --resume with its newest checkpoint")
                     elif run_num is None:
                         note = new_run_note(parent, run_dir, params)
+                elif run_num is None and not (run_dir / "config.yaml").exists():  # --resume PATH
+                    kept = [p.name for p in sorted(parent.iterdir()) if p.is_dir() and p.name.isdigit()
+                            and same_command(p, params)]
+                    if kept:
+                        note = (f"a new run: run(s) {', '.join(kept)} of this command have checkpoints of their own, "
+                                f"which --resume {resume} does not replace")
             except OSError as err:
                 raise ConfigError(f"cannot prepare run directory {run_dir} ({err.strerror}: {err.filename}); "
                                   f"check its permissions or choose another with --expdir") from None
@@ -141,7 +159,7 @@ def _claim_run_dir(parent, run_num, resume, params, attempts=8):
         chosen = run_num
         if chosen is None:
             try:
-                chosen = choose_run_num(parent, params, fresh=resume == "never")
+                chosen = choose_run_num(parent, params, fresh=resume == "never", resume=resume)
             except OSError as err:
                 raise ConfigError(f"cannot read the run folders in {parent} ({err.strerror}); "
                                   f"choose another --expdir") from None
@@ -199,12 +217,9 @@ class RunLock:
 
 def save_config(params, path):
     """Write the resolved config atomically: the run folder's record of the command that made it."""
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
     try:
-        tmp.write_text(config_yaml(params))
-        os.replace(tmp, path)
+        write_atomically(path, config_yaml(params))
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         raise ConfigError(f"cannot write {path} ({storage_cause(err)}); free space there or choose another "
                           f"--expdir") from None
 
