@@ -18,8 +18,9 @@ benchmarks/results/loaders_cpu.md.) HDF5 is the exception: h5py serialises every
 global lock, so ``lowmem`` does not go through h5py when it can avoid it: a contiguous,
 uncompressed dataset (what h5py and utils.make_dataset write by default) is read through a
 read-only memory map of the file, which threads copy from in parallel and which keeps nothing
-resident but the page cache. Chunked or compressed datasets are read with one ``read_direct``
-call per crop into a per-thread buffer; ``FastLoader.description`` says which path is in use.
+resident but the page cache (a file truncated under it, by ``cp`` over it, ends the process with
+SIGBUS). Chunked or compressed datasets are read with one ``read_direct`` call per crop into a
+per-thread buffer; ``FastLoader.description`` says which path is in use.
 """
 import threading
 import weakref
