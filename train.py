@@ -368,8 +368,9 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                         step_losses.append(loss.clone())  # clone: a graph step's loss is overwritten by the next
                         state.global_step += 1
                     last_in_epoch = step_in_epoch == steps_per_epoch - 1
-                    # A signal: after_step may stop here, so the steps since the last log line reach TensorBoard now
-                    if state.global_step % params.log_every_n_steps == 0 or last_in_epoch or control.signal_name:
+                    # One process stops at its signal's step (DDP only at log steps): its losses reach TensorBoard now
+                    stopping = control.signal_name and not info.enabled
+                    if state.global_step % params.log_every_n_steps == 0 or last_in_epoch or stopping:
                         log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses,
                                      lr, meter)
                     checkpoints.after_step(loss, loss_sum, last_in_epoch)  # a checkpoint when due; stop signals
@@ -427,7 +428,8 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
         control.attach(info)
         state, finished, lock = None, False, None
         try:
-            run_dir, note, lock = make_run_dir(args.run_num, resume, params, info)
+            branch = resume_fallback or (None if resume in ("auto", "never") else resume)  # a --resume PATH
+            run_dir, note, lock = make_run_dir(args.run_num, resume, params, info, branch)
             control.checkpoint_dir = run_dir / "checkpoints"  # named when a signal stops the start-up
             setup_logging(logger, run_dir, info, report=control.write_failed)
             for line in (restart_note, note):

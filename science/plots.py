@@ -21,7 +21,7 @@ from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from science.metrics import (DENSITY, FIT_LOG_DENSITY_RANGE, TEMPERATURE, fit_temperature_density, log_density_edges,
                            log_temperature_edges)
-from utils import ConfigError, StorageError, storage_cause
+from utils import ConfigError, StorageError, replaced_atomically, storage_cause
 from utils.units import denormalize_density, denormalize_temperature, denormalize_velocity
 
 
@@ -67,8 +67,9 @@ def plain_log_ticks(ax):
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     ax.yaxis.set_major_formatter(plain)
     low, high = ax.get_ylim()
-    if high / low >= 10:
-        mantissas = (1, 2, 5) if high / low < 100 else (1,)
+    for mantissas in ((1, 2, 5), (1,)):  # decades where the 2s and 5s widen it to 100x (their labels go there)
+        if high / low < (10 if len(mantissas) == 3 else 100):
+            break
         labels = [m * 10.0 ** e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
                   for m in mantissas]
         low, high = max(v for v in labels if v <= low * (1 + 1e-9)), min(v for v in labels if v >= high * (1 - 1e-9))
@@ -277,17 +278,13 @@ def flux_figure(stats):
 def save_figure(fig, path, flag, **savefig):
     """``fig.savefig(path)`` whole or not at all (a temporary file, renamed); a failed write (full disk, quota) is one
     StorageError line naming ``flag``."""
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # the suffix: savefig's format
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(tmp, **savefig)
-        os.replace(tmp, path)
-    except BaseException as err:  # Ctrl-C included: no temporary file left behind
-        tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError):
-            raise StorageError(f"cannot write {path} ({storage_cause(err)}); free space there or choose another "
-                               f"{flag}") from None
-        raise
+        with replaced_atomically(path) as tmp:
+            fig.savefig(tmp, **savefig)
+    except OSError as err:
+        raise StorageError(f"cannot write {path} ({storage_cause(err)}); free space there or choose another "
+                           f"{flag}") from None
 
 
 def figure_path(path, default_name, flag):

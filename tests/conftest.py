@@ -57,6 +57,16 @@ def project_files(*patterns):
     return [REPO_ROOT / name for name in listed if not name.startswith("tests/") and (REPO_ROOT / name).is_file()]
 
 
+class OsWith:
+    """The os module with some functions replaced, for one module's ``os`` (monkeypatch.setattr(module, "os", ...)):
+    patching os.fsync itself would also fail the config.yaml and figure writes of every other module."""
+    def __init__(self, **replaced):
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
 def free_port():
     """A TCP port free on this host now (for MASTER_PORT of a test's process group)."""
     with socket.socket() as s:

@@ -20,7 +20,7 @@ from utils import Preempted, checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, RunControl, load_checkpoint,
                               rng_state, save_checkpoint)
 from utils.config import load_config
-from conftest import REPO_ROOT, free_port, rank_env
+from conftest import REPO_ROOT, OsWith, free_port, rank_env
 
 
 def trained_model_and_optimizer(steps=2):
@@ -337,13 +337,12 @@ def test_failed_final_write_ends_the_run_with_one_line(tiny_argv, tmp_path, monk
     real_fsync, calls = checkpoint.os.fsync, []
 
     def fsync_then_disk_full(fd):
-        if "checkpoints" in os.readlink(f"/proc/self/fd/{fd}"):  # not config.yaml's
-            calls.append(fd)
+        calls.append(fd)
         if len(calls) > 2:  # the first checkpoint (file + directory) lands, the last one hits a full disk
             raise disk_full()
         real_fsync(fd)
 
-    monkeypatch.setattr(checkpoint.os, "fsync", fsync_then_disk_full)
+    monkeypatch.setattr(checkpoint, "os", OsWith(fsync=fsync_then_disk_full))  # the checkpoints' fsyncs only
     argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "0"]
     with pytest.raises(SystemExit) as exit_info:
         train.cli(lambda: train.main(argv))
@@ -399,16 +398,17 @@ def start_two_ranks(script, argv, **env):
 FAILING_RANK0 = """
 import errno, os, sys
 sys.path.insert(0, {repo!r})
-if os.environ["RANK"] == "0":  # rank 0's disk fills up after FAIL_AFTER fsyncs (2: one checkpoint lands)
+if os.environ["RANK"] == "0":  # rank 0's disk fills up after FAIL_AFTER checkpoint fsyncs (2: one lands)
+    import types
+    import utils.checkpoint
     real_fsync, calls, fail_after = os.fsync, [], int(os.environ["FAIL_AFTER"])
 
     def fsync(fd):
-        if "checkpoints" in os.readlink(f"/proc/self/fd/{{fd}}"):  # not config.yaml's
-            calls.append(fd)
+        calls.append(fd)
         if len(calls) > fail_after:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
-    os.fsync = fsync
+    utils.checkpoint.os = types.SimpleNamespace(**{{**vars(os), "fsync": fsync}})  # conftest's OsWith
 import train
 train.cli(lambda: train.main(sys.argv[1:]))
 """

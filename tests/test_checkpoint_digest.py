@@ -199,8 +199,8 @@ def test_a_run_none_of_whose_checkpoints_loads_stops_instead_of_starting_over(ru
     before = {path.name: path.read_bytes() for path in checkpoints.iterdir()}
     code, err = run_train_cli(argv, capsys)
     assert code == 2 and err == (f"error: none of the 2 checkpoint(s) in {checkpoints} loads (the warnings above say "
-                                 f"why); resume from a good copy with --resume PATH, or start over with --resume "
-                                 f"never (they move to previous-<time>/)")
+                                 f"why); resume from a good copy with --resume PATH, or start over in a new run "
+                                 f"with --resume never")
     assert {path.name: path.read_bytes() for path in checkpoints.iterdir()} == before
 
 

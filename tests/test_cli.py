@@ -3,6 +3,7 @@ abbreviations, $EXPDIR on the precedence path, the run-folder rule, and stop sig
 import errno
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -245,8 +246,8 @@ def test_a_run_named_with_leading_zeros_is_continued_by_its_command(tmp_path):
         (tmp_path / name).mkdir()
     save_config(params, tmp_path / "00" / "config.yaml")
     save_config(load_config("quickstart", overrides={"seed": 5}), tmp_path / "7" / "config.yaml")
-    assert choose_run_num(tmp_path, params, fresh=False) == "00"
-    assert choose_run_num(tmp_path, params, fresh=True) == "8"
+    assert choose_run_num(tmp_path, params, fresh=False) == ("00", [])
+    assert choose_run_num(tmp_path, params, fresh=True) == ("8", [])
     note = new_run_note(tmp_path, tmp_path / "8", load_config("quickstart", overrides={"num_epochs": 3}))
     assert note.startswith("a new run: this command differs from run 00's (the closest beside it) in num_epochs")
 
@@ -366,7 +367,7 @@ def test_going_back_to_a_checkpoint_drops_the_newer_ones_at_once(tiny_argv, tmp_
     with pytest.raises(Killed):
         train.main(tiny_argv + ["--resume", str(checkpoints / "ckpt_step00000008.pt")])
     assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt_step00000008.pt", "resumed_from"]
-    assert checkpoint.resumed_from(checkpoints) == str(checkpoints / "ckpt_step00000008.pt")  # its rerun goes on
+    assert checkpoint.continues(checkpoints, checkpoints / "ckpt_step00000008.pt")  # so its rerun goes on
 
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
@@ -402,6 +403,42 @@ def test_the_same_resume_path_command_again_continues_its_run_and_leaves_other_r
     assert f"This command resumed from {elsewhere} before and its run went on: it continues from its newest" in log
     assert "Resumed from " + str(runs / "1" / "checkpoints" / "ckpt_step00000010.pt") + " at global step 10" in log
     assert {path.name: path.read_bytes() for path in (runs / "0" / "checkpoints").glob("*.pt")} == own
+
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_resume_path_edges_restart_rotation_named_run_and_a_fresh_start(tiny_argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    argv = tiny_argv + ["--checkpoint_every_minutes", "0", "--checkpoint_every_n_steps", "4", "--keep_checkpoints", "2"]
+    runs = tmp_path / "runs" / "tiny" / "1GPU"
+    train.main(argv + ["--run_num", "0"])                       # a run of this config with its own history
+    elsewhere = tmp_path / "elsewhere" / "ckpt_step00000012.pt"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes((runs / "0" / "checkpoints" / "ckpt_step00000012.pt").read_bytes())
+    own = sorted(p.name for p in (runs / "0" / "checkpoints").iterdir())
+    # A named run with checkpoints of its own is not replaced by a PATH from elsewhere
+    code, err = run_train_cli(argv + ["--run_num", "0", "--resume", str(elsewhere)], capsys)
+    assert code == 2 and err == (f"error: run {runs / '0'} has checkpoints of its own, which --resume {elsewhere} "
+                                 f"would replace; name another --run_num, or move them away first")
+    assert sorted(p.name for p in (runs / "0" / "checkpoints").iterdir()) == own
+    # A Slurm requeue of a --resume PATH job continues its own run (1), not run 0 of the same config
+    (runs / "1" / "checkpoints").mkdir(parents=True)
+    (runs / "1" / "checkpoints" / "resumed_from").write_text(f"{elsewhere}\n")
+    (runs / "1" / "config.yaml").write_text((runs / "0" / "config.yaml").read_text())
+    shutil.copytree(runs / "0", runs / "2", ignore=shutil.ignore_patterns(".lock"))  # newer, with its own history
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    train.main(argv + ["--resume", str(elsewhere)])
+    assert f"Resumed from {elsewhere} at global step 12" in (runs / "1" / "out.log").read_text()
+    assert all(sorted(p.name for p in (runs / n / "checkpoints").iterdir()) == own for n in "02")
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    # A history that starts again from step 0 forgets its PATH
+    train.main(argv + ["--run_num", "1", "--resume", "never"])
+    assert not (runs / "1" / "checkpoints" / "resumed_from").exists()
+    # Going back in a run, then the same command again once keep_checkpoints has rotated PATH away: it continues
+    back = runs / "0" / "checkpoints" / "ckpt_step00000012.pt"
+    going_back = argv + ["--run_num", "0", "--keep_checkpoints", "1", "--resume", str(back)]
+    assert train.main(going_back) is not None and not back.exists()  # trained on from 12; 12 rotated away
+    assert train.main(going_back) is None                               # finished: continued, not refused
 
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full

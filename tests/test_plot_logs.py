@@ -174,6 +174,7 @@ def test_log_axis_minor_labels_thin_out_with_the_span(low, high, labelled):
 
 
 @pytest.mark.parametrize("low, high, ends", [(0.00529, 0.070, (0.005, 0.1)), (0.0005, 0.9, (0.0001, 1.0)),
+                                             (0.00095, 0.0205, (0.0001, 0.1)),  # 2s and 5s would span 100x
                                              (0.011, 0.09, (0.011, 0.09))])
 def test_a_log_axis_spanning_a_decade_or_more_ends_at_labelled_values(low, high, ends):
     """The quickstart's loss.png: validation 0.0085 to 0.006 lay below its lowest label, 0.01, unreadable."""
@@ -185,3 +186,7 @@ def test_a_log_axis_spanning_a_decade_or_more_ends_at_labelled_values(low, high,
     ax.set_ylim(low, high)
     plain_log_ticks(ax)
     assert ax.get_ylim() == pytest.approx(ends)
+    if high / low >= 10:  # both ends carry a label, a decade's (major) or a 2's or 5's (minor)
+        for end in ends:
+            decade = float(f"{end:.0e}"[0]) == 1
+            assert (ax.yaxis.get_major_formatter() if decade else ax.yaxis.get_minor_formatter())(end, 0) != ""

@@ -4,6 +4,7 @@ an error: a user error ends with ``error: ...`` on stderr and exit code 2, a pre
 and keeps its traceback. POSIX only: on Windows, importing it ends the process with one line (exit status 2).
 """
 import argparse
+import contextlib
 import difflib
 import errno
 import os
@@ -97,20 +98,29 @@ def storage_cause(err):
     return f"{type(err).__name__}: {first_line(err, 'no details')}"
 
 
-def write_atomically(path, text):
-    """``text`` into ``path``, all of it or (on any failure, a power loss included) none: temporary file, fsync,
-    rename. Raises OSError."""
+@contextlib.contextmanager
+def replaced_atomically(path):
+    """Yields a temporary path beside ``path`` to write; then it is fsynced and renamed to ``path``: all of it or (on
+    any failure, Ctrl-C and a power loss included) none. Its suffix is ``path``'s (matplotlib's format)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomically(path, text):
+    """``text`` into ``path`` (replaced_atomically). Raises OSError."""
+    with replaced_atomically(path) as tmp:
+        Path(tmp).write_text(text)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -22,7 +22,7 @@ import sys
 import zipfile
 from collections import OrderedDict, namedtuple
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from time import monotonic, perf_counter
 
@@ -115,12 +115,12 @@ def list_checkpoints(directory):
 ORIGIN_FILE = "resumed_from"  # in checkpoints/: the resolved --resume PATH this run's history starts from
 
 
-def resumed_from(directory):
-    """The ``--resume PATH`` (resolved) whose checkpoint the history in ``directory`` starts from, else None."""
+def continues(directory, path):
+    """Whether the history in checkpoints ``directory`` starts from checkpoint ``path`` (its ORIGIN_FILE)."""
     try:
-        return (Path(directory) / ORIGIN_FILE).read_text().strip() or None
+        return (Path(directory) / ORIGIN_FILE).read_text().strip() == str(Path(path).expanduser().resolve())
     except OSError:
-        return None
+        return False
 
 
 def last_checkpoint_note(directory):
@@ -568,17 +568,6 @@ class CheckpointManager:
         set_rng_state(payload["rng"])
         state.global_step = payload["step"]
         self.validation_pending = bool(payload.get("validation_pending", False))  # older checkpoints lack it
-        if info.is_main and given:
-            if path.parent == self.directory.resolve():
-                # Going back in this run: a restart before the first save must not jump forward into the newer ones.
-                _remove([p for p in list_checkpoints(self.directory) if checkpoint_step(p) > state.global_step],
-                        f"going back to step {state.global_step}")
-            try:  # the same command again continues this history instead of going back to PATH once more
-                self.directory.mkdir(parents=True, exist_ok=True)
-                write_atomically(self.directory / ORIGIN_FILE, f"{path}\n")
-            except OSError as err:
-                raise CheckpointError(f"cannot write {self.directory / ORIGIN_FILE} ({storage_cause(err)}); free "
-                                      f"space there or choose another --expdir") from None
         logger.info(f"Resumed from {path} at global step {state.global_step}"
                     + (f"; changed settings: {listed(changed)}" if changed else "")
                     + ("; its epoch's validation, skipped by the stopped run, comes first"
@@ -586,23 +575,48 @@ class CheckpointManager:
         return payload["epoch_loss_sum"] if info.is_main else 0.0
 
     def _choose(self, resume_from, fallback):
-        """Rank 0: (file to resume from or None, whether it is the user's --resume PATH, its payload if loaded)."""
+        """Rank 0, before the others load anything: (file to resume from or None, whether it is the user's --resume
+        PATH, its payload if loaded here). Its errors reach every rank (resume broadcasts them)."""
+        origin, redirected = self.directory / ORIGIN_FILE, False
         if resume_from != "auto":
-            given = str(Path(resume_from).expanduser().resolve())
-            if resumed_from(self.directory) != given:
-                return given, True, None
-            logger.info(f"This command resumed from {given} before and its run went on: it continues from its newest "
-                        f"checkpoint (to go back to {Path(given).name} again, delete {self.directory / ORIGIN_FILE})")
-            resume_from, fallback = "auto", given
+            if not continues(self.directory, resume_from):
+                return self._start_from(resume_from)
+            resume_from, fallback, redirected = "auto", resume_from, True
         found = latest_valid_checkpoint(self.directory, log=logger.warning)
         if found:
+            if redirected:
+                logger.info(f"This command resumed from {fallback} before and its run went on: it continues from its "
+                            f"newest checkpoint (to go back to {Path(fallback).name} again, delete {origin})")
             return str(found[0]), False, found[1]
         damaged = list_checkpoints(self.directory)
         if damaged:  # starting over would delete them at the first save: a read error may be passing, bit rot not
+            again = f" (delete {origin} first)" if redirected else ""
             raise CheckpointError(f"none of the {len(damaged)} checkpoint(s) in {self.directory} loads (the "
-                                  f"warnings above say why); resume from a good copy with --resume PATH, or start "
-                                  f"over with --resume never (they move to previous-<time>/)")
-        return (None, False, None) if fallback is None else (str(Path(fallback).expanduser().resolve()), True, None)
+                                  f"warnings above say why); resume from a good copy with --resume PATH{again}, or "
+                                  f"start over in a new run with --resume never")
+        if fallback is not None:
+            return self._start_from(fallback)
+        with suppress(OSError):
+            origin.unlink(missing_ok=True)  # a history from step 0 starts from no PATH
+        return None, False, None
+
+    def _start_from(self, given):
+        """Rank 0: load checkpoint ``given`` (a --resume PATH), check it, and make it this run's history: going back
+        in this run drops the newer checkpoints, and ORIGIN_FILE records it, so that the same command again continues
+        from where it got to rather than from ``given``."""
+        path = Path(given).expanduser().resolve()
+        payload = load_checkpoint(path, log=logger.warning)
+        check_compatible(payload["config"], self.state.params, f"checkpoint {path}", PATH_ADVICE)
+        if path.parent == self.directory.resolve():  # a restart before the first save must not jump forward again
+            _remove([p for p in list_checkpoints(self.directory) if checkpoint_step(p) > payload["step"]],
+                    f"going back to step {payload['step']}")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_atomically(self.directory / ORIGIN_FILE, f"{path}\n")
+        except OSError as err:
+            raise CheckpointError(f"cannot write {self.directory / ORIGIN_FILE} ({storage_cause(err)}); free space "
+                                  f"there or choose another --expdir") from None
+        return str(path), True, payload
 
     @contextmanager
     def running(self, tensorboard=None):

@@ -72,7 +72,8 @@ def loss_figure(runs, walltime=False):
     for color, (label, scalars) in enumerate(runs.items()):
         if "Loss/train" in scalars:
             x, y = _x(scalars["Loss/train"], walltime), scalars["Loss/train"][2]
-            ax.step(np.r_[0, x], np.r_[y[:1], y], "-", where="pre", color=f"C{color}",
+            start = max(0, 2 * x[0] - x[1]) if len(x) > 1 else 0  # the first epoch's start (a resumed run's: later)
+            ax.step(np.r_[start, x], np.r_[y[:1], y], "-", where="pre", color=f"C{color}",
                     label=f"{label} train (epoch mean)")
         if "Loss/valid" in scalars:
             ax.plot(_x(scalars["Loss/valid"], walltime), scalars["Loss/valid"][2], "--", color=f"C{color}",

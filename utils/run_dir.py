@@ -23,7 +23,7 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from utils import ConfigError, StorageError, storage_cause, write_atomically
-from utils.checkpoint import list_checkpoints, resumed_from
+from utils.checkpoint import continues, list_checkpoints
 from utils.config import DATA_FILES, SCHEMA, config_yaml, differences, listed, resolve_path
 
 
@@ -35,9 +35,6 @@ def resume_on_restart(resume, environ=os.environ):
     restarted = {name: environ[name] for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
                  if environ.get(name, "").isdigit() and int(environ[name]) > 0}
     if resume == "auto" or not restarted:
-        if resume not in ("auto", "never") and not Path(resume).expanduser().is_file():  # before any run folder
-            raise ConfigError(f"--resume {resume}: no such checkpoint file; give one of a run's "
-                              f"checkpoints/ckpt_step*.pt, or --resume auto or never")
         return resume, None, None
     which = ", ".join(f"{name}={count}" for name, count in restarted.items())
     fallback = None if resume == "never" else resume
@@ -85,36 +82,39 @@ def new_run_note(parent, run_dir, params):
             f"same command continues its run, any other starts a new one")
 
 
-def takes_history(run_dir, resume):
-    """Whether ``--resume resume`` may write into ``run_dir``: a PATH from elsewhere only into a run that has no
-    checkpoints yet or whose history starts at PATH (its rerun), so that another run of the config keeps its own."""
-    if resume in ("auto", "never"):
-        return True
-    given, checkpoints = Path(resume).expanduser().resolve(), run_dir / "checkpoints"
-    return (given.parent == checkpoints.resolve() or not list_checkpoints(checkpoints)
-            or resumed_from(checkpoints) == str(given))
+def takes_history(run_dir, branch):
+    """Whether a run resumed from checkpoint ``branch`` (None: not from a --resume PATH) may write into ``run_dir``:
+    one from elsewhere only into a run with no checkpoints yet or whose history starts at it (the same command
+    again), so that another run of the config keeps its own."""
+    checkpoints = run_dir / "checkpoints"
+    return (branch is None or Path(branch).expanduser().resolve().parent == checkpoints.resolve()
+            or not list_checkpoints(checkpoints) or continues(checkpoints, branch))
 
 
-def choose_run_num(parent, params, fresh, resume="auto"):
-    """The newest numbered run this same config started that ``resume`` may continue (unless ``fresh``), else the
-    next free number."""
+def choose_run_num(parent, params, fresh, branch=None):
+    """(run_num, [runs of this config passed over]): the newest numbered run this same config started (unless
+    ``fresh``) that a run from ``branch`` may continue (takes_history), else the next free number."""
     names = sorted((p.name for p in parent.iterdir() if p.name.isdigit() and p.is_dir()), key=int) \
         if parent.is_dir() else []  # as named: the reference's run_num is "00"
+    passed = []
     if not fresh:
         for name in reversed(names):
-            if same_command(parent / name, params) and takes_history(parent / name, resume):
-                return name
-    return str(int(names[-1]) + 1 if names else 0)
+            if same_command(parent / name, params):
+                if takes_history(parent / name, branch):
+                    return name, passed
+                passed.insert(0, name)
+    return str(int(names[-1]) + 1 if names else 0), passed
 
 
-def make_run_dir(run_num, resume, params, info):
-    """(run directory, note for the log or None, rank 0's RunLock or None: release it at the end). Rank 0 prepares
-    the folder and broadcasts its name or its one-line error, which every rank raises: none waits in a collective."""
+def make_run_dir(run_num, resume, params, info, branch=None):
+    """(run directory, note for the log or None, rank 0's RunLock or None: release it at the end). ``branch``: the
+    --resume PATH (also on a restart, where ``resume`` is auto). Rank 0 prepares the folder and broadcasts its name
+    or its one-line error, which every rank raises: none waits in a collective."""
     parent = resolve_path(params.expdir) / params.config_name / f"{info.world_size}GPU"
     outcome, note, lock = [run_num, None], None, None
     if info.is_main:
         try:
-            outcome[0], lock = _claim_run_dir(parent, run_num, resume, params)
+            outcome[0], lock, passed = _claim_run_dir(parent, run_num, resume, params, branch)
             run_dir = parent / outcome[0]
             try:
                 if resume == "never":
@@ -129,12 +129,9 @@ def make_run_dir(run_num, resume, params, info):
                                 f"that run instead, pass --resume with its newest checkpoint")
                     elif run_num is None:
                         note = new_run_note(parent, run_dir, params)
-                elif run_num is None and not (run_dir / "config.yaml").exists():  # --resume PATH
-                    kept = [p.name for p in sorted(parent.iterdir()) if p.is_dir() and p.name.isdigit()
-                            and same_command(p, params)]
-                    if kept:
-                        note = (f"a new run: run(s) {', '.join(kept)} of this command have checkpoints of their own, "
-                                f"which --resume {resume} does not replace")
+                elif passed and not (run_dir / "config.yaml").exists():
+                    note = (f"a new run: run(s) {', '.join(passed)} of this command have checkpoints of their own, "
+                            f"which --resume {branch} does not replace")
             except OSError as err:
                 raise ConfigError(f"cannot prepare run directory {run_dir} ({err.strerror}: {err.filename}); "
                                   f"check its permissions or choose another with --expdir") from None
@@ -152,25 +149,33 @@ def make_run_dir(run_num, resume, params, info):
     return parent / outcome[0], note, lock
 
 
-def _claim_run_dir(parent, run_num, resume, params, attempts=8):
-    """(run_num, RunLock) of a created, writable, locked run folder. A new run's number that another new run took
-    a moment earlier is skipped for the next free one; a named or continued folder in use raises RunDirInUse."""
+def _claim_run_dir(parent, run_num, resume, params, branch, attempts=8):
+    """(run_num, RunLock, runs passed over) of a created, writable, locked run folder. A new run's number that another
+    new run took a moment earlier is skipped for the next free one; a named or continued folder in use raises
+    RunDirInUse. A --resume PATH that is no file, or would replace a named run's own checkpoints, makes none."""
     for attempt in range(attempts):
-        chosen = run_num
+        chosen, passed = run_num, []
         if chosen is None:
             try:
-                chosen = choose_run_num(parent, params, fresh=resume == "never", resume=resume)
+                chosen, passed = choose_run_num(parent, params, fresh=resume == "never", branch=branch)
             except OSError as err:
                 raise ConfigError(f"cannot read the run folders in {parent} ({err.strerror}); "
                                   f"choose another --expdir") from None
         run_dir = parent / chosen
+        if resume not in ("auto", "never") and not Path(resume).expanduser().is_file() \
+                and not continues(run_dir / "checkpoints", resume):  # rotated away since it began this run: fine
+            raise ConfigError(f"--resume {resume}: no such checkpoint file; give one of a run's "
+                              f"checkpoints/ckpt_step*.pt, or --resume auto or never")
+        if not takes_history(run_dir, branch):  # only a named one: choose_run_num passes them over
+            raise ConfigError(f"run {run_dir} has checkpoints of its own, which --resume {branch} would replace; "
+                              f"name another --run_num, or move them away first")
         new = not run_dir.exists()
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             probe = run_dir / ".write_test"
             probe.write_text("")
             probe.unlink()
-            return chosen, RunLock(run_dir)
+            return chosen, RunLock(run_dir), passed
         except RunDirInUse:
             if run_num is not None or not new or attempt == attempts - 1:
                 raise
