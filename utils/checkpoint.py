@@ -559,7 +559,8 @@ class CheckpointManager:
         path, given = Path(chosen[0]), chosen[1]
         payload = loaded if loaded is not None else load_checkpoint(path, log=logger.warning)
         source = f"checkpoint {path}"
-        check_compatible(payload["config"], params, source, PATH_ADVICE if given else RUN_ADVICE)
+        if not given:  # a --resume PATH was checked by rank 0 (_start_from) before it pruned anything
+            check_compatible(payload["config"], params, source)
         changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
         load_model_state(state.model, payload["model"], source)
         load_optimizer_state(state.optimizer, payload["optimizer"], source)
