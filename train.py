@@ -389,7 +389,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                 log_validation(writer, state, val_loss, science)
                 checkpoints.save_epoch(epoch, last=epoch + 1 == params.num_epochs)
                 resumed_loss_sum = 0.0
-            if params.data_loader_config != "synthetic":  # in running(): a signal now ends a finished run normally
+            if params.data_loader_config != "synthetic":  # in running(): a signal here ends the finished run normally
                 from science import mean_predictor_l1
                 baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
                 logger.info(f"Final validation L1 {val_loss:.5f} vs {baseline:.5f} for the mean predictor "
