@@ -1,4 +1,5 @@
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -67,11 +68,31 @@ class OsWith:
         return getattr(os, name)
 
 
+def ephemeral_ports():
+    """The kernel's range for bind(0) and outgoing connections (Linux; the IANA range elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port():
-    """A TCP port free on this host now (for MASTER_PORT of a test's process group)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this host now, for a test's MASTER_PORT or server. Drawn at random from below the
+    kernel's ephemeral range: a port from bind(0) is free only until this returns, and every gloo connection of
+    the tests running beside it takes ports from that range, so under load one could take it before the rank
+    binds it (EADDRINUSE). Below the range only an explicit bind takes a port; one already bound is skipped."""
+    low = ephemeral_ports()[0]
+    draw = random.SystemRandom()  # not the tests' seeded generator: xdist workers would draw the same ports
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free TCP port found below {low}: is this host out of ports?")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from tensorboard import manager
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
+from conftest import free_port
+
 # Test-only tools (requirements-dev.txt), often absent where only the runtime is installed (GPU images).
 NEEDS = "optional test tool for executing the notebook: pip install -r requirements-dev.txt"
 nbformat = pytest.importorskip("nbformat", reason=f"nbformat missing; {NEEDS}")
@@ -43,12 +45,6 @@ NOTEBOOK = REPO_ROOT / "start_tensorboard.ipynb"
 EXAMPLE_LOGS = REPO_ROOT / "example_logs"
 TRAIN_TAGS = {"Loss/train", "Loss/valid", "Learning Rate", "Avg iters per sec"}  # what train.py always logs
 HUB_PREFIX = "/user/alice/perlmutter-login-node-base/"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def get_json(port, path, **query):
