@@ -32,8 +32,8 @@ from utils import (ConfigError, NonFiniteLoss, OneLineParser, ReportedError, fir
                    run as cli)  # cli: errors as one line
 from utils.checkpoint import CheckpointManager, RunControl, refuse_other_config
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
-                          config_yaml, load_config)
-from utils.data import get_data_loader, prepare_data
+                          NULL, config_yaml, load_config, resolve_path)
+from utils.data import check_data, get_data_loader, prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, describe_ddp, env_world_size,
                                init_distributed, peer_lost)
 from utils.metrics import log_epoch, log_interval, log_startup
@@ -423,6 +423,7 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
         if args.print_config:  # what this command would run, as its run folder's config.yaml would record it
             print(config_yaml(params), end="")
             return None
+        check_data(params)  # as config errors: before the process group, and before a run folder
         resume, resume_fallback, restart_note = resume_on_restart(args.resume)
         info = init_distributed(params.device)
         control.attach(info)
@@ -533,9 +534,19 @@ def config_overrides(args, world_size):
     expdir = overrides.get("expdir") or os.environ.get("EXPDIR")
     if expdir:  # given on the command line or in the environment: relative to where you are
         overrides["expdir"] = str(Path(expdir).expanduser().resolve())
-    for key in ("train_path", "val_path"):  # flags too (in the YAML: relative to the repository, utils/config.py);
-        if overrides.get(key) is not None:    # symbolic links kept, as the YAML's paths keep them
-            overrides[key] = os.path.abspath(os.path.expanduser(overrides[key]))
+    paths = [key for key in ("train_path", "val_path") if overrides.get(key) is not None]
+    for key in paths:  # flags too (in the YAML: relative to the repository, utils/config.py);
+        overrides[key] = os.path.abspath(os.path.expanduser(overrides[key]))  # symbolic links kept, as the YAML's
+    if paths and not any(key.startswith("generate_data") for key in overrides):
+        own = load_config(args.config, args.yaml_config, {})
+        theirs = [key for key in paths if Path(overrides[key]) != resolve_path(getattr(own, key))]
+        if own.generate_data and theirs:  # files named on the command line are someone's data: never generated
+            if len(theirs) == 1:
+                other = "val_path" if theirs == ["train_path"] else "train_path"
+                raise ConfigError(f"--{theirs[0]} without --{other}: config '{args.config}' would "
+                                  f"{'validate' if other == 'val_path' else 'train'} on its own generated toy box "
+                                  f"{resolve_path(getattr(own, other))}; give --{other} too")
+            overrides["generate_data"] = NULL
     return overrides
 
 

@@ -3,12 +3,13 @@ import errno
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import train
 import utils.checkpoint
-from conftest import OsWith, run_train_cli, write_random_box
+from conftest import REPO_ROOT, OsWith, run_train_cli, write_random_box
 
 
 def edit(path, old, new):
@@ -71,6 +72,39 @@ def test_missing_and_unreadable_data(tiny_argv, tmp_path, capsys):
     garbage.write_bytes(b"\x00" * 100)
     code, err = run_train_cli(tiny_argv + ["--train_path", str(garbage)], capsys)
     assert code == 2 and "cannot read" in err and "as HDF5" in err
+
+
+def test_paths_given_as_flags_are_never_generated(tmp_path, capsys, monkeypatch):
+    """quickstart generates its toy boxes; a typo in a path of one's own data must not become a toy box that trains
+    and validates to exit 0, nor may one's own training file be validated on quickstart's box."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_train_cli(["--config=quickstart", "--train_path", "mine.h5", "--print_config"], capsys)
+    assert code == 2 and err == (f"error: --train_path without --val_path: config 'quickstart' would validate on its "
+                                 f"own generated toy box {REPO_ROOT / 'data' / 'quickstart_val.h5'}; give --val_path "
+                                 f"too"), err
+    argv = ["--config=quickstart", "--train_path", "mine.h5", "--val_path", "typo.h5", "--expdir", "runs"]
+    code, err = run_train_cli(argv, capsys)
+    assert code == 2 and err.startswith(f"error: missing data: {tmp_path / 'mine.h5'} (128^3) and "
+                                        f"{tmp_path / 'typo.h5'} (64^3); make them with"), err
+    assert not (tmp_path / "runs").exists()  # checked before a run folder is made: no empty runs to compare with
+    # the config's own files, named as flags, are still the config's
+    argv = ["--config=quickstart", "--train_path", str(REPO_ROOT / "data" / "quickstart_train.h5"), "--print_config"]
+    assert train.main(argv) is None and "generate_data:\n  train_seed: 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fault", ["physical units", "log of empty cells"])
+def test_fields_not_normalised_are_refused_at_once(tiny_argv, tmp_path, capsys, fault):
+    import h5py
+    path = write_random_box(tmp_path / "raw.h5", 24, seed=1)
+    with h5py.File(path, "a") as f:
+        if fault == "physical units":
+            f["Hydro"][4] = 10 ** (4.5 + 2.5 * f["Hydro"][4])  # temperature in K
+        else:
+            f["Nbody"][0, 12, :3] = -np.inf
+    code, err = run_train_cli(tiny_argv + ["--train_path", str(path)], capsys)
+    expected = ("'Hydro' channel 4 holds values from " if fault == "physical units"
+                else "'Nbody' channel 0 holds NaN or Inf values")
+    assert code == 2 and err.startswith(f"error: {path}: {expected}") and "normalize_*" in err, err
 
 
 def test_wrong_box_in_file(tiny_argv, tmp_path, capsys):
@@ -164,11 +198,11 @@ def test_truncated_checkpoint_given_explicitly(tiny_argv, tmp_path, capsys):
 
 def test_nan_in_the_validation_data_stops_at_the_first_validation(tiny_argv, tmp_path, capsys):
     """A NaN in the training data stops the run (exit 4); one in the validation data made every validation loss and
-    science number NaN through a whole run that ended with exit 0."""
+    science number NaN through a whole run that ended with exit 0. These NaNs lie off the plane the start-up checks."""
     import h5py
     bad = write_random_box(tmp_path / "nan_val.h5", 16, seed=2)
     with h5py.File(bad, "r+") as f:
-        f["Nbody"][0, :, :, :] = float("nan")
+        f["Nbody"][0, :4, :, :] = float("nan")
     code, err = run_train_cli(tiny_argv + ["--val_path", str(bad)], capsys)
     assert code == 4 and err == (f"error: non-finite validation loss (NaN or Inf) at global step 0: the validation "
                                  f"data ({bad}) holds NaN or Inf, or the model's outputs overflow (with amp_mode "

@@ -123,9 +123,9 @@ def test_lowmem_equals_inmem_and_augmentation_is_the_group_transform(tiny_params
 
 def test_inmem_out_of_host_memory_says_to_use_lowmem(tiny_params, monkeypatch):
     """The whole-volume read, not a batch: the run's out-of-memory advice (micro-batches, bf16) would not help."""
-    def no_memory(self, key):
+    def no_memory(self, *args):
         raise MemoryError
-    monkeypatch.setattr(h5py.Dataset, "__getitem__", no_memory)
+    monkeypatch.setattr(h5py.Dataset, "read_direct", no_memory)
     params = tiny_params(data_loader_config="inmem")
     with pytest.raises(DataError, match=rf"^out of host memory loading {params.train_path} whole \(0.000498 GB in "
                                         rf"float32, per rank\): use --data_loader_config lowmem \(crops read from "
@@ -218,18 +218,18 @@ def test_dali_twins_alone_are_data_that_is_never_replaced(tiny_params, tmp_path,
     """DALI reads the .npy twins alone: a run with them is not missing data, and first-use generation leaves them be
     (a generated .h5 beside them would delete them as an older box's); the missing-data advice for DALI says --npy."""
     from utils import make_dataset
-    from utils.data import prepare_data
+    from utils.data import check_data, prepare_data
     from utils.distributed import DistInfo
     train, val = tmp_path / "train.h5", tmp_path / "val.h5"
     params = tiny_params(data_loader_config="dali-lowmem", train_path=str(train), val_path=str(val))
     with pytest.raises(DataError, match=rf"make them with `python -m utils\.make_dataset --box 24 --seed 1 --out "
                                         rf"{train} --npy && python -m utils\.make_dataset --box 16 --seed 2 --out "
                                         rf"{val} --npy`"):
-        prepare_data(params, DistInfo(), lambda line: None)
+        check_data(params)
     for twin in make_dataset.npy_paths(train):
         twin.write_bytes(b"someone's data")
     with pytest.raises(DataError, match=rf"^missing data: {val} \(16\^3\); make it with"):
-        prepare_data(params, DistInfo(), lambda line: None)
+        check_data(params)
     calls = []
     monkeypatch.setattr(make_dataset, "ensure_dataset", lambda path, *args, **kwargs: calls.append(path.name))
     prepare_data(tiny_params(data_loader_config="dali-lowmem", train_path=str(train), val_path=str(val),

@@ -272,7 +272,9 @@ def error_files(tmp_path, run_dir):
     """Named paths for the error cases: a good input, broken inputs and checkpoints."""
     good = write_nbody(tmp_path / "nbody.h5", nbody(8))
     not_a_number = nbody(8)
-    not_a_number[2, 3, 4, 5] = np.nan
+    not_a_number[2, 3, 4, 5] = np.nan  # off the middle plane the start-up reads: found where its tile is cut
+    raw = nbody(8)
+    raw[1, 4, 0, 0] = 250.0  # km/s, not normalised: in the middle plane
     broken = tmp_path / "ckpt_step00000001.pt"
     broken.write_bytes(b"not a checkpoint" * 10)
     nan_weights = tmp_path / "nan_run"
@@ -293,6 +295,7 @@ def error_files(tmp_path, run_dir):
         "three_channels": write_nbody(tmp_path / "three.h5", nbody(8, channels=3)),
         "no_nbody": hydro_only,
         "nan_input": write_nbody(tmp_path / "nan.h5", not_a_number),
+        "raw_input": write_nbody(tmp_path / "raw.h5", raw),
         "out": tmp_path / "new.h5", "under_a_file": tmp_path / "exists.h5" / "hydro.h5",
         "new_folder": f"{tmp_path / 'new'}/",  # not yet made: only its slash says it is a folder
     }
@@ -310,7 +313,8 @@ ERROR_CASES = {
     "no Nbody": ({"--input": "no_nbody"}, "{no_nbody} has no dataset 'Nbody' (found: Hydro)"),
     "wrong channels": ({"--input": "three_channels"},
                        "dataset 'Nbody' has shape (3, 8, 8, 8), expected (4, N, N, N) for this checkpoint"),
-    "NaN input": ({"--input": "nan_input"}, "the input has NaN or Inf values (first at channel 2, cell (3, 4, 5))"),
+    "NaN input": ({"--input": "nan_input"}, "the input's channel 2 at cell (3, 4, 5) is NaN, Inf or outside [-1, 1]"),
+    "input in physical units": ({"--input": "raw_input"}, "{raw_input}: 'Nbody' channel 1 holds values from "),
     "tile not divisible": ({"--tile": "6"}, "--tile 6 must be a positive multiple of 2^2 = 4 (this U-Net halves it "
                                             "2 times); try --tile 4"),
     "tile larger than box": ({"--tile": "12"}, "--tile 12 is larger than the 8^3 box; use a tile of at most 8"),

@@ -149,3 +149,15 @@ def test_errors_are_one_line_before_any_rank_waits(case, error_setup, monkeypatc
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("value", [np.nan, 1.5])
+def test_a_depth_slab_outside_the_normalised_range_names_its_cell(value):
+    from utils import DataError
+    from utils.spatial import SpatialGroup
+    box = nbody(8)
+    box[3, 5, 6, 7] = value
+    with pytest.raises(DataError, match=r"^the input's channel 3 at cell \(5, 6, 7\) is NaN, Inf or outside \[-1, 1\];"):
+        inference.read_depth_slab(box, SpatialGroup())
+    box[3, 5, 6, 7] = 0.5
+    np.testing.assert_array_equal(inference.read_depth_slab(box, SpatialGroup()), box)

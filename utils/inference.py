@@ -41,7 +41,7 @@ from science import check_normalisation, lyman_alpha as lya
 from utils import CheckpointError, ConfigError, DataError
 from utils.checkpoint import latest_valid_checkpoint, load_checkpoint, load_model_state
 from utils.config import Params
-from utils.data import read_volume_shapes
+from utils.data import check_normalised, read_volume_shapes
 from utils.spatial import SpatialGroup, shard_model
 
 # Config keys build_model and the default tile need; older or foreign checkpoints may lack them.
@@ -89,6 +89,7 @@ def check_input(path, in_channels):
                         f"({in_channels}, N, N, N), e.g. one written by `python -m utils.make_dataset`")
     shape = read_volume_shapes(path, {"Nbody": in_channels}, hint=" for this checkpoint")["Nbody"]
     check_normalisation(path)
+    check_normalised(path, datasets=("Nbody",))  # at once, not after the tiles before a bad one
     return shape[1]
 
 
@@ -133,10 +134,10 @@ def predict_slabs(model, nbody, tile, overlap, batch_size=8, device="cpu", amp_m
         for x0 in starts:
             x1 = min(x0 + stride, box)
             slab = read_wrapped(nbody, x0 - margin, tile)                         # (C_in, tile, N, N)
-            if not np.isfinite(slab).all():
-                c, x, y, z = np.argwhere(~np.isfinite(slab))[0].tolist()
-                raise DataError(f"the input has NaN or Inf values (first at channel {c}, cell "
-                                f"({(x0 - margin + x) % box}, {y}, {z})); fix the input file")
+            bad = np.argwhere(~(np.abs(slab) <= 1))  # NaN fails it too
+            if len(bad):
+                c, x, y, z = bad[0].tolist()
+                raise not_normalised(c, ((x0 - margin + x) % box, y, z))
             slab = np.take(np.take(slab, wrapped, axis=2), wrapped, axis=3)      # (C_in, tile, span, span)
             # Poisoned: every cell must be written by exactly one core (checked below).
             hydro = np.full((model.conv_last.out_channels, x1 - x0, box, box), np.nan, dtype=np.float32)
@@ -189,12 +190,13 @@ def periodic_model(model, spatial=None):
 
 def read_depth_slab(nbody, spatial):
     """This rank's depth slab (C_in, N / S, N, N) float32 of ``nbody`` (array or dataset); a one-line DataError on
-    every rank when any rank's slab holds NaN or Inf (so no rank waits for a halo that never comes)."""
+    every rank when any rank's slab holds a value outside [-1, 1] or NaN (so no rank waits for a halo that never
+    comes)."""
     box = nbody.shape[1]
     planes = box // spatial.size
     x0 = spatial.index * planes
     slab = np.asarray(nbody[:, x0:x0 + planes], dtype=np.float32)
-    first = np.argwhere(~np.isfinite(slab))
+    first = np.argwhere(~(np.abs(slab) <= 1))
     # the box's flat (channel, x, y, z) index of the first bad cell; one past the end when none
     bad = torch.tensor(np.ravel_multi_index(first[0] + [0, x0, 0, 0], (slab.shape[0], box, box, box))
                        if len(first) else slab.shape[0] * box ** 3)
@@ -202,10 +204,15 @@ def read_depth_slab(nbody, spatial):
         bad = bad.to(_group_device(spatial))
         torch.distributed.all_reduce(bad, torch.distributed.ReduceOp.MIN, group=spatial.group)
     if bad < slab.shape[0] * box ** 3:
-        c, x, y, z = np.unravel_index(int(bad), (slab.shape[0], box, box, box))
-        raise DataError(f"the input has NaN or Inf values (first at channel {c}, cell ({x}, {y}, {z})); "
-                        f"fix the input file")
+        c, *cell = np.unravel_index(int(bad), (slab.shape[0], box, box, box))
+        raise not_normalised(c, tuple(map(int, cell)))
     return slab
+
+
+def not_normalised(channel, cell):
+    """The DataError of the input's first cell (of the slab read) outside [-1, 1], NaN and Inf included."""
+    return DataError(f"the input's channel {channel} at cell {cell} is NaN, Inf or outside [-1, 1]; expected the "
+                     f"normalised fields (README 'Data': utils/units.py's normalize_*): fix the input file")
 
 
 def _group_device(spatial):

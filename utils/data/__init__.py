@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from utils import DataError
 from utils.config import resolve_path
-from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, get_torch_loader, read_volume_shapes,
-                                     sample_plan)
+from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, check_data_file, check_normalised,
+                                     get_torch_loader, read_volume_shapes, sample_plan)
 
-__all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "get_data_loader", "prepare_data",
+__all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "check_data", "get_data_loader", "prepare_data",
            "read_volume_shapes", "sample_plan"]
 
 
@@ -37,37 +37,52 @@ def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cp
     return get_torch_loader(params, split, rank, world_size, device)
 
 
-def prepare_data(params, info, log):
-    """Generate the quickstart dataset on first use (``generate_data``: rank 0 of DistInfo ``info`` writes, every rank
-    waits; ``log`` reports one line). A config naming user files never generates: a missing one stops the run."""
+def data_files(params):
+    """[(path, box, seed)] of the training and validation files (seed: the generator's, or the one a message
+    suggests); for DALI only those whose .npy twins are not all there (it reads the twins, alone if need be)."""
     if params.data_loader_config == "synthetic":
-        return
-    seeds = params.generate_data or {"train_seed": 1, "val_seed": 2}  # else the seeds the message suggests
+        return []
+    seeds = params.generate_data or {"train_seed": 1, "val_seed": 2}
     files = [(resolve_path(params.train_path), params.box_size[0], seeds["train_seed"]),
              (resolve_path(params.val_path), params.box_size[1], seeds["val_seed"])]
-    dali = params.data_loader_config == "dali-lowmem"
-    if dali:  # DALI reads the .npy twins, alone if need be: someone's data, never replaced by a generated box
+    if params.data_loader_config == "dali-lowmem":
         from utils.make_dataset import npy_paths
         files = [file for file in files if not all(twin.exists() for twin in npy_paths(file[0]))]
+    return files
+
+
+def check_data(params):
+    """Every rank, before the run folder is made: a data file missing (where the config generates none) or not what
+    the config says stops the command in one line, leaving no empty run behind. A config naming user files never
+    generates; train.py turns generation off for paths given as flags."""
+    files = data_files(params)
+    missing = [(path, box, seed) for path, box, seed in files if not path.exists()]
+    if missing and params.generate_data is None:
+        largest = max(box for _, box, _ in missing)
+        make = " && ".join(f"python -m utils.make_dataset --box {box} --seed {seed} --out {path}"
+                           + " --npy" * (params.data_loader_config == "dali-lowmem") for path, box, seed in missing)
+        raise DataError(f"missing data: {' and '.join(f'{path} ({box}^3)' for path, box, _ in missing)}; make "
+                        f"{'it' if len(missing) == 1 else 'them'} with `{make}` (the {largest}^3 box needs "
+                        f"about {14 * largest ** 3 / 2 ** 30:.1f} GiB of memory and {36 * largest ** 3 / 1e9:.1f} "
+                        f"GB of disk), or point --train_path/--val_path at your files and set --box_size to "
+                        f"their sizes; on a laptop, `python train.py --config=quickstart` makes small data of "
+                        f"its own")
+    for path, box, _ in files:
+        if path.exists():
+            check_normalised(check_data_file(path, box, params.N_in_channels, params.N_out_channels))
+
+
+def prepare_data(params, info, log):
+    """Generate the quickstart dataset on first use (``generate_data``: rank 0 of DistInfo ``info`` writes the files
+    check_data let pass as missing, every rank waits; ``log`` reports one line)."""
     if params.generate_data is None:
-        missing = [(path, box, seed) for path, box, seed in files if not path.exists()]
-        if missing:
-            largest = max(box for _, box, _ in missing)
-            make = " && ".join(f"python -m utils.make_dataset --box {box} --seed {seed} --out {path}"
-                               + " --npy" * dali for path, box, seed in missing)
-            raise DataError(f"missing data: {' and '.join(f'{path} ({box}^3)' for path, box, _ in missing)}; make "
-                            f"{'it' if len(missing) == 1 else 'them'} with `{make}` (the {largest}^3 box needs "
-                            f"about {14 * largest ** 3 / 2 ** 30:.1f} GiB of memory and {36 * largest ** 3 / 1e9:.1f} "
-                            f"GB of disk), or point --train_path/--val_path at your files and set --box_size to "
-                            f"their sizes; on a laptop, `python train.py --config=quickstart` makes small data of "
-                            f"its own")
         return
     if info.is_main:
         from utils.make_dataset import ensure_dataset
-        for path, box, seed in files:
+        for path, box, seed in data_files(params):
             if not path.exists():
                 log(f"Generating {box}^3 dataset {path} (seed {seed}), first use only")
             # only what is missing (for DALI also the .npy twins of an existing file), on the run's device
-            ensure_dataset(path, box, seed, npy=dali, device=info.device)
+            ensure_dataset(path, box, seed, npy=params.data_loader_config == "dali-lowmem", device=info.device)
     if info.enabled:
         dist.barrier()

@@ -75,6 +75,34 @@ def check_data_file(path, box, in_channels, out_channels):
     return path
 
 
+def check_normalised(path, datasets=("Nbody", "Hydro")):
+    """Fields in physical units, or a log of an empty cell (-inf), train to nonsense or to a NaN loss far from the
+    cause; the tanh output cannot even reach values beyond +-1. One plane across the box's middle (every channel)
+    shows either at the cost of one read (train.py's start-up check); a few bad cells elsewhere the NaN loss
+    reports."""
+    with h5py.File(path, "r") as f:
+        for key in datasets:
+            plane = f[key][:, f[key].shape[1] // 2]
+            for channel, values in enumerate(plane):
+                if not np.isfinite(values).all():
+                    raise DataError(f"{path}: '{key}' channel {channel} holds NaN or Inf values; expected the "
+                                    f"normalised fields in [-1, 1] (README 'Data': utils/units.py's normalize_*, which "
+                                    f"floor empty cells before the log)")
+                low, high = float(values.min()), float(values.max())
+                if low < -1 or high > 1:
+                    raise DataError(f"{path}: '{key}' channel {channel} holds values from {low:.4g} to {high:.4g}; "
+                                    f"expected the normalised fields in [-1, 1] (README 'Data': utils/units.py's "
+                                    f"normalize_*)")
+
+
+def read_float32(dataset):
+    """A whole dataset as float32, as every loader gives, whatever the file holds: HDF5 converts while reading, so a
+    float64 file needs no second, float64 copy of the volume in memory."""
+    out = np.empty(dataset.shape, np.float32)
+    dataset.read_direct(out)
+    return out
+
+
 # --- what a split serves ------------------------------------------------------------------------------------------
 @lru_cache(maxsize=8)
 def sample_plan(seed, split, epoch, num_samples, box, crop, augment=True):
@@ -198,8 +226,8 @@ class RandomCropDataset(Dataset):
             self.path = check_data_file(spec.path, self.box, spec.in_channels, spec.out_channels)
             if self.mode == "inmem":
                 try:
-                    with h5py.File(self.path, "r") as f:  # float32 whatever the file holds, as every loader gives
-                        self.inp, self.tar = (f[key][...].astype(np.float32, copy=False) for key in ("Nbody", "Hydro"))
+                    with h5py.File(self.path, "r") as f:
+                        self.inp, self.tar = (read_float32(f[key]) for key in ("Nbody", "Hydro"))
                 except MemoryError:  # not a batch that is too large: the run's memory advice would not apply
                     size = 4 * (spec.in_channels + spec.out_channels) * self.box ** 3 / 1e9
                     raise DataError(f"out of host memory loading {self.path} whole ({size:.3g} GB in float32, per "
