@@ -146,6 +146,9 @@ def test_misspelt_key_is_named(tmp_path):
     ("weight_init.conv_scale", -0.02, "'weight_init.conv_scale' must be a finite number >= 0"),
     ("lambda_rho", -1.0, "'lambda_rho' must be a finite number >= 0"),
     ("peak_tflops", 0, "'peak_tflops' must be a finite number > 0"),
+    # other data layouts: the augmentation and the science metrics failed on them with a traceback
+    ("N_in_channels", 1, "'N_in_channels' must be one of 4, got 1"),
+    ("N_out_channels", 6, "'N_out_channels' must be one of 5, got 6"),
 ])
 def test_bad_values_are_named(tmp_path, key, value, expected):
     section, _, sub = key.rpartition(".")

@@ -82,8 +82,11 @@ SCHEMA = {  # every key of every named config
     "upsample": Key(str, "up-path operator: transposed convolution or a checkerboard-free one (networks/UNet.py)",
                     RUN, choices=("transposed", "resize_conv", "linear_conv", "transposed_blur")),
     "full_scale": Key(bool, "use every level of model_channels (False drops the coarsest)", RUN),
-    "N_in_channels": Key(int, "input channels (N-body: density, vx, vy, vz)", RUN, limits=">= 1"),
-    "N_out_channels": Key(int, "output channels (hydro: density, vx, vy, vz, temperature)", RUN, limits=">= 1"),
+    # fixed: the augmentation rotates channels 1-3 as a vector, the science metrics read each field (utils/units.py)
+    "N_in_channels": Key(int, "input channels: N-body density, vx, vy, vz (utils/units.py's layout)", RUN,
+                         choices=(4,)),
+    "N_out_channels": Key(int, "output channels: gas density, vx, vy, vz, temperature (utils/units.py's layout)",
+                          RUN, choices=(5,)),
     "lambda_rho": Key(float, "weight of the L1 term on exp(14 x) of the gas density", RUN, limits=">= 0"),
     "global_batch_size": Key(int, "samples per optimiser step over all ranks", RUN, limits=">= 1"),
     "micro_batches": Key(int, "chunks of each rank's batch, each through forward and backward before the one "
