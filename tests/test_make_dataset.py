@@ -13,7 +13,7 @@ import scipy.integrate
 import torch
 from tqdm import tqdm
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, write_random_box
 from test_symmetry import from_matrix, matrix
 from utils import make_dataset as md
 from utils import symmetry, units
@@ -285,6 +285,20 @@ def test_npy_only_writes_the_twins_of_an_existing_file(tmp_path, capsys):
     assert "absent.h5 does not exist; --npy_only writes the .npy twins of an existing .h5 file" in message
     message = _one_line_error(["--out", str(tmp_path), "--npy_only"], capsys)
     assert message == f"error: {tmp_path} is a directory; --npy_only writes the .npy twins of an existing .h5 file\n"
+    # someone's file: checked as training checks it, before a twin is written
+    channels_last = tmp_path / "channels_last.h5"
+    write_random_box(channels_last, 8)
+    with h5py.File(channels_last, "a") as f:
+        del f["Nbody"]
+        f["Nbody"] = np.zeros((8, 8, 8, 4), np.float32)
+    message = _one_line_error(["--out", str(channels_last), "--npy_only"], capsys)
+    assert message == (f"error: {channels_last}: dataset 'Nbody' has shape (8, 8, 8, 4), expected (4, N, N, N)\n")
+    raw = write_random_box(tmp_path / "raw.h5", 8)
+    with h5py.File(raw, "a") as f:
+        f["Hydro"][0] = 1e3
+    assert "'Hydro' channel 0 holds values from 1000 to 1000" in _one_line_error(["--out", str(raw), "--npy_only"],
+                                                                                    capsys)
+    assert not any(twin.exists() for path in (channels_last, raw) for twin in md.npy_paths(path))
     with pytest.raises(SystemExit) as exit_info:                          # argparse: usage line + error, status 2
         md.main(["--out", str(out), "--npy_only", "--seed", "3"])
     assert exit_info.value.code == 2

@@ -99,7 +99,7 @@ from utils import DataError, GenerationError, first_line, run
 from utils.arguments import at_least, positive_float, positive_int
 from utils.out_of_memory import is_out_of_memory
 from utils.units import (CLIP, DEFAULT_CELL_SIZE, DENSITY_FLOOR, DENSITY_LOG_SCALE, TEMPERATURE_LOG10_OFFSET,
-                         TEMPERATURE_LOG10_SCALE, VELOCITY_SCALE, physical_attrs)
+                         HYDRO_CHANNELS, NBODY_CHANNELS, TEMPERATURE_LOG10_SCALE, VELOCITY_SCALE, physical_attrs)
 
 GENERATOR_VERSION = "utils.make_dataset/2"
 # In train.py its lines go to the run's log; on the command line, warnings reach stderr (logging's last resort).
@@ -1106,6 +1106,9 @@ def _write_twins_only(path, force):
         raise GenerationError(f"{path} {'is a directory' if path.is_dir() else 'does not exist'}; --npy_only writes "
                               f"the .npy twins of an existing .h5 file")
     refuse_existing(npy_paths(path), force, "replace them")
+    from utils.data.torch_loader import check_data_file, check_normalised, read_volume_shapes
+    box = read_volume_shapes(path, {"Nbody": len(NBODY_CHANNELS), "Hydro": len(HYDRO_CHANNELS)})["Nbody"][1]
+    check_normalised(check_data_file(path, box, len(NBODY_CHANNELS), len(HYDRO_CHANNELS)))  # what training checks
     start = time.perf_counter()
     try:
         twins = write_npy_from_h5(path)
