@@ -436,11 +436,6 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
             for line in (restart_note, note):
                 if line:
                     logger.info(line)
-            if info.is_main and not (run_dir / "config.yaml").exists():
-                # A new run's record at once (a rerun finds its folder even if this attempt fails early); an
-                # existing run keeps the record of the command that made it (train writes it again only where
-                # no checkpoint was resumed), so neither a refused command nor an accepted change replaces it.
-                save_config(params, run_dir / "config.yaml")
             if resume != "never":  # a config the checkpoints refuse: before the data, not after it
                 refuse_other_config(run_dir, params, resume)
             prepare_data(params, info, logger.info)

@@ -142,7 +142,7 @@ def test_run_directory_not_writable(tiny_argv, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the run directory should go")
     code, err = run_train_cli(tiny_argv + ["--expdir", str(blocker / "runs")], capsys)
-    assert code == 2 and "is not writable" in err and "--expdir" in err
+    assert code == 2 and "cannot write in run directory" in err and "ENOTDIR" in err and "--expdir" in err
     assert blocker.read_text() == "a file where the run directory should go"
 
 

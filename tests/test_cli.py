@@ -166,9 +166,8 @@ def test_a_full_disk_writing_config_yaml_is_one_line(tiny_argv, tmp_path, capsys
     monkeypatch.setattr(utils.config.yaml, "safe_dump", full)
     code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and "cannot write" in err and "config.yaml (ENOSPC: No space left on device)" in err
-    run_dir = tmp_path / "runs" / "tiny" / "1GPU" / "0"
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "out.log"]  # no config.yaml, no temporary file
-    assert (run_dir / "out.log").read_text().splitlines()[-1].endswith(f" {err}")  # the run's record says why it ended
+    # a new run's folder appears with its record or not at all: no folder, no draft, no temporary file
+    assert list((tmp_path / "runs" / "tiny" / "1GPU").iterdir()) == []
 
 
 def test_a_crash_keeps_its_traceback_and_out_log_names_it(tiny_argv, tmp_path, capsys, monkeypatch):
@@ -442,6 +441,38 @@ def test_resume_path_edges_restart_rotation_named_run_and_a_fresh_start(tiny_arg
 
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_a_requeued_slurm_job_continues_its_own_run(tiny_argv, tmp_path, monkeypatch, capsys):
+    """Not the newest run of its command (another job's, which that job's own requeue then found in use), nor a new
+    run from step 0 where the YAML changed while it waited; and it waits for its own previous attempt's lock (a dead
+    node's lasts until its lease ends) instead of failing on it."""
+    from utils import run_dir as run_dir_module
+    from utils.run_dir import RunLock
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    runs = tmp_path / "runs" / "tiny" / "1GPU"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setenv("SLURM_JOB_ID", "101")
+    assert train.main(tiny_argv) is not None                      # job 101: run 0
+    monkeypatch.setenv("SLURM_JOB_ID", "102")
+    assert train.main(tiny_argv + ["--resume", "never"]) is not None  # job 102, the same command: run 1
+    monkeypatch.setenv("SLURM_JOB_ID", "101")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")                # job 101 requeued
+    holder = RunLock(runs / "0")                                  # its previous attempt, still holding run 0
+    sleeps = []
+    monkeypatch.setattr(run_dir_module.time, "sleep", lambda seconds: (sleeps.append(seconds), holder.release()))
+    assert train.main(tiny_argv) is None                          # run 0, finished: nothing to do
+    assert sleeps == [5] and "for this job's previous attempt to release" in capsys.readouterr().err
+    assert (runs / "0" / "out.log").read_text().count("This run already finished") == 1
+    assert "This run already finished" not in (runs / "1" / "out.log").read_text()
+    # the YAML changed while the job waited in the queue: refused in its own run, not started over in a new one
+    code, err = run_train_cli(tiny_argv + ["--lr_schedule.start_lr", "0.001"], capsys)
+    assert code == 2 and err.startswith(f"error: run {runs / '0'} was written with a different config: "
+                                        f"lr_schedule.start_lr 0.002 -> 0.001;"), err
+    assert "continues its own run, although the command now differs from its config.yaml in lr_schedule.start_lr " \
+        "(0.002 there, 0.001 here)" in (runs / "0" / "out.log").read_text()
+    assert run_folders(tmp_path) == ["0", "1"]
+
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_a_run_folder_in_use_is_refused_in_one_line(tiny_argv, tmp_path, capsys):
     """Two processes in one run folder would delete each other's checkpoints: the second stops, naming the first."""
     from utils.run_dir import RunLock
@@ -457,6 +488,53 @@ def test_a_run_folder_in_use_is_refused_in_one_line(tiny_argv, tmp_path, capsys)
         holder.release()
     assert train.main(argv) is not None             # free again: the run goes ahead
     assert train.main(argv) is None                 # and its lock was released at the end
+
+
+def claim_together(index, params, barrier, results):
+    """One of several jobs starting at the same moment (a Slurm array's tasks): its run folder, held till all have one."""
+    from utils import ConfigError
+    from utils.distributed import DistInfo
+    from utils.run_dir import make_run_dir
+    barrier.wait()
+    try:
+        run_dir, _, lock = make_run_dir(None, "auto", params[index], DistInfo())
+        results.put(run_dir.name)
+    except ConfigError as err:
+        results.put(f"error: {err}")
+    barrier.wait()
+
+
+def test_jobs_started_together_each_get_a_run_folder_and_the_same_command_is_refused(tmp_path):
+    """A sweep's jobs all see the same next free number: each that finds it taken tries the next (one had failed with
+    "in use", another with "not writable" from a shared write probe); the same command twice finds the first's
+    record and lock. Forked processes released at once by a barrier."""
+    import multiprocessing
+    from utils.run_dir import same_command
+    context = multiprocessing.get_context("fork")
+
+    def together(configs):
+        barrier, results = context.Barrier(len(configs)), context.Queue()
+        jobs = [context.Process(target=claim_together, args=(i, configs, barrier, results))
+                for i in range(len(configs))]
+        for job in jobs:
+            job.start()
+        claimed = sorted(results.get(timeout=60) for _ in jobs)
+        for job in jobs:
+            job.join(timeout=60)
+        return claimed
+
+    for round_ in range(6):
+        expdir = tmp_path / f"sweep{round_}"
+        sweep = [load_config("quickstart", overrides={"expdir": str(expdir), "lr_schedule.start_lr": 1e-3 * (i + 1)})
+                 for i in range(6)]
+        assert together(sweep) == [str(i) for i in range(len(sweep))]
+        runs = expdir / "quickstart" / "1GPU"
+        assert sorted(next(name for name in map(str, range(6)) if same_command(runs / name, params))
+                      for params in sweep) == [str(i) for i in range(6)]  # each folder records its own job
+    twice = [load_config("quickstart", overrides={"expdir": str(tmp_path / "twice")})] * 2
+    claimed = together(twice)
+    run_dir = tmp_path / "twice" / "quickstart" / "1GPU" / "0"
+    assert claimed[0] == "0" and claimed[1].startswith(f"error: run directory {run_dir} is in use by process "), claimed
 
 
 @pytest.mark.slow

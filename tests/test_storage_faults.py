@@ -15,6 +15,7 @@ import torch
 import train
 from conftest import run_train_cli, write_random_box
 from utils import checkpoint
+from utils import run_dir as run_dir_module
 from utils import storage_cause
 
 pytestmark = [pytest.mark.slow,
@@ -54,21 +55,22 @@ def run_dir(tmp_path):
 
 def test_full_disk_when_the_config_is_written(tiny_argv, tmp_path, capsys, monkeypatch):
     with tmpfs(tmp_path / "runs"):
-        real = train.save_config
-        monkeypatch.setattr(train, "save_config", lambda params, path: (fill(tmp_path / "runs"), real(params, path)))
+        real = run_dir_module.save_config
+        monkeypatch.setattr(run_dir_module, "save_config",
+                            lambda *args, **kwargs: (fill(tmp_path / "runs"), real(*args, **kwargs)))
         code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and f"{run_dir(tmp_path) / 'config.yaml'}" in err and "ENOSPC" in err, err
 
 
 def test_full_disk_for_the_run_log(tiny_argv, tmp_path, capsys, monkeypatch):
     with tmpfs(tmp_path / "runs"):
-        real = train.save_config
+        real = train.refuse_other_config
 
-        def then_fill(*args):  # config.yaml is written; the next log line finds the disk full
-            real(*args)
+        def then_fill(*args):  # out.log is open; the next log line finds the disk full
             fill(tmp_path / "runs")
+            return real(*args)
 
-        monkeypatch.setattr(train, "save_config", then_fill)
+        monkeypatch.setattr(train, "refuse_other_config", then_fill)
         code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and f"the run log {run_dir(tmp_path) / 'out.log'} (ENOSPC: No space left on device)" in err, err
 

@@ -21,7 +21,8 @@ def test_torchrun_trains_quickstart_with_two_ranks(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
                "--config=quickstart", "--num_epochs", "1", "--Nsamples", "32", "--Nsamples_val", "16",
                "--num_data_workers", "0", "--global_batch_size", "4", "--train_path", str(data / "train.h5"),
-               "--val_path", str(data / "val.h5"), "--expdir", str(runs), "--device", "cpu", "--run_num", "torchrun"]
+               "--val_path", str(data / "val.h5"), "--generate_data.train_seed", "1",  # generated there: asked for
+               "--expdir", str(runs), "--device", "cpu", "--run_num", "torchrun"]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

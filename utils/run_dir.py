@@ -9,9 +9,12 @@ intact checkpoints. It goes to ``report`` (RunControl.write_failed): only rank 0
 stopping alone would leave the others hanging in a collective, so it is held until the ranks' next agreement.
 """
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import re
+import shutil
 import socket
 import sys
 import threading
@@ -91,6 +94,29 @@ def takes_history(run_dir, branch):
             or not list_checkpoints(checkpoints) or continues(checkpoints, branch))
 
 
+def requeued_job(environ=os.environ):
+    """This Slurm job's ID where it is a requeued attempt (SLURM_RESTART_COUNT > 0), else None."""
+    restarts = environ.get("SLURM_RESTART_COUNT", "")
+    return environ.get("SLURM_JOB_ID") if restarts.isdigit() and int(restarts) > 0 else None
+
+
+def lock_holder_job(run_dir):
+    """The Slurm job ID the run folder's lock file names (its last holder's), or None."""
+    try:
+        match = re.search(r"\(Slurm job (\S+)\)", (run_dir / ".lock").read_text())
+    except OSError:
+        return None
+    return match and match.group(1)
+
+
+def own_run(parent, job):
+    """The run folder of ``parent`` that Slurm job ``job`` held before it was requeued (the newest, by its lock), or
+    None. Choosing by command would take another job's run of the same command, or, where the YAML changed between
+    attempts, start over from step 0."""
+    held = [p for p in parent.iterdir() if p.name.isdigit() and lock_holder_job(p) == job] if parent.is_dir() else []
+    return max(held, key=lambda p: (p / ".lock").stat().st_mtime).name if held else None
+
+
 def choose_run_num(parent, params, fresh, branch=None):
     """(run_num, [runs of this config passed over]): the newest numbered run this same config started (unless
     ``fresh``) that a run from ``branch`` may continue (takes_history), else the next free number."""
@@ -114,12 +140,19 @@ def make_run_dir(run_num, resume, params, info, branch=None):
     outcome, note, lock = [run_num, None], None, None
     if info.is_main:
         try:
-            outcome[0], lock, passed = _claim_run_dir(parent, run_num, resume, params, branch)
+            outcome[0], lock, passed, created = _claim_run_dir(parent, run_num, resume, params, branch)
             run_dir = parent / outcome[0]
             try:
-                if resume == "never":
-                    note = archive_previous_run(run_dir)
-                elif resume == "auto" and not (run_dir / "config.yaml").exists():
+                archived = archive_previous_run(run_dir) if resume == "never" and not created else None
+                fresh = created or not (run_dir / "config.yaml").exists()
+                if not (run_dir / "config.yaml").exists():
+                    # A new run's record at once (a rerun finds its folder even if this attempt fails early); an
+                    # existing run keeps the record of the command that made it (train writes it again only where
+                    # no checkpoint was resumed), so neither a refused command nor an accepted change replaces it.
+                    save_config(params, run_dir / "config.yaml")
+                if archived:
+                    note = archived
+                elif resume == "auto" and fresh:
                     elsewhere = [run for sibling in sorted(parent.parent.glob("*GPU")) if sibling != parent
                                  and sibling.is_dir() for run in sorted(sibling.iterdir())
                                  if run.is_dir() and same_command(run, params)]
@@ -129,9 +162,13 @@ def make_run_dir(run_num, resume, params, info, branch=None):
                                 f"that run instead, pass --resume with its newest checkpoint")
                     elif run_num is None:
                         note = new_run_note(parent, run_dir, params)
-                elif passed and not (run_dir / "config.yaml").exists():
+                elif passed and fresh and resume != "never":
                     note = (f"a new run: run(s) {', '.join(passed)} of this command have checkpoints of their own, "
                             f"which --resume {branch} does not replace")
+                elif requeued_job() and run_num is None and (changed := differing_keys(run_dir, params)):
+                    note = (f"Slurm job {requeued_job()}, requeued, continues its own run, although the command now "
+                            f"differs from its config.yaml in {listed(changed, '{key} ({there} there, {here} here)')}; "
+                            f"its checkpoints refuse what may not change")
             except OSError as err:
                 raise ConfigError(f"cannot prepare run directory {run_dir} ({err.strerror}: {err.filename}); "
                                   f"check its permissions or choose another with --expdir") from None
@@ -149,12 +186,16 @@ def make_run_dir(run_num, resume, params, info, branch=None):
     return parent / outcome[0], note, lock
 
 
-def _claim_run_dir(parent, run_num, resume, params, branch, attempts=8):
-    """(run_num, RunLock, runs passed over) of a created, writable, locked run folder. A new run's number that another
-    new run took a moment earlier is skipped for the next free one; a named or continued folder in use raises
-    RunDirInUse. A --resume PATH that is no file, or would replace a named run's own checkpoints, makes none."""
-    for attempt in range(attempts):
-        chosen, passed = run_num, []
+def _claim_run_dir(parent, run_num, resume, params, branch, attempts=64):
+    """(run_num, RunLock, runs passed over, whether this call created the folder) of a writable, locked run folder. A
+    new run's number that another job took a moment earlier (an array's tasks start together) is skipped for the next
+    free one; a named or continued folder in use raises RunDirInUse. A --resume PATH that is no file, or would replace
+    a named run's own checkpoints, makes none."""
+    job = requeued_job()
+    own = own_run(parent, job) if job and run_num is None and resume == "auto" else None
+    tries, waited = 0, 0
+    while tries < attempts:  # new numbers tried; waiting for this job's own earlier attempt is not one
+        chosen, passed = run_num or own, []
         if chosen is None:
             try:
                 chosen, passed = choose_run_num(parent, params, fresh=resume == "never", branch=branch)
@@ -169,19 +210,52 @@ def _claim_run_dir(parent, run_num, resume, params, branch, attempts=8):
         if not takes_history(run_dir, branch):  # only a named one: choose_run_num passes them over
             raise ConfigError(f"run {run_dir} has checkpoints of its own, which --resume {branch} would replace; "
                               f"name another --run_num, or move them away first")
-        new = not run_dir.exists()
+        new = chosen != own and run_num is None and not same_command(run_dir, params)  # a free number
         try:
+            if new and not _create_with_record(parent, chosen, params):
+                tries += 1
+                continue  # another job's now: choose again, seeing whose
             run_dir.mkdir(parents=True, exist_ok=True)
-            probe = run_dir / ".write_test"
-            probe.write_text("")
-            probe.unlink()
-            return chosen, RunLock(run_dir), passed
-        except RunDirInUse:
-            if run_num is not None or not new or attempt == attempts - 1:
+            return chosen, RunLock(run_dir), passed, new  # RunLock's open() is the write test
+        except RunDirInUse:  # a job of this command that found the new folder first continues it
+            if job and lock_holder_job(run_dir) == job and waited < OWN_LOCK_WAIT_S:
+                # this job's own attempt before: a dead node's lock lasts until its lease ends (NFS, Lustre)
+                if waited == 0:
+                    print(f"waiting up to {OWN_LOCK_WAIT_S:.0f} s for this job's previous attempt to release "
+                          f"{run_dir}", file=sys.stderr, flush=True)
+                time.sleep(5)
+                waited += 5
+                continue
+            tries += 1
+            if not new or tries == attempts:
                 raise
         except OSError as err:
-            raise ConfigError(f"run directory {run_dir} is not writable ({err.strerror}); "
-                              f"choose another with --expdir or $EXPDIR") from None
+            raise ConfigError(f"cannot write in run directory {run_dir} ({storage_cause(err)}); free space or fix its "
+                              f"permissions there, or choose another with --expdir or $EXPDIR") from None
+    raise ConfigError(f"no free run number in {parent} after {attempts} tries (many jobs starting at once?); "
+                      f"give one with --run_num")
+
+
+OWN_LOCK_WAIT_S = 300.0  # a requeued job waiting for its own previous attempt's lock
+
+
+def _create_with_record(parent, name, params):
+    """Make the new run folder ``parent/name`` with its config.yaml in one rename, or False where it exists (another
+    job's): a job choosing at the same moment then sees whose run it is, never a folder without its record (with
+    which the same command started twice could take two numbers)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    draft = parent / f".new-{socket.gethostname()}-{os.getpid()}-{name}"
+    draft.mkdir(exist_ok=True)
+    try:
+        save_config(params, draft / "config.yaml", named=parent / name / "config.yaml")
+        os.rename(draft, parent / name)
+        return True
+    except OSError as err:
+        if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            return False
+        raise
+    finally:
+        shutil.rmtree(draft, ignore_errors=True)  # gone already after the rename
 
 
 class RunDirInUse(ConfigError):
@@ -220,12 +294,13 @@ class RunLock:
             self.file.close()
 
 
-def save_config(params, path):
-    """Write the resolved config atomically: the run folder's record of the command that made it."""
+def save_config(params, path, named=None):
+    """Write the resolved config atomically: the run folder's record of the command that made it (``named``: the
+    path errors name, where ``path`` is a draft's)."""
     try:
         write_atomically(path, config_yaml(params))
     except OSError as err:
-        raise ConfigError(f"cannot write {path} ({storage_cause(err)}); free space there or choose another "
+        raise ConfigError(f"cannot write {named or path} ({storage_cause(err)}); free space there or choose another "
                           f"--expdir") from None
 
 
