@@ -1,5 +1,6 @@
 import errno
 import io
+import os
 import random
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from conftest import OsWith
 from networks.UNet import UNet, loss_func
 from utils import checkpoint
 from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, RUN_DEFINING_KEYS, CheckpointError, check_compatible,
@@ -113,6 +115,25 @@ def test_disk_full_names_the_intact_checkpoint(tmp_path, monkeypatch, where):
         f"free space there or point --expdir at a file system with room")
     assert names(tmp_path) == ["ckpt_step00000001.pt"]
     assert load_checkpoint(tmp_path / "ckpt_step00000001.pt")["step"] == 1
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_file_system_that_cannot_fsync_a_directory_still_checkpoints(tmp_path, monkeypatch, code):
+    """CIFS and some FUSE mounts refuse fsync on a directory: the file itself is synced and renamed, so the run goes on
+    (it stopped at its first checkpoint, every time, with the file on disk); a real failure there still raises."""
+    import stat
+    real = os.fsync
+
+    def files_only(fd, error=code):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(error, os.strerror(error))
+        return real(fd)
+    monkeypatch.setattr(checkpoint, "os", OsWith(fsync=files_only))
+    save_checkpoint(tmp_path, payload(1), 1, keep_last=3)
+    assert load_checkpoint(tmp_path / "ckpt_step00000001.pt")["step"] == 1
+    monkeypatch.setattr(checkpoint, "os", OsWith(fsync=lambda fd: files_only(fd, errno.EIO)))
+    with pytest.raises(CheckpointError, match="EIO"):
+        save_checkpoint(tmp_path, payload(2), 2, keep_last=3)
 
 
 def test_other_write_errors(tmp_path, monkeypatch):

@@ -174,6 +174,9 @@ def save_checkpoint(directory, payload, step, keep_last):
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dir_fd)  # ... and the rename itself survives a power loss
+        except OSError as err:  # some file systems (CIFS, FUSE mounts) cannot fsync a directory: the file is whole
+            if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):  # and named; failing here would stop
+                raise                                                             # every run at its first checkpoint
         finally:
             os.close(dir_fd)
     except BaseException as err:
