@@ -188,6 +188,29 @@ def test_regenerating_without_npy_removes_the_old_twins(tmp_path, caplog):
     assert f"removed {md.npy_paths(out)[0]} and {md.npy_paths(out)[1]}" in caplog.text and "(--npy)" in caplog.text
 
 
+def _generate_together(out, barrier, results):
+    real, calls = md.write_dataset, []
+    md.write_dataset = lambda *args, **kwargs: (calls.append(1), real(*args, **kwargs))  # this forked process's
+    barrier.wait()
+    md.ensure_dataset(out, 16, seed=1, progress=False)
+    results.put(len(calls))
+
+
+def test_two_jobs_needing_the_same_missing_file_take_turns(tmp_path):
+    """Two quickstart jobs started together on missing data wrote it twice, each naming the other's temporary file a
+    killed generation's: the second now waits for the first's lock and finds the file."""
+    import multiprocessing
+    context = multiprocessing.get_context("fork")
+    out, barrier, results = tmp_path / "d.h5", context.Barrier(2), context.Queue()
+    jobs = [context.Process(target=_generate_together, args=(out, barrier, results)) for _ in range(2)]
+    for job in jobs:
+        job.start()
+    writes = [results.get(timeout=120) for _ in jobs]
+    for job in jobs:
+        job.join(timeout=60)
+    assert sorted(writes) == [0, 1] and sorted(os.listdir(tmp_path)) == ["d.h5"]  # no lock or temporary file left
+
+
 def test_partial_files_of_a_killed_generation_are_named_not_deleted(tmp_path, caplog):
     """SIGKILL runs no clean-up: its hidden temporaries (a box's size each) are named by the next run; not deleted,
     since on a shared file system they may be another node's writes in progress."""

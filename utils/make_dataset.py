@@ -81,10 +81,12 @@ the GPU's) and disk space first; a failure raises GenerationError, which the com
 """
 import argparse
 import contextlib
+import fcntl
 import functools
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -831,8 +833,8 @@ def make_dataset(box, seed, box_length=None, smoothing=DEFAULT_SMOOTHING, progre
 
 # --- writing ------------------------------------------------------------------------------------
 def _tmp_path(path):
-    path = Path(path)
-    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+    path = Path(path)  # the host too: containers on two nodes may share a process ID and a file system
+    return path.with_name(f".{path.name}.tmp{socket.gethostname()}-{os.getpid()}")
 
 
 def warn_of_leftovers(path):
@@ -989,6 +991,31 @@ def ensure_dataset(path, box, seed, npy=False, box_length=None, smoothing=DEFAUL
     partial file that a later call would mistake for a finished one.
     """
     path = Path(path)
+    with _generation_lock(path):
+        return _ensure_dataset(path, box, seed, npy, box_length, smoothing, progress, device, slab, **physics)
+
+
+@contextlib.contextmanager
+def _generation_lock(path):
+    """One generator of ``path`` at a time, across processes and nodes: two jobs starting on a missing dataset wrote it
+    twice, each naming the other's temporary file a killed generation's; the second now waits, then finds the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = path.with_name(f".{path.name}.lock")
+    with open(name, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info(f"Waiting for another process generating {path}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # no flock on this file system: unlocked, as before
+            pass
+        try:
+            yield
+        finally:  # nothing left behind; one waiting on this lock finds the file, or (after a failure) makes it
+            name.unlink(missing_ok=True)
+
+
+def _ensure_dataset(path, box, seed, npy, box_length, smoothing, progress, device, slab, **physics):
     if path.exists():
         try:
             with h5py.File(path, "r") as f:
