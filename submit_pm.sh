@@ -50,7 +50,7 @@ CONTAINER_IMAGE=${CONTAINER_IMAGE:-}       # docker/Dockerfile's image: shifter 
 CPU_ONLY=${CPU_ONLY:-0}                    # 1: no GPU set-up at all (gloo backend); see the header
 REVERSE_GPUS=${REVERSE_GPUS:-1}            # GPU nodes: 1 reverses each task's GPU list (Perlmutter's layout, below)
 ENABLE_PROFILING=${ENABLE_PROFILING:-0}    # 1: Nsight Systems over train.py's profiler window
-PROFILE_OUTPUT=${PROFILE_OUTPUT:-profile}  # nsys report name: <name>.rank<R>.nsys-rep in this folder
+PROFILE_OUTPUT=${PROFILE_OUTPUT:-profile}  # nsys report name: <name>.job<ID>.rank<R>.nsys-rep in this folder
 # BENCHY_OUTPUT: path of the --enable_benchy JSON (default: run_dir/benchy.json); read by train.py.
 
 die() { echo "submit_pm.sh: $*" >&2; exit 2; }
@@ -99,7 +99,7 @@ if (( ENABLE_PROFILING )); then
     # The capture range starts and stops where train.py calls cudaProfilerStart/Stop, which
     # --enable_manual_profiling turns on; %q{SLURM_PROCID} gives every rank its own report.
     profiler=(nsys profile "--trace=cuda,nvtx" --capture-range=cudaProfilerApi --capture-range-end=stop
-              --force-overwrite=true -o "$PROFILE_OUTPUT.rank%q{SLURM_PROCID}")
+              --force-overwrite=true -o "$PROFILE_OUTPUT.job%q{SLURM_JOB_ID}.rank%q{SLURM_PROCID}")  # no other job's
     train_args+=(--enable_manual_profiling)
 fi
 
