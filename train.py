@@ -17,6 +17,7 @@ import gc
 import logging
 import math
 import os
+import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -430,7 +431,9 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
         state, finished, lock = None, False, None
         try:
             branch = resume_fallback or (None if resume in ("auto", "never") else resume)  # a --resume PATH
-            run_dir, note, lock = make_run_dir(args.run_num, resume, params, info, branch)
+            command = shlex.join(sys.argv[1:] if argv is None else argv)  # how a restart of the job finds its run
+            run_dir, note, lock, elsewhere = make_run_dir(args.run_num, resume, params, info, branch, command)
+            resume_fallback = resume_fallback or elsewhere
             control.checkpoint_dir = run_dir / "checkpoints"  # named when a signal stops the start-up
             setup_logging(logger, run_dir, info, report=control.write_failed)
             for line in (restart_note, note):

@@ -3,10 +3,12 @@ abbreviations, $EXPDIR on the precedence path, the run-folder rule, and stop sig
 import errno
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -456,7 +458,7 @@ def test_a_requeued_slurm_job_continues_its_own_run(tiny_argv, tmp_path, monkeyp
     assert train.main(tiny_argv + ["--resume", "never"]) is not None  # job 102, the same command: run 1
     monkeypatch.setenv("SLURM_JOB_ID", "101")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")                # job 101 requeued
-    holder = RunLock(runs / "0")                                  # its previous attempt, still holding run 0
+    holder = RunLock(runs / "0", shlex.join(tiny_argv))           # its previous attempt, still holding run 0
     sleeps = []
     monkeypatch.setattr(run_dir_module.time, "sleep", lambda seconds: (sleeps.append(seconds), holder.release()))
     assert train.main(tiny_argv) is None                          # run 0, finished: nothing to do
@@ -464,12 +466,44 @@ def test_a_requeued_slurm_job_continues_its_own_run(tiny_argv, tmp_path, monkeyp
     assert (runs / "0" / "out.log").read_text().count("This run already finished") == 1
     assert "This run already finished" not in (runs / "1" / "out.log").read_text()
     # the YAML changed while the job waited in the queue: refused in its own run, not started over in a new one
-    code, err = run_train_cli(tiny_argv + ["--lr_schedule.start_lr", "0.001"], capsys)
+    yaml_file = Path(tiny_argv[1])
+    yaml_file.write_text(yaml_file.read_text().replace("start_lr: 0.002", "start_lr: 0.001"))
+    code, err = run_train_cli(tiny_argv, capsys)
     assert code == 2 and err.startswith(f"error: run {runs / '0'} was written with a different config: "
                                         f"lr_schedule.start_lr 0.002 -> 0.001;"), err
     assert "continues its own run, although the command now differs from its config.yaml in lr_schedule.start_lr " \
         "(0.002 there, 0.001 here)" in (runs / "0" / "out.log").read_text()
     assert run_folders(tmp_path) == ["0", "1"]
+    # another command of the same job script (never run before the requeue): a new run, not the job's other run
+    assert train.main(tiny_argv + ["--lr_schedule.start_lr", "0.003"]) is not None
+    assert run_folders(tmp_path) == ["0", "1", "2"]
+
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_a_restart_on_another_gpu_count_continues_from_its_run_there(tiny_argv, tmp_path, monkeypatch,
+                                                                    process_group):
+    """Run folders are per GPU count: a requeue on another node count (sbatch -N 1-2) or an elastic torchrun restart
+    on fewer ranks started over from step 0; it now starts from its run's newest checkpoint, as a --resume PATH."""
+    from utils.checkpoint import list_checkpoints
+    from utils.distributed import DistInfo
+    from utils.run_dir import make_run_dir
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "301")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert train.main(tiny_argv) is not None                       # job 301 on one rank: tiny/1GPU/0
+    command = shlex.join(tiny_argv)
+    newest = list_checkpoints(tmp_path / "runs" / "tiny" / "1GPU" / "0" / "checkpoints")[0]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")                 # requeued, now on two ranks (rank 0 here)
+    params = load_config("tiny", tiny_argv[1], {"expdir": str(tmp_path / "runs")})
+    run_dir, note, lock, start = make_run_dir(None, "auto", params, DistInfo(world_size=2), command=command)
+    lock.release()
+    assert run_dir == tmp_path / "runs" / "tiny" / "2GPU" / "0" and start == str(newest)
+    assert note == (f"Slurm job 301, restarted on 2 rank(s), continues its run {newest.parent.parent} from its newest "
+                    f"checkpoint {newest.name} (run folders are per GPU count)")
+    monkeypatch.setenv("SLURM_JOB_ID", "302")                      # another job's restart: not job 301's run
+    _, _, lock, start = make_run_dir(None, "auto", params, DistInfo(world_size=2), command=command)
+    lock.release()
+    assert start is None
 
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
@@ -497,7 +531,7 @@ def claim_together(index, params, barrier, results):
     from utils.run_dir import make_run_dir
     barrier.wait()
     try:
-        run_dir, _, lock = make_run_dir(None, "auto", params[index], DistInfo())
+        run_dir, _, lock, _ = make_run_dir(None, "auto", params[index], DistInfo())
         results.put(run_dir.name)
     except ConfigError as err:
         results.put(f"error: {err}")

@@ -94,27 +94,49 @@ def takes_history(run_dir, branch):
             or not list_checkpoints(checkpoints) or continues(checkpoints, branch))
 
 
-def requeued_job(environ=os.environ):
-    """This Slurm job's ID where it is a requeued attempt (SLURM_RESTART_COUNT > 0), else None."""
-    restarts = environ.get("SLURM_RESTART_COUNT", "")
-    return environ.get("SLURM_JOB_ID") if restarts.isdigit() and int(restarts) > 0 else None
+def job_name(environ=os.environ):
+    """What survives this job's restarts: its Slurm job ID (a requeue keeps it) or torchrun's run ID (an elastic
+    restart keeps it); the run's lock file records it. None outside both."""
+    if environ.get("SLURM_JOB_ID"):
+        return f"Slurm job {environ['SLURM_JOB_ID']}"
+    return f"torchrun run {environ['TORCHELASTIC_RUN_ID']}" if environ.get("TORCHELASTIC_RUN_ID") else None
 
 
-def lock_holder_job(run_dir):
-    """The Slurm job ID the run folder's lock file names (its last holder's), or None."""
+def restarted_job(environ=os.environ):
+    """job_name() where this is a restart of the job (a Slurm requeue, a torchrun restart), else None."""
+    restarted = any(environ.get(name, "").isdigit() and int(environ[name]) > 0
+                    for name in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
+    return job_name(environ) if restarted else None
+
+
+def lock_holder(run_dir):
+    """(job_name(), command line) of the run folder's last lock holder, as RunLock wrote them; Nones where absent."""
     try:
-        match = re.search(r"\(Slurm job (\S+)\)", (run_dir / ".lock").read_text())
+        holder, _, command = (run_dir / ".lock").read_text().partition("\ncommand: ")
     except OSError:
-        return None
-    return match and match.group(1)
+        return None, None
+    match = re.search(r"\((Slurm job \S+|torchrun run \S+)\)$", holder.strip())
+    return match and match.group(1), command.rstrip("\n") or None
 
 
-def own_run(parent, job):
-    """The run folder of ``parent`` that Slurm job ``job`` held before it was requeued (the newest, by its lock), or
-    None. Choosing by command would take another job's run of the same command, or, where the YAML changed between
-    attempts, start over from step 0."""
-    held = [p for p in parent.iterdir() if p.name.isdigit() and lock_holder_job(p) == job] if parent.is_dir() else []
+def own_run(parent, job, command):
+    """The run folder of ``parent`` that job ``job`` held with this command line before it restarted (the newest), or
+    None. Choosing by config would take another job's run of the same config, or, where the YAML changed between
+    attempts, start over from step 0; the command line tells a job script's commands apart."""
+    held = [p for p in parent.iterdir() if p.name.isdigit() and lock_holder(p) == (job, command)] \
+        if parent.is_dir() else []
     return max(held, key=lambda p: (p / ".lock").stat().st_mtime).name if held else None
+
+
+def own_run_elsewhere(parent, job, command):
+    """The newest checkpoint of the run job ``job`` held with this command at another GPU count (run folders are per
+    count: an elastic restart or a requeue on another node count would start over from step 0), or None."""
+    for sibling in sorted(parent.parent.glob("*GPU")) if parent.parent.is_dir() else []:
+        name = own_run(sibling, job, command) if sibling != parent else None
+        checkpoints = list_checkpoints(sibling / name / "checkpoints") if name else []
+        if checkpoints:
+            return checkpoints[0]
+    return None
 
 
 def choose_run_num(parent, params, fresh, branch=None):
@@ -132,15 +154,22 @@ def choose_run_num(parent, params, fresh, branch=None):
     return str(int(names[-1]) + 1 if names else 0), passed
 
 
-def make_run_dir(run_num, resume, params, info, branch=None):
-    """(run directory, note for the log or None, rank 0's RunLock or None: release it at the end). ``branch``: the
-    --resume PATH (also on a restart, where ``resume`` is auto). Rank 0 prepares the folder and broadcasts its name
-    or its one-line error, which every rank raises: none waits in a collective."""
+def make_run_dir(run_num, resume, params, info, branch=None, command=None):
+    """(run directory, note for the log or None, rank 0's RunLock or None: release it at the end, a checkpoint to
+    start from or None). ``branch``: the --resume PATH (also on a restart, where ``resume`` is auto). The checkpoint
+    is a restarted job's newest at another GPU count, started from as a restart's --resume PATH. Rank 0 prepares the
+    folder and broadcasts its name or its one-line error, which every rank raises: none waits in a collective.
+    ``command``: the command line, which the lock records."""
     parent = resolve_path(params.expdir) / params.config_name / f"{info.world_size}GPU"
-    outcome, note, lock = [run_num, None], None, None
+    outcome, note, lock = [run_num, None, None], None, None  # name, error, a checkpoint to start from
     if info.is_main:
         try:
-            outcome[0], lock, passed, created = _claim_run_dir(parent, run_num, resume, params, branch)
+            job = restarted_job() if run_num is None and resume == "auto" else None
+            own = own_run(parent, job, command) if job else None
+            elsewhere_checkpoint = own_run_elsewhere(parent, job, command) if job and not own and not branch else None
+            if elsewhere_checkpoint:  # resumed as a --resume PATH of this restart
+                branch = outcome[2] = str(elsewhere_checkpoint)
+            outcome[0], lock, passed, created = _claim_run_dir(parent, run_num, resume, params, branch, own, command)
             run_dir = parent / outcome[0]
             try:
                 archived = archive_previous_run(run_dir) if resume == "never" and not created else None
@@ -165,10 +194,14 @@ def make_run_dir(run_num, resume, params, info, branch=None):
                 elif passed and fresh and resume != "never":
                     note = (f"a new run: run(s) {', '.join(passed)} of this command have checkpoints of their own, "
                             f"which --resume {branch} does not replace")
-                elif requeued_job() and run_num is None and (changed := differing_keys(run_dir, params)):
-                    note = (f"Slurm job {requeued_job()}, requeued, continues its own run, although the command now "
-                            f"differs from its config.yaml in {listed(changed, '{key} ({there} there, {here} here)')}; "
-                            f"its checkpoints refuse what may not change")
+                elif own and (changed := differing_keys(run_dir, params)):
+                    note = (f"{job}, restarted, continues its own run, although the command now differs "
+                            f"from its config.yaml in {listed(changed, '{key} ({there} there, {here} here)')}; its "
+                            f"checkpoints refuse what may not change")
+                if elsewhere_checkpoint:
+                    note = (f"{job}, restarted on {info.world_size} rank(s), continues its run "
+                            f"{elsewhere_checkpoint.parent.parent} from its newest checkpoint "
+                            f"{elsewhere_checkpoint.name} (run folders are per GPU count)")
             except OSError as err:
                 raise ConfigError(f"cannot prepare run directory {run_dir} ({err.strerror}: {err.filename}); "
                                   f"check its permissions or choose another with --expdir") from None
@@ -183,16 +216,15 @@ def make_run_dir(run_num, resume, params, info, branch=None):
         dist.broadcast_object_list(outcome, src=0)
     if outcome[1] is not None:
         raise ConfigError(outcome[1] if info.is_main else f"rank 0: {outcome[1]}")
-    return parent / outcome[0], note, lock
+    return parent / outcome[0], note, lock, outcome[2]
 
 
-def _claim_run_dir(parent, run_num, resume, params, branch, attempts=64):
-    """(run_num, RunLock, runs passed over, whether this call created the folder) of a writable, locked run folder. A
-    new run's number that another job took a moment earlier (an array's tasks start together) is skipped for the next
-    free one; a named or continued folder in use raises RunDirInUse. A --resume PATH that is no file, or would replace
-    a named run's own checkpoints, makes none."""
-    job = requeued_job()
-    own = own_run(parent, job) if job and run_num is None and resume == "auto" else None
+def _claim_run_dir(parent, run_num, resume, params, branch, own=None, command=None, attempts=64):
+    """(run_num, RunLock, runs passed over, whether this call created the folder) of a writable, locked run folder:
+    ``run_num``, else a restarted job's ``own`` run, else choose_run_num's. A new run's number that another job took a
+    moment earlier (an array's tasks start together) is skipped for the next free one; a named or continued folder in
+    use raises RunDirInUse. A --resume PATH that is no file, or would replace a named run's own checkpoints, makes
+    none."""
     tries, waited = 0, 0
     while tries < attempts:  # new numbers tried; waiting for this job's own earlier attempt is not one
         chosen, passed = run_num or own, []
@@ -216,9 +248,9 @@ def _claim_run_dir(parent, run_num, resume, params, branch, attempts=64):
                 tries += 1
                 continue  # another job's now: choose again, seeing whose
             run_dir.mkdir(parents=True, exist_ok=True)
-            return chosen, RunLock(run_dir), passed, new  # RunLock's open() is the write test
+            return chosen, RunLock(run_dir, command), passed, new  # RunLock's open() is the write test
         except RunDirInUse:  # a job of this command that found the new folder first continues it
-            if job and lock_holder_job(run_dir) == job and waited < OWN_LOCK_WAIT_S:
+            if own and lock_holder(run_dir)[0] == restarted_job() and waited < OWN_LOCK_WAIT_S:
                 # this job's own attempt before: a dead node's lock lasts until its lease ends (NFS, Lustre)
                 if waited == 0:
                     print(f"waiting up to {OWN_LOCK_WAIT_S:.0f} s for this job's previous attempt to release "
@@ -266,16 +298,17 @@ class RunLock:
     """Rank 0's lock on ``run_dir/.lock`` for the life of the run. Two processes in one run folder (a job submitted
     twice, a rerun beside a requeued job) would delete each other's checkpoints and interleave their logs. The
     kernel drops it when the process and its forked loader workers end (after a kill -9, within seconds); without
-    flock (some Lustre and NFS mounts) the run goes unlocked, and ``note`` says so."""
+    flock (some Lustre and NFS mounts) the run goes unlocked, and ``note`` says so. The file names its holder, with
+    the job (job_name()) and ``command`` line by which a restart of the job finds its run (own_run)."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir, command=None):
         self.note = None
         self.file = open(run_dir / ".lock", "a+")
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.file.seek(0)
-            holder = self.file.read().strip() or "another process"
+            holder = self.file.readline().strip() or "another process"
             self.file.close()
             raise RunDirInUse(f"run directory {run_dir} is in use by {holder}; let that run end, or give this "
                               f"one another --run_num") from None
@@ -283,8 +316,9 @@ class RunLock:
             self.note = f"run directory not locked ({err.strerror} on this file system): run one process per run"
             return
         self.file.truncate(0)
-        job = os.environ.get("SLURM_JOB_ID")
-        self.file.write(f"process {os.getpid()} on {socket.gethostname()}{f' (Slurm job {job})' if job else ''}\n")
+        job = job_name()
+        self.file.write(f"process {os.getpid()} on {socket.gethostname()}{f' ({job})' if job else ''}\n"
+                        + (f"command: {command}\n" if command else ""))
         self.file.flush()
 
     def release(self):
