@@ -159,7 +159,7 @@ def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):
     argv = ["--config=quickstart", "--expdir", str(tmp_path / "runs"), "--run_num", "e2e",
             "--num_epochs", "2", "--Nsamples", "16", "--Nsamples_val", "8", "--num_data_workers", "0",
             "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"), "--log_every_n_steps", "1",
-            "--device", "cpu"]
+            "--generate_data.train_seed", "1", "--device", "cpu"]  # paths of one's own: generated where asked
     val_loss = train.main(argv)
     run_dir = tmp_path / "runs" / "quickstart" / "1GPU" / "e2e"
     assert (data / "train.h5").exists() and (data / "val.h5").exists()
