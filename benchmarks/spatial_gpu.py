@@ -308,7 +308,9 @@ def check_worker(rank, port, out_dir, parts):
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    # longer than a rank's compile, which the other waits out in a collective; short enough that one rank's failure
+    # does not hold the GPU machine's scarce minutes for long (the other then waits in vain)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=240))
     info = DistInfo(rank=rank, local_rank=0, world_size=2, device=device)  # both ranks on the one device
     results = {}
     for part in parts:
