@@ -2,7 +2,10 @@
 
 Rerunning a command continues its run (the folder whose config.yaml matches); anything else (a benchmark, another
 flag) is a new run in the next free number. ``--resume never`` starts over, in a new folder unless ``--run_num``
-names one, whose earlier files move to ``previous-<time>/``.
+names one, whose earlier files move to ``previous-<time>/``. A restarted job (Slurm requeue, torchrun restart)
+continues the run its lock file names with the job and command line, even where the YAML changed meanwhile or it
+came back on another GPU count. Many jobs may start at once: a new run's folder appears with its config.yaml in
+one rename, and each folder's lock admits one process.
 
 A failed write of ``out.log`` or ``logs/`` becomes one StorageError line (exit 2), and rerunning continues from the
 intact checkpoints. It goes to ``report`` (RunControl.write_failed): only rank 0 writes these files, and a rank
