@@ -525,7 +525,7 @@ def test_a_run_folder_in_use_is_refused_in_one_line(tiny_argv, tmp_path, capsys)
 
 
 def claim_together(index, params, barrier, results):
-    """One of several jobs starting at the same moment (a Slurm array's tasks): its run folder, held till all have one."""
+    """One of several jobs starting at once (a Slurm array's tasks): its run folder, held till all have one."""
     from utils import ConfigError
     from utils.distributed import DistInfo
     from utils.run_dir import make_run_dir

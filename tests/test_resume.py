@@ -222,7 +222,7 @@ def test_events_of_an_attempt_killed_before_its_first_checkpoint_are_dropped(tin
 def test_nan_loss_stops_and_names_the_step_and_the_last_good_checkpoint(tiny_argv, tmp_path):
     bad = write_random_box(tmp_path / "nan.h5", 24, seed=1)
     with h5py.File(bad, "r+") as f:
-        f["Hydro"][0, :12] = f["Hydro"][0, 13:] = np.nan  # in every crop; the middle plane train.py checks first is clean
+        f["Hydro"][0, :12] = f["Hydro"][0, 13:] = np.nan  # in every crop; the middle plane train.py checks is clean
     cmd = command(tiny_argv, "nan", extra=["--train_path", str(bad)])
     result = run(cmd)
     assert result.returncode == 4, result.stderr
