@@ -634,6 +634,7 @@ def test_ctrl_c_during_start_up_exits_130_naming_the_last_checkpoint(tiny_argv, 
     assert signal.getsignal(signal.SIGINT) is handler_before  # the caller's handler is back
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_ctrl_c_in_the_last_validation_lets_the_finished_run_end_normally(tiny_argv, capfd, monkeypatch, tmp_path):
     """The hint promised a stop after this step with a checkpoint, but no step is left: the run ends as it would
     have (exit 0, the final checkpoint written) and says so, rather than exiting 130 as if work were lost."""
@@ -654,6 +655,7 @@ def test_ctrl_c_in_the_last_validation_lets_the_finished_run_end_normally(tiny_a
         [p.name for p in (run_dir / "checkpoints").iterdir()]
 
 
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_a_stop_signal_in_the_final_comparison_with_the_mean_predictor_ends_the_finished_run_normally(
         tiny_argv, monkeypatch, tmp_path):
     """After the final checkpoint only the comparison's line is left: exit 3 ("rerun to continue") would requeue a
