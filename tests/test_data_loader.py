@@ -133,6 +133,32 @@ def test_inmem_out_of_host_memory_says_to_use_lowmem(tiny_params, monkeypatch):
         RandomCropDataset(params, "train")
 
 
+@pytest.mark.parametrize("env, ranks", [({}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 4),
+                                         ({"SLURM_PROCID": "5", "SLURM_STEP_TASKS_PER_NODE": "2(x3),3"}, 3)])
+def test_inmem_refuses_more_than_the_nodes_free_memory_before_reading(tiny_params, monkeypatch, env, ranks):
+    """Past the node's memory the kernel kills inmem's ranks mid-read with no message: every rank of the node loads
+    both splits whole (float32, 9 channels: 24^3 and 16^3 boxes), so the check multiplies by the node's ranks."""
+    from utils import make_dataset
+    from utils.data import check_data
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_TASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    need = ranks * 36 * (24 ** 3 + 16 ** 3)
+    params = tiny_params(data_loader_config="inmem")
+    monkeypatch.setattr(make_dataset, "memory_available", lambda: need)
+    check_data(params)  # exactly enough
+    check_data(tiny_params(data_loader_config="lowmem"))
+    monkeypatch.setattr(make_dataset, "memory_available", lambda: need - 1)
+    with pytest.raises(DataError, match=rf"^data_loader_config inmem loads the training and validation volumes whole "
+                                        rf"into every rank: {ranks} rank\(s\) on this node need about 0\.0 GiB, 0\.0 "
+                                        rf"GiB is available \(MemAvailable, or the job's memory limit\); use "
+                                        rf"--data_loader_config lowmem \(crops read from the file\), fewer ranks "
+                                        rf"per node, or more memory$"):
+        check_data(params)
+    check_data(tiny_params(data_loader_config="lowmem"))  # crops read from the file: nothing whole in memory
+
+
 def test_validation_is_not_augmented_and_fixed(tiny_params):
     dataset = RandomCropDataset(tiny_params(), "val")
     assert (dataset.plan(0)[1] == symmetry.IDENTITY).all()

@@ -43,6 +43,16 @@ def env_world_size():
     return _env_int("WORLD_SIZE", 1)
 
 
+def env_ranks_per_node():
+    """Ranks started on this node, known before the process group: torchrun's LOCAL_WORLD_SIZE, else the most tasks
+    any node of the Slurm step runs (SLURM_STEP_TASKS_PER_NODE, e.g. '4(x2),3'), else 1."""
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        return _env_int("LOCAL_WORLD_SIZE", 1)
+    counts = [int(part.split("(")[0]) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split(",")
+              if part.split("(")[0].isdigit()]
+    return max(counts) if counts and os.environ.get("SLURM_PROCID") is not None else 1
+
+
 def init_distributed(device_kind="auto"):
     """This rank's DistInfo; joins the process group when WORLD_SIZE > 1. ``device_kind``: 'auto' takes GPU
     LOCAL_RANK if CUDA is visible, else the CPU; 'cuda' insists on a GPU; 'cpu' never touches CUDA (gloo DDP)."""

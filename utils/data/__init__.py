@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from utils import DataError
 from utils.config import resolve_path
+from utils.distributed import env_ranks_per_node
 from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, check_data_file, check_normalised,
                                      get_torch_loader, read_volume_shapes, sample_plan)
 
@@ -70,6 +71,23 @@ def check_data(params):
     for path, box, _ in files:
         if path.exists():
             check_normalised(check_data_file(path, box, params.N_in_channels, params.N_out_channels))
+    if params.data_loader_config == "inmem":
+        check_host_memory(params, [box for path, box, _ in files if path.exists()])
+
+
+def check_host_memory(params, boxes):
+    """inmem reads both volumes of every split whole into every rank: past the node's memory (or the job's limit)
+    the kernel kills the ranks mid-read, with no message. Refuse before, while all the node's ranks are only
+    starting, so that what is free now is what they share."""
+    from utils.make_dataset import memory_available  # MemAvailable and the cgroup's limit, as generation checks
+    ranks, available = env_ranks_per_node(), memory_available()
+    need = ranks * sum(4 * (params.N_in_channels + params.N_out_channels) * box ** 3 for box in boxes)
+    if available is not None and need > available:
+        raise DataError(f"data_loader_config inmem loads the training and validation volumes whole into every "
+                        f"rank: {ranks} rank(s) on this node need about {need / 2 ** 30:.1f} GiB, "
+                        f"{available / 2 ** 30:.1f} GiB is available (MemAvailable, or the job's memory limit); use "
+                        f"--data_loader_config lowmem (crops read from the file), fewer ranks per node, or more "
+                        f"memory")
 
 
 def prepare_data(params, info, log):
