@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Source inside each Slurm task (srun ... bash -c 'source export_DDP_vars.sh && python train.py'):
+# Source inside each Slurm task (srun ... bash -c 'source ./export_DDP_vars.sh && python train.py'):
 # turns Slurm's task variables into the ones torch.distributed's env:// init reads, the same ones
 # torchrun sets, so train.py needs no Slurm-specific code.
 #
@@ -19,7 +19,7 @@ if [[ -z ${SLURM_PROCID:-} || -z ${SLURM_STEP_ID:-} ]]; then
     # In the batch script itself SLURM_PROCID is 0 and SLURM_NTASKS is the job's: a lone python
     # started there would wait forever for the other ranks, so refuse.
     echo "export_DDP_vars.sh: not inside a Slurm task; source it in a command started by srun," \
-         "e.g. srun bash -c 'source export_DDP_vars.sh && python train.py'" >&2
+         "e.g. srun bash -c 'source ./export_DDP_vars.sh && python train.py'" >&2
     return 1 2>/dev/null || exit 1
 fi
 

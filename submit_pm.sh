@@ -1,6 +1,7 @@
 #!/bin/bash
 # Train on a Slurm cluster with one task per GPU and DistributedDataParallel over all of them.
-# The #SBATCH defaults are for NERSC Perlmutter (4 A100 per node); edit them for your site.
+# The #SBATCH defaults are for NERSC Perlmutter (4 A100 per node); edit them for your site. Where the site
+# asks for an account, give it on the sbatch line (sbatch -A <account> ...; at NERSC a project's GPU account).
 # Submit from the repository root (elsewhere Slurm cannot open logs/slurm/ for the job's output and the job
 # fails without a log; `sacct -j JOBID -o State,ExitCode` shows it); every argument after the script name goes
 # to train.py:
@@ -24,7 +25,6 @@
 # ENABLE_PROFILING=1 adds --enable_manual_profiling: nsys records only the window train.py opens.
 #
 #SBATCH --job-name=nbody2hydro
-#SBATCH --account=m0000_g
 #SBATCH --constraint=gpu
 #SBATCH --time=01:00:00
 #SBATCH --ntasks-per-node=4
@@ -87,6 +87,9 @@ fi
 
 # --- the command each task runs ---------------------------------------------------------------
 train_args=(--expdir "$LOGDIR")
+# A GPU job insists on its GPUs: with 'auto', a torch that cannot see them (a CPU build, a driver older than its
+# CUDA, a container started without GPU support) would train every node's ranks on their CPUs, silently.
+(( CPU_ONLY )) || train_args+=(--device cuda)
 if [[ -n $DATADIR ]]; then
     train_args+=(--train_path "$DATADIR/train.h5" --val_path "$DATADIR/val.h5")
 fi
@@ -127,6 +130,13 @@ if [[ $CONTAINER_RUNTIME != none ]]; then
             "before sbatch (the job inherits your PATH), or set CONTAINER_RUNTIME to a runtime this site has"
     # Both runtimes mount $HOME: packages pip put in ~/.local would shadow the image's (numpy, h5py, even torch).
     export PYTHONNOUSERSITE=1
+    # Both pass the environment in: a host PYTHONPATH/PYTHONHOME (a conda env, a module) would do the same.
+    for var in PYTHONPATH PYTHONHOME; do
+        if [[ -n ${!var:-} ]]; then
+            echo "submit_pm.sh: $var unset for the container (it would shadow the image's Python packages)" >&2
+            unset "$var"
+        fi
+    done
 fi
 
 mkdir -p "$LOGDIR"

@@ -97,7 +97,7 @@ def launch_command(launcher, num_ranks):
             f"--ntasks-per-node={min(num_ranks, per_node)}",
             f"--cpus-per-task={os.environ.get('SLURM_CPUS_PER_TASK', '1')}",
             *(["--cpu-bind=cores"] if torch.cuda.is_available() else []),
-            "bash", "-c", 'source export_DDP_vars.sh && exec "$@"', "task", sys.executable]
+            "bash", "-c", 'source ./export_DDP_vars.sh && exec "$@"', "task", sys.executable]
 
 
 def epoch_throughput(log_text):

@@ -108,7 +108,8 @@ def test_dali_step_replaces_a_shipped_dali_with_the_pinned_one(tmp_path):
     (command,) = run_commands("requirements-dali.txt")
     pinned = re.search(r"^nvidia-dali-cuda\d+==(\S+)", (REPO_ROOT / "requirements-dali.txt").read_text(), re.M)
     assert pinned, "requirements-dali.txt needs a line nvidia-dali-cudaXXX==VERSION"
-    (tmp_path / "constraint.txt").write_text("numpy==2.1.0\nnvidia-dali-cuda130==1.52.0\ntensorboard==2.20.0\n")
+    (tmp_path / "constraint.txt").write_text("numpy==2.1.0\nnvidia-dali-cuda130==1.52.0\nnvidia-libnvcomp-cu13==5.0.0\n"
+                                             "nvidia_nvimgcodec_cu13==0.6.1\ntensorboard==2.20.0\n")
     bin_dir, log = fake_tools(tmp_path, pip_list=r"numpy==2.1.0\nnvidia-dali-cuda130==1.52.0\n")
     run_step(command, tmp_path, bin_dir)
     calls = log.read_text().splitlines()

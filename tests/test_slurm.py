@@ -264,21 +264,28 @@ def test_submit_pm_binds_gpu_ranks_to_their_cores_and_keeps_runs_under_expdir(cp
     assert result.returncode == 0, result.stderr
     bound = " --cpu-bind=cores" if not cpu_only else ""
     assert f"srun --unbuffered --kill-on-bad-exit=0 --cpus-per-task=32{bound} bash -c" in result.stdout
-    assert f"python train.py --expdir {tmp_path / 'scratch'} --config=short" in result.stdout
+    device = "" if cpu_only else " --device cuda"  # a GPU job never falls back to the CPU silently
+    assert f"python train.py --expdir {tmp_path / 'scratch'}{device} --config=short" in result.stdout
 
 
 def test_submit_pm_gives_apptainer_and_train_py_absolute_paths(tmp_path):
     """LOGDIR and DATADIR given relative: apptainer binds, and train.py gets, the absolute folders (srun and
-    apptainer are stand-ins that print their arguments)."""
+    apptainer are stand-ins that print their arguments). A host PYTHONPATH (a conda env) does not reach the
+    container, where it would shadow the image's packages."""
     repo = fake_repository(tmp_path)
-    env = {**os.environ, "PATH": f"{stub_commands(tmp_path / 'bin', stubs=('srun', 'apptainer'))}:{os.environ['PATH']}",
+    bin_dir = stub_commands(tmp_path / "bin", stubs=("srun", "apptainer"))
+    (tmp_path / "bin" / "srun").write_text('#!/bin/bash\necho "srun $* (PYTHONPATH=${PYTHONPATH-unset})"\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": "/host/conda/site-packages",
            "CONTAINER_RUNTIME": "apptainer", "CONTAINER_IMAGE": "image.sif", "LOGDIR": "runs", "DATADIR": "../boxes",
            "SLURM_JOB_ID": "1"}
     result = subprocess.run(["/bin/bash", str(REPO_ROOT / "submit_pm.sh"), "--config=short"], cwd=repo,
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
+    assert "(PYTHONPATH=unset)" in result.stdout
+    assert "submit_pm.sh: PYTHONPATH unset for the container (it would shadow the image's Python packages)" in \
+        result.stderr
     logs, data = repo / "runs", tmp_path / "boxes"
     assert f"apptainer exec --bind {logs},{data} --nv image.sif bash -c" in result.stdout
-    assert (f"python train.py --expdir {logs} --train_path {data}/train.h5 --val_path {data}/val.h5 --config=short"
-            in result.stdout)
+    assert (f"python train.py --expdir {logs} --device cuda --train_path {data}/train.h5 --val_path {data}/val.h5 "
+            f"--config=short" in result.stdout)
     assert logs.is_dir()

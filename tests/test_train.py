@@ -153,6 +153,21 @@ def test_each_rank_takes_its_gpu_however_the_launcher_binds_them(monkeypatch, gp
         assert not chosen
 
 
+@pytest.mark.parametrize("cuda_version, reason", [
+    (None, "is a CPU build: install the CUDA build for this machine's driver"),
+    ("13.0", r"\(CUDA 13\.0\) sees no GPU here: no GPU allocated \(CUDA_VISIBLE_DEVICES=\), a driver older than "
+             r"CUDA 13\.0, or a container started without GPU support \(shifter --module=gpu, apptainer --nv\)"),
+])
+def test_device_cuda_without_a_gpu_says_why_in_one_line(monkeypatch, cuda_version, reason):
+    """submit_pm.sh's GPU jobs ask for --device cuda, so that a torch which sees no GPU stops the job in one line
+    instead of training every rank on the CPU (what 'auto' would do)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda_version)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError, match=rf"^device: cuda, but torch \S+ {reason}; or use --device cpu \(or auto\)$"):
+        init_distributed("cuda")
+
+
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):
     data = tmp_path / "data"

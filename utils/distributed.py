@@ -53,6 +53,15 @@ def env_ranks_per_node():
     return max(counts) if counts and os.environ.get("SLURM_PROCID") is not None else 1
 
 
+def no_cuda_reason():
+    """Why torch sees no GPU, as far as it can tell, and what to do."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build: install the CUDA build for this machine's driver"
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU here: no GPU allocated "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), a driver older than CUDA "
+            f"{torch.version.cuda}, or a container started without GPU support (shifter --module=gpu, apptainer --nv)")
+
+
 def init_distributed(device_kind="auto"):
     """This rank's DistInfo; joins the process group when WORLD_SIZE > 1. ``device_kind``: 'auto' takes GPU
     LOCAL_RANK if CUDA is visible, else the CPU; 'cuda' insists on a GPU; 'cpu' never touches CUDA (gloo DDP)."""
@@ -60,7 +69,7 @@ def init_distributed(device_kind="auto"):
     device = torch.device("cpu")
     if device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ConfigError("device: cuda, but no CUDA device is visible here; use --device cpu (or auto)")
+            raise ConfigError(f"device: cuda, but {no_cuda_reason()}; or use --device cpu (or auto)")
         count = torch.cuda.device_count()
         # GPU LOCAL_RANK if all the node's GPUs are visible, else GPU 0 if srun --gpus-per-task=1 shows only its own
         if local_rank >= count and not (count == 1 and os.environ.get("SLURM_GPUS_PER_TASK") == "1"):
