@@ -292,7 +292,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
     """The tutorial's loop: data, step, log, validate, checkpoint. ``control``: the run's stop signals and the ranks'
     agreement (utils/checkpoint.py); ``make_step(state)`` returns the step function (train_graph.py's captures a
     CUDA graph). Returns the final validation loss (None when there was nothing to train, or in benchmark mode)."""
-    info = state.info
+    info, started = state.info, time.perf_counter()
     train_loader, train_sampler = get_data_loader(params, "train", info.rank, info.world_size, info.device)
     val_loader, val_sampler = get_data_loader(params, "val", info.rank, info.world_size, info.device)
     steps_per_epoch, num_steps = train_sampler.steps_per_epoch, total_steps(params)
@@ -332,14 +332,20 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
     # there was none: an attempt killed before its first checkpoint left events of steps that will run again).
     writer = (EventWriter(run_dir / "logs", report=control.write_failed,  # under DDP: all ranks stop together
                           purge_step=state.global_step + 1 if state.global_step else 0) if info.is_main else None)
+    # wall seconds by stage (metrics.timed): the ETA's epoch ends, and the run's last line
+    spent = dict.fromkeys(("training", "validation", "science report", "checkpoints"), 0.0)
+    epoch_end_s = 0.0  # what the last validation, science report and checkpoint took: the ETA's cost per epoch end
     if state.global_step == 0 or checkpoints.validation_pending:
-        val_loss, science = validate(state, val_loader)
+        with metrics.timed(spent, "validation"):
+            val_loss, science = validate(state, val_loader)
         if state.global_step == 0:
             logger.info(f"Initial val loss={val_loss:.6f}")
         else:
             logger.info(f"  Avg val loss={val_loss:.6f} (epoch {state.global_step // steps_per_epoch}'s, which the "
                         f"stopped run left to this one)")
-        log_validation(writer, state, val_loss, science)
+        with metrics.timed(spent, "science report"):
+            log_validation(writer, state, val_loss, science)
+        epoch_end_s = sum(spent.values())
         if writer and state.global_step == 0:
             writer.add_scalar("Learning Rate", lr_at(0), 0)
 
@@ -373,10 +379,11 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                     stopping = control.signal_name and not info.enabled
                     if state.global_step % params.log_every_n_steps == 0 or last_in_epoch or stopping:
                         log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses,
-                                     lr, meter)
+                                     lr, meter, epoch_ends_left_s=(params.num_epochs - epoch) * epoch_end_s)
                     checkpoints.after_step(loss, loss_sum, last_in_epoch)  # a checkpoint when due; stop signals
                 stop = checkpoints.end_of_epoch()
                 epoch_time = time.perf_counter() - epoch_start
+                spent["training"] += epoch_time
                 epoch_steps = steps_per_epoch - first_step
                 train_loss = all_reduce_sum([loss_sum.item()], info)[0] / (steps_per_epoch * info.world_size)
                 summary = meter.summary(epoch_time, epoch_steps, params.global_batch_size, flops_per_step, peak)
@@ -384,17 +391,23 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                 if stop:  # the grace period before SIGKILL is for the checkpoint; the rerun validates first
                     checkpoints.stop_before_validation(epoch)
                 val_start = time.perf_counter()
-                val_loss, science = validate(state, val_loader)
+                with metrics.timed(spent, "validation"):
+                    val_loss, science = validate(state, val_loader)
                 logger.info(f"  Avg val loss={val_loss:.6f}")
                 logger.info(f"  Total validation time: {time.perf_counter() - val_start:.1f} sec")
-                log_validation(writer, state, val_loss, science)
-                checkpoints.save_epoch(epoch, last=epoch + 1 == params.num_epochs)
+                with metrics.timed(spent, "science report"):  # figures drawn on rank 0, which the others wait for
+                    log_validation(writer, state, val_loss, science)
+                with metrics.timed(spent, "checkpoints"):  # the epoch's: taken, and written in the background
+                    checkpoints.save_epoch(epoch, last=epoch + 1 == params.num_epochs)
+                epoch_end_s = time.perf_counter() - val_start
                 resumed_loss_sum = 0.0
             if params.data_loader_config != "synthetic":  # in running(): a signal here ends the finished run normally
                 from science import mean_predictor_l1
-                baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
+                with metrics.timed(spent, "validation"):
+                    baseline = mean_predictor_l1(params, val_loader, val_sampler, state)
                 logger.info(f"Final validation L1 {val_loss:.5f} vs {baseline:.5f} for the mean predictor "
                             f"(ratio {val_loss / baseline:.3f}; lower is better)")
+            logger.info(metrics.format_time_spent(spent, time.perf_counter() - started))
     except BaseException as err:
         ending_with = err  # a failed close below must not replace it (a preemption must exit with 3)
         raise

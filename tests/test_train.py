@@ -195,6 +195,55 @@ def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):
     assert scalars["Loss/valid"][-1][1] == pytest.approx(val_loss, rel=1e-6)
 
 
+def test_eta_adds_the_epoch_ends_to_come_and_resumes_name_what_changed_in_the_environment(monkeypatch):
+    meter = SimpleNamespace(interval=lambda steps, samples_per_step: {"steps_per_sec": 2.0, "samples_per_sec": 8.0,
+                                                                      "wait_share": 0.0})
+    state = SimpleNamespace(global_step=6, params=SimpleNamespace(global_batch_size=4))
+    lines = []
+    monkeypatch.setattr(metrics.logger, "info", lines.append)
+    metrics.log_interval(None, 0, 5, 8, state, 16, [torch.tensor(0.5)], 1e-3, meter, epoch_ends_left_s=100.0)
+    assert lines[-1].endswith("| ETA 0:01:45")  # 10 steps at 2 per second, and 100 s of epoch ends
+    saved = {"torch": "2.11.0+cu130", "numpy": "2.4.6", "cuda": "13.0", "cudnn": 91900, "gpu": "NVIDIA H100",
+             "host": "nid001", "code": "abc1234"}
+    now = {**saved, "torch": "2.13.0", "cudnn": 92000, "host": "nid002", "code": "def5678"}
+    assert metrics.environment_changes(saved, now) == ["torch 2.11.0+cu130 -> 2.13.0", "cudnn 91900 -> 92000"]
+    assert metrics.environment_changes(None, now) == []  # a checkpoint from before environments were kept
+    assert metrics.format_time_spent({"training": 3600.0, "validation": 59.94}, 3665.0) == (
+        "Time spent: 1:01:05 in all: training 1:00:00, validation 59.9 s, start-up and other 5.1 s")
+
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_the_log_records_the_environment_where_the_time_went_and_an_eta_with_the_epoch_ends(tiny_argv, tmp_path,
+                                                                                              monkeypatch):
+    """A long run's log answers what it ran on (versions, threads, host, commit), where its wall time went (the
+    science report's figures and the checkpoints besides training and validation), and an ETA that counts the epoch
+    ends still to come at the last one's cost; a resume under other versions or thread counts says it is not bit for
+    bit the run it continues."""
+    etas = []
+    real_log_interval = train.log_interval
+    monkeypatch.setattr(train, "log_interval", lambda *args, epoch_ends_left_s: (
+        etas.append((args[1], epoch_ends_left_s)), real_log_interval(*args, epoch_ends_left_s=epoch_ends_left_s)))
+    argv = tiny_argv + ["--run_num", "0", "--log_every_n_steps", "4"]
+    train.main(argv)
+    log = (tmp_path / "runs" / "tiny" / "1GPU" / "0" / "out.log").read_text()
+    env = metrics.environment("cpu")
+    assert (f"Environment: Python {env['python']}, torch {torch.__version__}, numpy {env['numpy']}; "
+            f"{torch.get_num_threads()} CPU threads on {env['host']}; code {env['code'] or 'not a git checkout'}\n"
+            in log)
+    assert re.search(r"\d Time spent: \d+\.\d s in all: training \d+\.\d s, validation \d+\.\d s, science report "
+                     r"\d+\.\d s, checkpoints \d+\.\d s, start-up and other \d+\.\d s\n", log), log
+    # 2 epochs of 8 steps, a line every 4: epoch 1's count both epoch ends at the initial validation's cost,
+    # epoch 2's its own end at epoch 1's (validation, science report, checkpoint)
+    assert [epoch for epoch, _ in etas] == [0, 0, 1, 1] and all(left > 0 for _, left in etas)
+    assert etas[0][1] == etas[1][1] and etas[2][1] == etas[3][1]
+    changed = {**env, "cpu_threads": env["cpu_threads"] + 1}
+    monkeypatch.setattr("utils.checkpoint.environment", lambda device_type: changed)
+    train.main(argv)
+    log = (tmp_path / "runs" / "tiny" / "1GPU" / "0" / "out.log").read_text()
+    assert (f"at global step 16; another environment (cpu_threads {env['cpu_threads']} -> {env['cpu_threads'] + 1}): "
+            f"it goes on from there, but not bit for bit as it would have\n") in log
+
+
 def test_mfu_is_the_steps_flops_over_the_datasheet_peak_of_the_gpu_it_names(monkeypatch):
     """The README's MFU figures: FLOPs per step x steps / time / peak, the peak looked up by device name with the
     specific variants first (an "H100 PCIe" is not an SXM "H100"), in the run's math mode."""

@@ -36,6 +36,7 @@ from utils import (STOP_SIGNALS, CheckpointError, Interrupted, NonFiniteLoss, Pr
                    os_error_in, storage_cause, write_atomically)
 from utils.config import DATA_FILES, SCHEMA, differences, listed
 from utils.distributed import all_reduce_sum
+from utils.metrics import environment, environment_changes
 
 logger = logging.getLogger("train")
 CHECKPOINT_NAME = re.compile(r"ckpt_step(\d{8,})\.pt")
@@ -565,6 +566,7 @@ class CheckpointManager:
         if not given:  # a --resume PATH was checked by rank 0 (_start_from) before it pruned anything
             check_compatible(payload["config"], params, source)
         changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
+        other_environment = environment_changes(payload.get("environment"), environment(info.device.type))
         load_model_state(state.model, payload["model"], source)
         load_optimizer_state(state.optimizer, payload["optimizer"], source)
         if params.amp_mode == "fp16" and payload["config"].get("amp_mode") == "fp16":
@@ -574,6 +576,8 @@ class CheckpointManager:
         self.validation_pending = bool(payload.get("validation_pending", False))  # older checkpoints lack it
         logger.info(f"Resumed from {path} at global step {state.global_step}"
                     + (f"; changed settings: {listed(changed)}" if changed else "")
+                    + (f"; another environment ({', '.join(other_environment)}): it goes on from there, but not "
+                       f"bit for bit as it would have" if other_environment else "")
                     + ("; its epoch's validation, skipped by the stopped run, comes first"
                        if self.validation_pending else ""))
         return payload["epoch_loss_sum"] if info.is_main else 0.0
@@ -736,7 +740,7 @@ class CheckpointManager:
         return {"step": state.global_step, "config": dict(state.params), "model": state.model.state_dict(),
                 "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(),
                 "rng": rng_state(state.info.device), "epoch_loss_sum": epoch_loss_sum,
-                "validation_pending": validation_pending}
+                "validation_pending": validation_pending, "environment": environment(state.info.device.type)}
 
     def _background(self):
         """Rank 0's background writer (first use starts its clock); None elsewhere."""

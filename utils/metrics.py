@@ -1,12 +1,17 @@
 """The model's FLOPs, throughput, data-wait share, MFU and peak memory: the numbers the tutorial teaches people to
 read, and the log lines train.py shows them in (``log_startup``, ``log_interval``, ``log_epoch``)."""
 import logging
+import platform
 import resource
+import socket
+import subprocess
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from networks.UNet import conv_input_sizes
@@ -71,7 +76,7 @@ def peak_memory(device):
         return torch.cuda.max_memory_allocated(device) / 1e9, "GPU allocated"
     # ru_maxrss: KiB on Linux, bytes on macOS; this process only (not the straightforward loader's workers)
     scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9, "host RSS"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9, "host RSS of the main process"
 
 
 class StepMeter:
@@ -118,6 +123,62 @@ class StepMeter:
                 "peak_memory_gb": memory, "memory_kind": kind, "peak_memory_reserved_gb": reserved}
 
 
+@contextmanager
+def timed(spent, stage):
+    """Adds the block's wall seconds to ``spent[stage]``: where a run's time goes (its ETA and its last line)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        spent[stage] += time.perf_counter() - start
+
+
+def format_time_spent(spent, total):
+    """The attempt's wall time by stage; what no stage counts is start-up (model, loaders, compile, first batches)."""
+    def shown(seconds):
+        return f"{seconds:.1f} s" if seconds < 60 else format_duration(seconds)
+    parts = [f"{stage} {shown(seconds)}" for stage, seconds in spent.items()]
+    return f"Time spent: {shown(total)} in all: " + ", ".join(
+        parts + [f"start-up and other {shown(max(total - sum(spent.values()), 0))}"])
+
+
+# What, besides the config, decides a run's numbers bit for bit: a resume under other values continues the run, but
+# not as the uninterrupted run would have (on the CPU the thread count changes how sums are split).
+ENVIRONMENT_KEYS = ("torch", "numpy", "cuda", "cudnn", "gpu", "cpu_threads")
+
+
+@lru_cache(maxsize=None)
+def environment(device_type):
+    """Versions, host and code of this process, logged at every start and kept in every checkpoint (plain strings
+    and numbers: torch's version is a str subclass, which a safe load refuses)."""
+    env = {"python": platform.python_version(), "torch": str(torch.__version__), "numpy": np.__version__,
+           "host": socket.gethostname()}
+    if device_type == "cuda":
+        env.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), gpu=torch.cuda.get_device_name())
+    else:
+        env["cpu_threads"] = torch.get_num_threads()
+    try:  # the commit, "-dirty" with uncommitted changes; a copy without .git (a container's) has none
+        described = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
+                                   capture_output=True, text=True, timeout=10)
+        env["code"] = described.stdout.strip() if described.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        env["code"] = None
+    return env
+
+
+def format_environment(env):
+    device = (f" (CUDA {env['cuda']}, cuDNN {env['cudnn']})" if "cuda" in env else "")
+    where = env["gpu"] if "gpu" in env else f"{env['cpu_threads']} CPU threads"
+    return (f"Environment: Python {env['python']}, torch {env['torch']}{device}, numpy {env['numpy']}; "
+            f"{where} on {env['host']}; code {env['code'] or 'not a git checkout'}")
+
+
+def environment_changes(saved, env):
+    """'key a -> b' for each ENVIRONMENT_KEYS value that differs from a checkpoint's (older ones have none)."""
+    return [f"{key} {saved[key]} -> {env.get(key)}" for key in ENVIRONMENT_KEYS
+            if saved and key in saved and saved[key] != env.get(key)]
+
+
 def format_mfu(mfu):
     return f"{100 * mfu:.1f}%" if mfu is not None else "n/a (pass --peak_tflops)"
 
@@ -152,6 +213,7 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     shown = run_dir.relative_to(Path.cwd()) if run_dir.is_relative_to(Path.cwd()) else run_dir
     logger.info(f"Run directory: {shown}")
     size, data_ranks = params.spatial_parallel, info.world_size // params.spatial_parallel
+    logger.info(format_environment(environment(info.device.type)))
     logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
                 f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
                 f"global batch {params.global_batch_size} ({params.global_batch_size // data_ranks} per "
@@ -181,12 +243,15 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
                        "communication and is NOT real training.")
 
 
-def log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses, lr, meter):
-    """The log line of an interval, and every step's loss since the last one (one host sync) to TensorBoard."""
+def log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses, lr, meter,
+                 epoch_ends_left_s=0.0):
+    """The log line of an interval, and every step's loss since the last one (one host sync) to TensorBoard. The
+    ETA: the steps left at this interval's rate, plus ``epoch_ends_left_s`` (validations, science reports and
+    checkpoints still to come, at the last one's cost)."""
     losses = torch.stack(step_losses).tolist()
     step_losses.clear()
     rates = meter.interval(steps=state.global_step, samples_per_step=state.params.global_batch_size)
-    eta = (num_steps - state.global_step) / max(rates["steps_per_sec"], 1e-9)
+    eta = (num_steps - state.global_step) / max(rates["steps_per_sec"], 1e-9) + epoch_ends_left_s
     logger.info(f"epoch {epoch + 1} step {step_in_epoch + 1}/{steps_per_epoch} (global {state.global_step}/"
                 f"{num_steps}) | loss {losses[-1]:.5f} | lr {lr:.3e} | {rates['samples_per_sec']:.1f} samples/s | "
                 f"data wait {100 * rates['wait_share']:.0f}% | ETA {format_duration(eta)}")
