@@ -323,13 +323,12 @@ def test_every_command_of_the_results_files_and_the_scripts_usage_is_accepted():
         ("$ K=1 python x.py --k $k", ["$", "K=1", "python", "x.py", "--k", "1"])]
 
 
-# Flags the README quotes of other tools: torchrun, TensorBoard, Nsight Systems, Slurm, Shifter, pytest, pip; and
-# the prefix of the on/off flags' off form, named on its own
+# Flags the README quotes of other tools: torchrun, TensorBoard, Nsight Systems, Slurm (srun's, sbatch's), Shifter,
+# docker run, pytest, pip; and the prefix of the on/off flags' off form, named on its own
 OTHER_TOOLS_FLAGS = {"--index-url", "--nproc_per_node", "--max_restarts", "--logdir", "--capture-range",
                      "--capture-range-end", "--trace", "--constraint", "--gpus-per-node", "--ntasks-per-node",
-                     "--signal",
-                     "--kill-on-bad-exit", "--export", "--image", "--module", "--full", "--dist", "--ignore",
-                     "--timeout", "--no-", "--cpu-bind", "--mem", "--memory"}  # srun's, sbatch's, docker run's
+                     "--signal", "--kill-on-bad-exit", "--export", "--image", "--module", "--full", "--dist",
+                     "--ignore", "--timeout", "--no-", "--cpu-bind", "--mem", "--memory"}
 
 
 def test_every_flag_the_readme_names_exists():
