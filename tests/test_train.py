@@ -227,6 +227,7 @@ def test_the_log_records_the_environment_where_the_time_went_and_an_eta_with_the
     train.main(argv)
     log = (tmp_path / "runs" / "tiny" / "1GPU" / "0" / "out.log").read_text()
     env = metrics.environment("cpu")
+    assert re.search(r"\d Run directory: \S+ \(started \d{4}-\d\d-\d\d, times in \w+\)\n", log)
     assert (f"Environment: Python {env['python']}, torch {torch.__version__}, numpy {env['numpy']}; "
             f"{torch.get_num_threads()} CPU threads on {env['host']}; code {env['code'] or 'not a git checkout'}\n"
             in log)

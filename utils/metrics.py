@@ -211,7 +211,8 @@ logger = logging.getLogger("train")
 def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     info = state.info
     shown = run_dir.relative_to(Path.cwd()) if run_dir.is_relative_to(Path.cwd()) else run_dir
-    logger.info(f"Run directory: {shown}")
+    # The lines carry the time of day only: the date anchors each attempt of a run that spans days
+    logger.info(f"Run directory: {shown} (started {time.strftime('%Y-%m-%d')}, times in {time.strftime('%Z')})")
     size, data_ranks = params.spatial_parallel, info.world_size // params.spatial_parallel
     logger.info(format_environment(environment(info.device.type)))
     logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
