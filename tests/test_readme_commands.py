@@ -404,7 +404,7 @@ def test_the_quickstart_log_the_readme_shows_is_the_example_logs():
     for line in shown:
         found = any(entry.startswith(line[:-3]) for entry in logged) if line.endswith("...") else line in logged
         assert found, f"README shows a quickstart log line that example_logs/ does not have:\n{line}"
-    assert len(shown) >= 10 and "Final validation L1" in shown[-1]
+    assert len(shown) >= 10 and "Final validation L1" in shown[-2] and "Time spent:" in shown[-1]
 
 
 # --- running it ----------------------------------------------------------------------------------
