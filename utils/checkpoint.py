@@ -566,7 +566,8 @@ class CheckpointManager:
         if not given:  # a --resume PATH was checked by rank 0 (_start_from) before it pruned anything
             check_compatible(payload["config"], params, source)
         changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
-        other_environment = environment_changes(payload.get("environment"), environment(info.device.type))
+        other_environment = (environment_changes(payload.get("environment"), environment(info.device.type))
+                             if info.is_main else [])  # rank 0 logs it
         load_model_state(state.model, payload["model"], source)
         load_optimizer_state(state.optimizer, payload["optimizer"], source)
         if params.amp_mode == "fp16" and payload["config"].get("amp_mode") == "fp16":

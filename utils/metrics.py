@@ -214,7 +214,8 @@ def log_startup(params, state, run_dir, steps_per_epoch, train_loader):
     # The lines carry the time of day only: the date anchors each attempt of a run that spans days
     logger.info(f"Run directory: {shown} (started {time.strftime('%Y-%m-%d')}, times in {time.strftime('%Z')})")
     size, data_ranks = params.spatial_parallel, info.world_size // params.spatial_parallel
-    logger.info(format_environment(environment(info.device.type)))
+    if info.is_main:  # a git call: once per job, not once per rank on a parallel file system
+        logger.info(format_environment(environment(info.device.type)))
     logger.info(f"Config '{params.config_name}': {info.world_size} rank(s) on {info.device.type}"
                 f"{' (' + torch.cuda.get_device_name(info.device) + ')' if info.device.type == 'cuda' else ''}, "
                 f"global batch {params.global_batch_size} ({params.global_batch_size // data_ranks} per "
