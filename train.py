@@ -278,9 +278,10 @@ def validate(state, loader):
     return total / total_count, science
 
 
-def log_validation(writer, state, val_loss, science):
+def log_validation(writer, state, val_loss, science, figures=True):
+    """The validation's lines and TensorBoard scalars; the science figures too where ``figures``."""
     if science:  # every rank: the science metrics' sums are all-reduced first
-        science.report(state.info, writer, state.global_step, logger.info)
+        science.report(state.info, writer, state.global_step, logger.info, figures=figures)
     if writer:
         writer.add_scalar("Loss/valid", val_loss, state.global_step)
 
@@ -335,6 +336,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
     # wall seconds by stage (metrics.timed): the ETA's epoch ends, and the run's last line
     spent = dict.fromkeys(("training", "validation", "science report", "checkpoints"), 0.0)
     epoch_end_s = 0.0  # what the last validation, science report and checkpoint took: the ETA's cost per epoch end
+    figures = metrics.Every(params.figures_every_minutes)  # drawn on rank 0 while the other ranks wait
     if state.global_step == 0 or checkpoints.validation_pending:
         with metrics.timed(spent, "validation"):
             val_loss, science = validate(state, val_loader)
@@ -344,7 +346,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
             logger.info(f"  Avg val loss={val_loss:.6f} (epoch {state.global_step // steps_per_epoch}'s, which the "
                         f"stopped run left to this one)")
         with metrics.timed(spent, "science report"):
-            log_validation(writer, state, val_loss, science)
+            log_validation(writer, state, val_loss, science, figures=figures.due())
         epoch_end_s = sum(spent.values())
         if writer and state.global_step == 0:
             writer.add_scalar("Learning Rate", lr_at(0), 0)
@@ -395,8 +397,9 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                     val_loss, science = validate(state, val_loader)
                 logger.info(f"  Avg val loss={val_loss:.6f}")
                 logger.info(f"  Total validation time: {time.perf_counter() - val_start:.1f} sec")
-                with metrics.timed(spent, "science report"):  # figures drawn on rank 0, which the others wait for
-                    log_validation(writer, state, val_loss, science)
+                with metrics.timed(spent, "science report"):
+                    log_validation(writer, state, val_loss, science,
+                                   figures=figures.due(final=epoch + 1 == params.num_epochs))
                 with metrics.timed(spent, "checkpoints"):  # the epoch's: taken, and written in the background
                     checkpoints.save_epoch(epoch, last=epoch + 1 == params.num_epochs)
                 epoch_end_s = time.perf_counter() - val_start

@@ -66,9 +66,9 @@ class ValidationScience:
         if self.example is None:  # clones: a view would keep the whole batch alive
             self.example = (inp[0].clone(), prediction[0].clone(), target[0].clone())
 
-    def report(self, info, writer, step, log):
+    def report(self, info, writer, step, log, figures=True):
         """Sum over ranks (a collective: every rank calls it), log the summary, and on rank 0 (``writer``) write the
-        scalars and figures to TensorBoard."""
+        scalars, and the ``figures``, to TensorBoard."""
         self.metrics.all_reduce(info)
         scalars = self.metrics.compute()
         log(f"  Science: {format_summary(scalars)}")
@@ -76,7 +76,7 @@ class ValidationScience:
             log(f"  Lyman-alpha: {self.metrics.flux.summary(scalars)}")
         if writer:
             from science.plots import write_tensorboard  # matplotlib only where figures are drawn
-            write_tensorboard(writer, step, self.metrics, scalars, self.example)
+            write_tensorboard(writer, step, self.metrics, scalars, self.example, figures=figures)
 
 
 def _channel_means(hydro):

@@ -235,6 +235,14 @@ def test_figures_and_tensorboard_logging(generated, tmp_path):
     assert events.Scalars("T_rho/gamma_true")[0].step == 7
     assert events.Scalars("T_rho/gamma_true")[0].value == pytest.approx(scalars["T_rho/gamma_true"])
     assert set(events.Tags()["images"]) == {"Science/slices", "Science/power_spectrum", "Science/temperature_density"}
+    # figures_every_minutes: a validation between drawings writes the scalars alone
+    writer = SummaryWriter(log_dir=str(tmp_path / "scalars_only"))
+    science_plots.write_tensorboard(writer, 8, metrics, scalars, example=(nbody[0], prediction[0], hydro[0]),
+                                    figures=False)
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "scalars_only"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(scalars) and events.Tags()["images"] == []
 
 
 def test_validation_metrics_follow_the_config(tmp_path):

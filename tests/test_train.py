@@ -208,6 +208,13 @@ def test_eta_adds_the_epoch_ends_to_come_and_resumes_name_what_changed_in_the_en
     now = {**saved, "torch": "2.13.0", "cudnn": 92000, "host": "nid002", "code": "def5678"}
     assert metrics.environment_changes(saved, now) == ["torch 2.11.0+cu130 -> 2.13.0", "cudnn 91900 -> 92000"]
     assert metrics.environment_changes(None, now) == []  # a checkpoint from before environments were kept
+    now = [0.0]
+    every = metrics.Every(10, clock=lambda: now[0])  # figures_every_minutes: 10
+    drawn = []
+    for now[0], final in [(0, False), (300, False), (599, False), (600, False), (900, False), (950, True)]:
+        drawn.append(every.due(final))
+    assert drawn == [True, False, False, True, False, True]  # the first, each 10 minutes after the last, the final
+    assert all(metrics.Every(0, clock=lambda: 5.0).due() for _ in range(3))  # 0: every time
     assert metrics.format_time_spent({"training": 3600.0, "validation": 59.94}, 3665.0) == (
         "Time spent: 1:01:05 in all: training 1:00:00, validation 59.9 s, start-up and other 5.1 s")
 
@@ -223,9 +230,13 @@ def test_the_log_records_the_environment_where_the_time_went_and_an_eta_with_the
     real_log_interval = train.log_interval
     monkeypatch.setattr(train, "log_interval", lambda *args, epoch_ends_left_s: (
         etas.append((args[1], epoch_ends_left_s)), real_log_interval(*args, epoch_ends_left_s=epoch_ends_left_s)))
-    argv = tiny_argv + ["--run_num", "0", "--log_every_n_steps", "4"]
+    argv = tiny_argv + ["--run_num", "0", "--log_every_n_steps", "4", "--figures_every_minutes", "60"]
     train.main(argv)
     log = (tmp_path / "runs" / "tiny" / "1GPU" / "0" / "out.log").read_text()
+    events = EventAccumulator(str(tmp_path / "runs" / "tiny" / "1GPU" / "0" / "logs"))
+    events.Reload()  # validations at steps 0, 8 and 16; figures at the first and the last only, scalars at all
+    assert [e.step for e in events.Images("Science/slices")] == [0, 16]
+    assert [e.step for e in events.Scalars("lyman_alpha/mean_flux_pred")] == [0, 8, 16]
     env = metrics.environment("cpu")
     assert re.search(r"\d Run directory: \S+ \(started \d{4}-\d\d-\d\d, times in \w+\)\n", log)
     assert (f"Environment: Python {env['python']}, torch {torch.__version__}, numpy {env['numpy']}; "

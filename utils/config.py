@@ -146,6 +146,8 @@ SCHEMA = {  # every key of every named config
     "expdir": Key(str, "root folder of runs"),
     "log_every_n_steps": Key(int, "steps between progress lines", limits=">= 1"),
     "peak_tflops": Key(float, "device peak TFLOP/s for MFU; null: known GPUs' datasheet", limits="> 0", nullable=True),
+    "figures_every_minutes": Key(float, "wall-clock minutes between the science figures in TensorBoard (the first "
+                                        "and last validation always); 0: every validation", limits=">= 0"),
     "lyman_alpha": Key(LYMAN_ALPHA, "Lyman-alpha forest statistics at validation (units, sampling)"),
 }
 COMPARE = {">=": operator.ge, ">": operator.gt, "<": operator.lt}  # Key.limits' signs

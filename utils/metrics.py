@@ -133,6 +133,21 @@ def timed(spent, stage):
         spent[stage] += time.perf_counter() - start
 
 
+class Every:
+    """``due()``: True at the first call, at a ``final`` one, and once ``minutes`` have passed since the last True
+    (0: always). What happens this often costs wall time the run would rather spend training."""
+
+    def __init__(self, minutes, clock=time.monotonic):
+        self.seconds, self.clock, self.last = 60 * minutes, clock, None
+
+    def due(self, final=False):
+        now = self.clock()
+        if final or self.last is None or now - self.last >= self.seconds:
+            self.last = now
+            return True
+        return False
+
+
 def format_time_spent(spent, total):
     """The attempt's wall time by stage; what no stage counts is start-up (model, loaders, compile, first batches)."""
     def shown(seconds):
