@@ -34,7 +34,7 @@ from utils import (ConfigError, NonFiniteLoss, OneLineParser, ReportedError, fir
 from utils.checkpoint import CheckpointManager, RunControl, refuse_other_config
 from utils.config import (DEFAULT_YAML, add_config_arguments, check_batch_split, config_overrides_from_args,
                           NULL, config_yaml, load_config, resolve_path)
-from utils.data import check_data, get_data_loader, prepare_data
+from utils.data import check_data, check_host_memory, get_data_loader, prepare_data
 from utils.distributed import (DistInfo, all_reduce_sum, cleanup, ddp_buffer_sync, describe_ddp, env_world_size,
                                init_distributed, peer_lost)
 from utils.metrics import log_epoch, log_interval, log_startup
@@ -59,6 +59,8 @@ class TrainState:
     memory_format: torch.memory_format
     profiler: object
     global_step: int = 0
+    epoch_end_s: float = 0.0            # the last validation, science report and checkpoint: the ETA's cost of each
+                                        # epoch end to come (kept in checkpoints, so a resumed run's ETA has it)
     notes: list = field(default_factory=list)
     spatial: object = None              # spatial_parallel > 1: this rank's SpatialGroup (utils/spatial.py)
 
@@ -289,11 +291,12 @@ def log_validation(writer, state, val_loss, science, figures=True):
 # --- the loop ------------------------------------------------------------------------------------------------
 
 def train(params, state, run_dir, control, make_step=lambda state: eager_step, resume_from="auto",
-          resume_fallback=None):
+          resume_fallback=None, started=None):
     """The tutorial's loop: data, step, log, validate, checkpoint. ``control``: the run's stop signals and the ranks'
     agreement (utils/checkpoint.py); ``make_step(state)`` returns the step function (train_graph.py's captures a
-    CUDA graph). Returns the final validation loss (None when there was nothing to train, or in benchmark mode)."""
-    info, started = state.info, time.perf_counter()
+    CUDA graph). Returns the final validation loss (None when there was nothing to train, or in benchmark mode).
+    ``started``: when the attempt began (main's start), for the 'Time spent' line; else this call."""
+    info, started = state.info, started or time.perf_counter()
     train_loader, train_sampler = get_data_loader(params, "train", info.rank, info.world_size, info.device)
     val_loader, val_sampler = get_data_loader(params, "val", info.rank, info.world_size, info.device)
     steps_per_epoch, num_steps = train_sampler.steps_per_epoch, total_steps(params)
@@ -334,8 +337,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
     writer = (EventWriter(run_dir / "logs", report=control.write_failed,  # under DDP: all ranks stop together
                           purge_step=state.global_step + 1 if state.global_step else 0) if info.is_main else None)
     # wall seconds by stage (metrics.timed): the ETA's epoch ends, and the run's last line
-    spent = dict.fromkeys(("training", "validation", "science report", "checkpoints"), 0.0)
-    epoch_end_s = 0.0  # what the last validation, science report and checkpoint took: the ETA's cost per epoch end
+    spent = dict.fromkeys(("training", "validation", "science report", "epoch checkpoints"), 0.0)
     figures = metrics.Every(params.figures_every_minutes)  # drawn on rank 0 while the other ranks wait
     if state.global_step == 0 or checkpoints.validation_pending:
         with metrics.timed(spent, "validation"):
@@ -347,7 +349,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                         f"stopped run left to this one)")
         with metrics.timed(spent, "science report"):
             log_validation(writer, state, val_loss, science, figures=figures.due())
-        epoch_end_s = sum(spent.values())
+        state.epoch_end_s = sum(spent.values())
         if writer and state.global_step == 0:
             writer.add_scalar("Learning Rate", lr_at(0), 0)
 
@@ -381,7 +383,7 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                     stopping = control.signal_name and not info.enabled
                     if state.global_step % params.log_every_n_steps == 0 or last_in_epoch or stopping:
                         log_interval(writer, epoch, step_in_epoch, steps_per_epoch, state, num_steps, step_losses,
-                                     lr, meter, epoch_ends_left_s=(params.num_epochs - epoch) * epoch_end_s)
+                                     lr, meter, epoch_ends_left_s=(params.num_epochs - epoch) * state.epoch_end_s)
                     checkpoints.after_step(loss, loss_sum, last_in_epoch)  # a checkpoint when due; stop signals
                 stop = checkpoints.end_of_epoch()
                 epoch_time = time.perf_counter() - epoch_start
@@ -400,9 +402,9 @@ def train(params, state, run_dir, control, make_step=lambda state: eager_step, r
                 with metrics.timed(spent, "science report"):
                     log_validation(writer, state, val_loss, science,
                                    figures=figures.due(final=epoch + 1 == params.num_epochs))
-                with metrics.timed(spent, "checkpoints"):  # the epoch's: taken, and written in the background
+                with metrics.timed(spent, "epoch checkpoints"):  # taken, and written in the background
                     checkpoints.save_epoch(epoch, last=epoch + 1 == params.num_epochs)
-                epoch_end_s = time.perf_counter() - val_start
+                state.epoch_end_s = time.perf_counter() - val_start
                 resumed_loss_sum = 0.0
             if params.data_loader_config != "synthetic":  # in running(): a signal here ends the finished run normally
                 from science import mean_predictor_l1
@@ -429,6 +431,7 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
     train_graph.py passes its step, its optimizer and ``check(params, world_size, here)``, which refuses what it
     cannot run before any work (``here``: on this machine too, not only the config as for ``--print_config``)."""
     control = RunControl()  # one stop-signal handler from the first second on: exit code 3 outside the loop
+    started = time.perf_counter()  # the 'Time spent' line's start: config, data and model are its start-up
     try:
         args = parse_args(argv)
         # Config errors first: before the process group exists, so a bad config fails fast on every rank.
@@ -446,6 +449,7 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
         control.attach(info)
         state, finished, lock = None, False, None
         try:
+            check_host_memory(params, info)  # every rank agrees, before a run folder
             branch = resume_fallback or (None if resume in ("auto", "never") else resume)  # a --resume PATH
             command = shlex.join(sys.argv[1:] if argv is None else argv)  # how a restart of the job finds its run
             run_dir, note, lock, elsewhere = make_run_dir(args.run_num, resume, params, info, branch, command)
@@ -460,7 +464,7 @@ def main(argv=None, make_step=lambda state: eager_step, make_optimizer=build_opt
             prepare_data(params, info, logger.info)
             with training_stream(info.device, params.stream_priority):  # DDP's gradient hooks are made here too
                 state = build_training(params, info, make_optimizer, run_dir)
-                result = train(params, state, run_dir, control, make_step, resume, resume_fallback)
+                result = train(params, state, run_dir, control, make_step, resume, resume_fallback, started)
             control.agree()  # a log write that failed on rank 0 after the loop's last agreement stops every rank
             finished = True
             return result

@@ -133,30 +133,75 @@ def test_inmem_out_of_host_memory_says_to_use_lowmem(tiny_params, monkeypatch):
         RandomCropDataset(params, "train")
 
 
-@pytest.mark.parametrize("env, ranks", [({}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 4),
-                                         ({"SLURM_PROCID": "5", "SLURM_STEP_TASKS_PER_NODE": "2(x3),3"}, 3)])
+SLURM_NODES = {"SLURM_PROCID": "5", "SLURM_STEP_TASKS_PER_NODE": "2(x3),3"}
+
+
+@pytest.mark.parametrize("env, ranks", [
+    ({}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 4),
+    ({**SLURM_NODES, "SLURM_NODEID": "1"}, 3),  # the step's nodes unknown: the most any node runs
+    ({**SLURM_NODES, "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_NUM_NODES": "4"}, 2),  # its own
+    ({**SLURM_NODES, "SLURM_NODEID": "3", "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_NUM_NODES": "4"}, 3)])
 def test_inmem_refuses_more_than_the_nodes_free_memory_before_reading(tiny_params, monkeypatch, env, ranks):
     """Past the node's memory the kernel kills inmem's ranks mid-read with no message: every rank of the node loads
     both splits whole (float32, 9 channels: 24^3 and 16^3 boxes), so the check multiplies by the node's ranks."""
     from utils import make_dataset
-    from utils.data import check_data
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_TASKS_PER_NODE"):
+    from utils.data import check_host_memory
+    from utils.distributed import DistInfo, env_ranks_per_node
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID",
+                 "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    need = ranks * 36 * (24 ** 3 + 16 ** 3)
+    assert env_ranks_per_node() == ranks
+    per_rank = 36 * (24 ** 3 + 16 ** 3)
     params = tiny_params(data_loader_config="inmem")
-    monkeypatch.setattr(make_dataset, "memory_available", lambda: need)
-    check_data(params)  # exactly enough
-    check_data(tiny_params(data_loader_config="lowmem"))
-    monkeypatch.setattr(make_dataset, "memory_available", lambda: need - 1)
-    with pytest.raises(DataError, match=rf"^data_loader_config inmem loads the training and validation volumes whole "
-                                        rf"into every rank: {ranks} rank\(s\) on this node need about 0\.0 GiB, 0\.0 "
-                                        rf"GiB is available \(MemAvailable, or the job's memory limit\); use "
-                                        rf"--data_loader_config lowmem \(crops read from the file\), fewer ranks "
-                                        rf"per node, or more memory$"):
-        check_data(params)
-    check_data(tiny_params(data_loader_config="lowmem"))  # crops read from the file: nothing whole in memory
+    monkeypatch.setattr(make_dataset, "memory_available", lambda: ranks * per_rank)
+    check_host_memory(params, DistInfo())  # exactly enough
+    monkeypatch.setattr(make_dataset, "memory_available", lambda: ranks * per_rank - 2 ** 29)
+    with pytest.raises(DataError, match=r"^data_loader_config inmem loads the training and validation volumes whole "
+                                        r"into every rank \(0\.0 GiB each\): a node's ranks need 0\.5 GiB more than "
+                                        r"it has available \(MemAvailable, or the job's memory limit\); use "
+                                        r"--data_loader_config lowmem \(crops read from the file\), fewer ranks "
+                                        r"per node, or more memory$"):
+        check_host_memory(params, DistInfo())
+    check_host_memory(tiny_params(data_loader_config="lowmem"), DistInfo())  # crops read from the file
+    monkeypatch.setattr(make_dataset, "memory_available", lambda: None)  # unknown: nothing to refuse on
+    check_host_memory(params, DistInfo())
+
+
+def test_the_memory_check_refuses_on_every_rank_when_one_node_is_short(tiny_params, tmp_path):
+    """Free memory differs between nodes: a rank refusing alone would leave the others waiting in a collective.
+    Two gloo ranks, one of them short of memory: both stop with the same line."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+    params = tiny_params(data_loader_config="inmem")
+    mp.start_processes(memory_check_rank, args=(2, free_port(), params, str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    assert [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)] == [
+        "data_loader_config inmem loads the training and validation volumes whole into every rank (0.0 GiB each): "
+        "a node's ranks need 1.0 GiB more than it has available (MemAvailable, or the job's memory limit); use "
+        "--data_loader_config lowmem (crops read from the file), fewer ranks per node, or more memory"] * 2
+
+
+def memory_check_rank(rank, world_size, port, params, out_dir):
+    import os
+    from utils import make_dataset
+    from utils.data import check_host_memory
+    from utils.distributed import cleanup, init_distributed
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="1")
+    per_rank = 36 * (24 ** 3 + 16 ** 3)
+    make_dataset.memory_available = lambda: per_rank - (2 ** 30 if rank == 1 else -2 ** 30)  # rank 1's node is short
+    info = init_distributed("cpu")
+    try:
+        check_host_memory(params, info)
+        result = "passed"
+    except DataError as err:
+        result = str(err)
+    finally:
+        cleanup(info)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(result)
 
 
 def test_validation_is_not_augmented_and_fixed(tiny_params):

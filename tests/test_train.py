@@ -208,6 +208,15 @@ def test_eta_adds_the_epoch_ends_to_come_and_resumes_name_what_changed_in_the_en
     now = {**saved, "torch": "2.13.0", "cudnn": 92000, "host": "nid002", "code": "def5678"}
     assert metrics.environment_changes(saved, now) == ["torch 2.11.0+cu130 -> 2.13.0", "cudnn 91900 -> 92000"]
     assert metrics.environment_changes(None, now) == []  # a checkpoint from before environments were kept
+    cpu = {"torch": "2.11.0+cu130", "numpy": "2.4.6", "cpu_threads": 2, "host": "login01", "code": "abc1234"}
+    assert metrics.environment_changes(cpu, saved) == [  # a CPU run resumed on a GPU says so
+        "cuda absent -> 13.0", "cudnn absent -> 91900", "gpu absent -> NVIDIA H100", "cpu_threads 2 -> absent"]
+    for returncode, stderr, code in [(0, "", "abc1234-dirty"), (128, "fatal: not a git repository", None),
+                                     (128, "fatal: detected dubious ownership in repository at '/src'",
+                                      "unknown (git: fatal: detected dubious ownership in repository at '/src')")]:
+        monkeypatch.setattr(metrics.subprocess, "run", lambda *args, **kwargs: SimpleNamespace(
+            returncode=returncode, stdout="abc1234-dirty\n", stderr=stderr))
+        assert metrics.git_commit() == code
     now = [0.0]
     every = metrics.Every(10, clock=lambda: now[0])  # figures_every_minutes: 10
     drawn = []
@@ -243,11 +252,14 @@ def test_the_log_records_the_environment_where_the_time_went_and_an_eta_with_the
             f"{torch.get_num_threads()} CPU threads on {env['host']}; code {env['code'] or 'not a git checkout'}\n"
             in log)
     assert re.search(r"\d Time spent: \d+\.\d s in all: training \d+\.\d s, validation \d+\.\d s, science report "
-                     r"\d+\.\d s, checkpoints \d+\.\d s, start-up and other \d+\.\d s\n", log), log
+                     r"\d+\.\d s, epoch checkpoints \d+\.\d s, start-up and other \d+\.\d s\n", log), log
     # 2 epochs of 8 steps, a line every 4: epoch 1's count both epoch ends at the initial validation's cost,
     # epoch 2's its own end at epoch 1's (validation, science report, checkpoint)
     assert [epoch for epoch, _ in etas] == [0, 0, 1, 1] and all(left > 0 for _, left in etas)
     assert etas[0][1] == etas[1][1] and etas[2][1] == etas[3][1]
+    last = torch.load(tmp_path / "runs" / "tiny" / "1GPU" / "0" / "checkpoints" / "ckpt_step00000016.pt",
+                      weights_only=True)
+    assert last["environment"] == env and last["epoch_end_s"] > 0  # a resumed run's ETA starts with the cost
     changed = {**env, "cpu_threads": env["cpu_threads"] + 1}
     monkeypatch.setattr("utils.checkpoint.environment", lambda device_type: changed)
     train.main(argv)

@@ -574,6 +574,7 @@ class CheckpointManager:
             state.scaler.load_state_dict(payload["scaler"])
         set_rng_state(payload["rng"])
         state.global_step = payload["step"]
+        state.epoch_end_s = payload.get("epoch_end_s", 0.0)  # the ETA's cost per epoch end (older ones lack it)
         self.validation_pending = bool(payload.get("validation_pending", False))  # older checkpoints lack it
         logger.info(f"Resumed from {path} at global step {state.global_step}"
                     + (f"; changed settings: {listed(changed)}" if changed else "")
@@ -741,7 +742,8 @@ class CheckpointManager:
         return {"step": state.global_step, "config": dict(state.params), "model": state.model.state_dict(),
                 "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(),
                 "rng": rng_state(state.info.device), "epoch_loss_sum": epoch_loss_sum,
-                "validation_pending": validation_pending, "environment": environment(state.info.device.type)}
+                "validation_pending": validation_pending, "environment": environment(state.info.device.type),
+                "epoch_end_s": state.epoch_end_s}
 
     def _background(self):
         """Rank 0's background writer (first use starts its clock); None elsewhere."""

@@ -44,17 +44,27 @@ def env_world_size():
 
 
 def env_ranks_per_node():
-    """Ranks started on this node, known before the process group: torchrun's LOCAL_WORLD_SIZE, else the most tasks
-    any node of the Slurm step runs (SLURM_STEP_TASKS_PER_NODE, e.g. '4(x2),3'), else 1."""
+    """Ranks started on this node: torchrun's LOCAL_WORLD_SIZE, else this node's count in the Slurm step's
+    SLURM_STEP_TASKS_PER_NODE ('4(x2),3': 4, 4 and 3), by SLURM_NODEID where the step spans the job's nodes (that
+    index is the job's), else the most any node runs; 1 without a launcher."""
     if os.environ.get("LOCAL_WORLD_SIZE"):
         return _env_int("LOCAL_WORLD_SIZE", 1)
-    counts = [int(part.split("(")[0]) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split(",")
-              if part.split("(")[0].isdigit()]
-    return max(counts) if counts and os.environ.get("SLURM_PROCID") is not None else 1
+    counts = []
+    for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        count, _, repeat = part.rstrip(")").partition("(x")
+        if count.isdigit():
+            counts += [int(count)] * (int(repeat) if repeat.isdigit() else 1)
+    if not counts or os.environ.get("SLURM_PROCID") is None:
+        return 1
+    node = os.environ.get("SLURM_NODEID", "")
+    whole_job = os.environ.get("SLURM_STEP_NUM_NODES") == os.environ.get("SLURM_JOB_NUM_NODES") == str(len(counts))
+    return counts[int(node)] if whole_job and node.isdigit() and int(node) < len(counts) else max(counts)
 
 
 def no_cuda_reason():
     """Why torch sees no GPU, as far as it can tell, and what to do."""
+    if getattr(torch.version, "hip", None):
+        return f"torch {torch.__version__} is a ROCm build and sees no GPU (this code is tested on CUDA only)"
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a CPU build: install the CUDA build for this machine's driver"
     return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU here: no GPU allocated "

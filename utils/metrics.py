@@ -149,7 +149,9 @@ class Every:
 
 
 def format_time_spent(spent, total):
-    """The attempt's wall time by stage; what no stage counts is start-up (model, loaders, compile, first batches)."""
+    """The attempt's wall time by stage: training (its steps; compiling and autotuning in the first ones, and the
+    stalls of periodic checkpoints, included), validation (the mean-predictor pass too), the science report
+    (mostly its figures), epoch checkpoints; what no stage counts is start-up (config, data, model, loaders)."""
     def shown(seconds):
         return f"{seconds:.1f} s" if seconds < 60 else format_duration(seconds)
     parts = [f"{stage} {shown(seconds)}" for stage, seconds in spent.items()]
@@ -172,13 +174,24 @@ def environment(device_type):
         env.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), gpu=torch.cuda.get_device_name())
     else:
         env["cpu_threads"] = torch.get_num_threads()
-    try:  # the commit, "-dirty" with uncommitted changes; a copy without .git (a container's) has none
+    env["code"] = git_commit()
+    return env
+
+
+def git_commit():
+    """The checkout's commit, "-dirty" with uncommitted changes; None for a copy without .git (a container's)."""
+    try:
         described = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
                                    capture_output=True, text=True, timeout=10)
-        env["code"] = described.stdout.strip() if described.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired):
-        env["code"] = None
-    return env
+    except OSError:
+        return "unknown (no git command)"
+    except subprocess.TimeoutExpired:
+        return "unknown (git took over 10 s)"
+    if described.returncode == 0:
+        return described.stdout.strip()
+    reason = (described.stderr.strip().splitlines() or ["no message"])[0]
+    # e.g. "detected dubious ownership": a container's root reading a user's checkout
+    return None if "not a git repository" in reason else f"unknown (git: {reason[:120]})"
 
 
 def format_environment(env):
@@ -189,9 +202,12 @@ def format_environment(env):
 
 
 def environment_changes(saved, env):
-    """'key a -> b' for each ENVIRONMENT_KEYS value that differs from a checkpoint's (older ones have none)."""
-    return [f"{key} {saved[key]} -> {env.get(key)}" for key in ENVIRONMENT_KEYS
-            if saved and key in saved and saved[key] != env.get(key)]
+    """'key a -> b' for each ENVIRONMENT_KEYS value that differs from a checkpoint's, 'absent' on the side without
+    it (a CPU run has no cuDNN, a GPU run no thread count); none for an older checkpoint, which kept none."""
+    if not saved:
+        return []
+    return [f"{key} {saved.get(key, 'absent')} -> {env.get(key, 'absent')}" for key in ENVIRONMENT_KEYS
+            if (key in saved or key in env) and saved.get(key) != env.get(key)]
 
 
 def format_mfu(mfu):

@@ -7,6 +7,8 @@ worker threads; quickstart's loader, and the ``*_opt`` configs' for inmem/lowmem
 (gpu.py, GPU-resident: the ``*_opt`` configs'), ``dali-lowmem`` (dali.py, NVIDIA DALI). They serve the same sample
 stream, so the choice changes speed, never results. No module of the package imports from here.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -16,8 +18,8 @@ from utils.distributed import env_ranks_per_node
 from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, check_data_file, check_normalised,
                                      get_torch_loader, read_volume_shapes, sample_plan)
 
-__all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "check_data", "get_data_loader", "prepare_data",
-           "read_volume_shapes", "sample_plan"]
+__all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "check_data", "check_host_memory", "get_data_loader",
+           "prepare_data", "read_volume_shapes", "sample_plan"]
 
 
 def get_data_loader(params, split, rank=0, world_size=1, device=torch.device("cpu")):
@@ -71,21 +73,27 @@ def check_data(params):
     for path, box, _ in files:
         if path.exists():
             check_normalised(check_data_file(path, box, params.N_in_channels, params.N_out_channels))
-    if params.data_loader_config == "inmem":
-        check_host_memory(params, [box for path, box, _ in files if path.exists()])
 
 
-def check_host_memory(params, boxes):
-    """inmem reads both volumes of every split whole into every rank: past the node's memory (or the job's limit)
-    the kernel kills the ranks mid-read, with no message. Refuse before, while all the node's ranks are only
-    starting, so that what is free now is what they share."""
+def check_host_memory(params, info):
+    """inmem reads both splits' volumes whole into every rank: past a node's memory (or the job's limit) the kernel
+    kills its ranks mid-read, with no message. Refuse first, before anything is loaded, so that what is free now is
+    what the node's ranks will share. Every rank decides the same (one collective): free memory differs from node to
+    node and moment to moment, and ranks stopping alone would leave the others waiting in a collective."""
+    if params.data_loader_config != "inmem":
+        return
     from utils.make_dataset import memory_available  # MemAvailable and the cgroup's limit, as generation checks
-    ranks, available = env_ranks_per_node(), memory_available()
-    need = ranks * sum(4 * (params.N_in_channels + params.N_out_channels) * box ** 3 for box in boxes)
-    if available is not None and need > available:
-        raise DataError(f"data_loader_config inmem loads the training and validation volumes whole into every "
-                        f"rank: {ranks} rank(s) on this node need about {need / 2 ** 30:.1f} GiB, "
-                        f"{available / 2 ** 30:.1f} GiB is available (MemAvailable, or the job's memory limit); use "
+    per_rank = sum(4 * (params.N_in_channels + params.N_out_channels) * box ** 3
+                   for path, box, _ in data_files(params) if path.exists())
+    available = memory_available()
+    shortfall = torch.tensor(-math.inf if available is None else env_ranks_per_node() * per_rank - available,
+                             dtype=torch.float64, device=info.device)
+    if info.enabled:
+        dist.all_reduce(shortfall, op=dist.ReduceOp.MAX)  # the worst node's
+    if shortfall.item() > 0:
+        raise DataError(f"data_loader_config inmem loads the training and validation volumes whole into every rank "
+                        f"({per_rank / 2 ** 30:.1f} GiB each): a node's ranks need {shortfall.item() / 2 ** 30:.1f} "
+                        f"GiB more than it has available (MemAvailable, or the job's memory limit); use "
                         f"--data_loader_config lowmem (crops read from the file), fewer ranks per node, or more "
                         f"memory")
 
