@@ -16,7 +16,7 @@ from utils import DataError
 from utils.config import resolve_path
 from utils.distributed import env_ranks_per_node
 from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, check_data_file, check_normalised,
-                                     get_torch_loader, read_volume_shapes, sample_plan)
+                                     get_torch_loader, read_volume_shapes, sample_plan, volume_bytes)
 
 __all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "check_data", "check_host_memory", "get_data_loader",
            "prepare_data", "read_volume_shapes", "sample_plan"]
@@ -83,7 +83,7 @@ def check_host_memory(params, info):
     if params.data_loader_config != "inmem":
         return
     from utils.make_dataset import memory_available  # MemAvailable and the cgroup's limit, as generation checks
-    per_rank = sum(4 * (params.N_in_channels + params.N_out_channels) * box ** 3
+    per_rank = sum(volume_bytes(box, params.N_in_channels, params.N_out_channels)
                    for path, box, _ in data_files(params) if path.exists())
     available = memory_available()
     shortfall = torch.tensor(-math.inf if available is None else env_ranks_per_node() * per_rank - available,

@@ -95,6 +95,11 @@ def check_normalised(path, datasets=("Nbody", "Hydro")):
                                     f"normalize_*)")
 
 
+def volume_bytes(box, in_channels, out_channels):
+    """Host bytes of one split's two volumes held whole in float32, as inmem holds them in every rank."""
+    return 4 * (in_channels + out_channels) * box ** 3
+
+
 def read_float32(dataset):
     """A whole dataset as float32, as every loader gives, whatever the file holds: HDF5 converts while reading, so a
     float64 file needs no second, float64 copy of the volume in memory."""
@@ -229,7 +234,7 @@ class RandomCropDataset(Dataset):
                     with h5py.File(self.path, "r") as f:
                         self.inp, self.tar = (read_float32(f[key]) for key in ("Nbody", "Hydro"))
                 except MemoryError:  # not a batch that is too large: the run's memory advice would not apply
-                    size = 4 * (spec.in_channels + spec.out_channels) * self.box ** 3 / 1e9
+                    size = volume_bytes(self.box, spec.in_channels, spec.out_channels) / 1e9
                     raise DataError(f"out of host memory loading {self.path} whole ({size:.3g} GB in float32, per "
                                     f"rank): use --data_loader_config lowmem (crops read from the file), or more "
                                     f"memory") from None
