@@ -41,7 +41,7 @@ import torch
 
 from utils import ConfigError, Interrupted, StorageError, run as run_cli, storage_cause
 from utils.cpu_amp import slow_amp
-from utils.distributed import DistInfo, cleanup, env_world_size, init_distributed
+from utils.distributed import DistInfo, cleanup, env_world_size, init_distributed, no_cuda_reason
 from utils.inference import (WholeBoxScience, check_input, check_tiling, check_whole_box, gather_slabs,
                              load_trained_model, lyman_alpha_section, lyman_alpha_settings, periodic_model,
                              predict_slabs, predict_whole_box)
@@ -92,7 +92,7 @@ def check_arguments(args, output, input_path):
     if args.lya_stride is not None and args.lya_stride <= 0:
         raise ConfigError(f"--lya_stride must be positive, got {args.lya_stride}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible here; use --device cpu")
+        raise ConfigError(f"--device cuda, but {no_cuda_reason()}; or use --device cpu")
     if args.whole_box and (args.tile is not None or args.overlap is not None):
         raise ConfigError("--whole_box predicts without tiles; drop --tile and --overlap, or --whole_box")
     if args.spatial_parallel < 1:

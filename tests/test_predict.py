@@ -16,6 +16,7 @@ import torch
 import predict
 import utils.cpu_amp
 from utils import inference
+from utils.distributed import no_cuda_reason
 from conftest import REPO_ROOT
 from networks.UNet import UNet, build_model
 from utils import DataError
@@ -356,7 +357,9 @@ def test_cuda_requested_without_cuda(error_files, capsys):
         predict.cli(["--checkpoint", str(error_files["run"]), "--input", str(error_files["good"]),
                      "--output", str(error_files["out"]), "--device", "cuda"])
     assert caught.value.code == 2
-    assert capsys.readouterr().err == "error: --device cuda: no CUDA device is visible here; use --device cpu\n"
+    err = capsys.readouterr().err
+    assert err == f"error: --device cuda, but {no_cuda_reason()}; or use --device cpu\n"
+    assert "CPU build" in err or "sees no GPU" in err
 
 
 @pytest.mark.parametrize("whole_box", [False, True])
