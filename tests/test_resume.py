@@ -233,6 +233,19 @@ def test_nan_loss_stops_and_names_the_step_and_the_last_good_checkpoint(tiny_arg
     assert not list((run_dir(tmp_path, "nan") / "checkpoints").glob("*.pt"))
 
 
+
+def test_nan_loss_stops_one_process_at_its_next_log_line(tiny_argv, tmp_path):
+    """Without step checkpoints a single process agrees at log steps too (they have synced anyway): a NaN from the
+    first step stops the run after step 16's line, not after wasting the rest of the epoch (64 steps)."""
+    bad = write_random_box(tmp_path / "nan.h5", 24, seed=1)
+    with h5py.File(bad, "r+") as f:
+        f["Hydro"][0, :12] = f["Hydro"][0, 13:] = np.nan
+    result = run(command(tiny_argv, "nan_log", extra=["--train_path", str(bad), "--checkpoint_every_n_steps", "0"]))
+    assert result.returncode == 4, result.stderr
+    assert result.stderr.startswith("error: non-finite loss (NaN or Inf) at global step 1;"), result.stderr
+    log = (run_dir(tmp_path, "nan_log") / "out.log").read_text()
+    assert "step 16/64 " in log and "step 32/64 " not in log, log
+
 def test_ddp_sigusr1_all_ranks_stop_at_the_same_step_and_continue(tiny_argv, tmp_path, started):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     reference = run(command(tiny_argv, "ddp_ref", torchrun))

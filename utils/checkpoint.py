@@ -676,10 +676,10 @@ class CheckpointManager:
             return
         by_steps = params.checkpoint_every_n_steps > 0 and state.global_step % params.checkpoint_every_n_steps == 0
         by_clock = background is not None and background.due()  # a clock read, no sync
-        if state.info.enabled:  # log steps sync with the host anyway: the agreement's collective costs little there
-            agree_now = by_steps or state.global_step % params.log_every_n_steps == 0
-        else:
-            agree_now = by_steps or by_clock or control.signal_name is not None
+        # Log steps have just synced with the host (log_interval): agreeing there costs little, and a NaN stops soon
+        agree_now = by_steps or state.global_step % params.log_every_n_steps == 0
+        if not state.info.enabled:  # one process needs no collective: its own clock and signal, at any step
+            agree_now = agree_now or by_clock or control.signal_name is not None
         if not agree_now:
             return
         stop, bad_step, clock_due = control.agree(checkpoint_due=by_clock)
