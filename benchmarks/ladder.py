@@ -32,7 +32,7 @@ a compiled graph), and why the two CUDA-graph rungs measure both branches.
 key; PyTorch's default 10, 0: all). cuDNN keeps its choice for a shape for the rest of the process, so
 compare two values in two runs of this script.
 
-Every rung builds the model as train.py does (``utils.train.build_training``: same seed, same initial
+Every rung builds the model as train.py does (``train.build_training``: same seed, same initial
 weights) and trains on one batch of generated N-body -> hydro crops cached on the device, so the
 numbers measure compute alone (the tutorial's SYNTHETIC trial), not data loading. Per rung:
 

@@ -6,7 +6,7 @@
         -- --lr_schedule.warmup_steps 16
     # one 4-GPU node: batch 64 on one GPU against batch 256 on four (the bs64_opt / bs256_opt settings)
     python benchmarks/large_batch_study.py --config bs64_opt --arm 64:sqrt:10:1 --arm 256:sqrt:20:4
-    # tabulate runs made elsewhere, e.g. those of README sections 9 (one GPU) and 10 (sbatch)
+    # tabulate runs made elsewhere, e.g. those of README section 10 (one GPU and sbatch)
     python benchmarks/large_batch_study.py --runs logs/bs64_opt/1GPU/0 logs/bs512_opt/32GPU/0
 
 An arm is BATCH:SCALING:EPOCHS[:RANKS]: the global batch, the learning-rate scaling (none, sqrt or linear,

@@ -374,8 +374,8 @@ def stride2_conv(x, weight, bias, transposed, form="native"):
 def parse_conv_forms(spec, names, input_sizes=None):
     """{layer name: form} for the layers ``names`` from a ``conv_forms`` value.
 
-    Comma-separated items, applied in order: a bare form (``native``, ``rewritten``, ``padded``) sets every
-    layer, ``NAME=FORM`` one layer. So ``native`` (the default), ``rewritten``, ``down0=padded,up2=rewritten``
+    Comma-separated items, applied in order: a bare form (``native``, ``rewritten``, ``padded``, ``fused``) sets
+    every layer, ``NAME=FORM`` one layer. So ``native`` (the default), ``rewritten``, ``down0=padded,up2=rewritten``
     or ``rewritten,last=padded``. ``padded`` pads channel counts to a multiple of 8 (the first layer's 4
     inputs, the last layer's 5 outputs) and is the native form on layers whose counts already are. ``matmul``
     fits only a convolution of a 2^3 input and a transposed convolution of a 1^3 input (``down5=matmul,
