@@ -72,8 +72,8 @@ def mode_settings(mode):
             "bf16": (torch.bfloat16, False, torch.contiguous_format),
             "fp16": (torch.float16, False, torch.contiguous_format),
             "bf16_cl": (torch.bfloat16, False, torch.channels_last_3d),
-            # fp32 with channels-last (a *_opt config with --amp_mode none) logged 7.9 samples/s on the H100 (a
-            # 12-step epoch, most likely cuDNN's autotuning; benchmarks/results/h100.md): these two modes check for a slow path.
+            # fp32 with channels-last (a *_opt config with --amp_mode none) logged 7.9 samples/s on the H100 (a 12-step
+            # epoch, most likely cuDNN's autotuning; benchmarks/results/h100.md): these two modes check for a slow path.
             "fp32_cl": (None, False, torch.channels_last_3d), "tf32_cl": (None, True, torch.channels_last_3d)}[mode]
 
 

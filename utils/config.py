@@ -102,9 +102,8 @@ SCHEMA = {  # every key of every named config
     "enable_apex": Key(bool, "apex FusedAdam when importable"),
     "enable_jit": Key(bool, "torch.compile the model and loss"),
     "channels_last": Key(bool, "channels-last-3d memory format"),
-    "conv_forms": Key(str, "stride-2 convolutions as native, rewritten, padded or fused (every layer), or per layer NAME=FORM "
-                           "items, matmul, unfold and overlap_add included (networks/conv_forms.py): same maths, "
-                           "other speed and rounding"),
+    "conv_forms": Key(str, "stride-2 convolutions: native, rewritten, padded or fused for all, or NAME=FORM items (also"
+                           " matmul, unfold, overlap_add; networks/conv_forms.py): same maths, other speed, rounding"),
     "enable_tf32": Key(bool, "TF32 matmuls and convolutions on GPU"),
     "cudnn_benchmark_limit": Key(int, "cuDNN engines timed per new convolution shape (PyTorch's default 10; 0: all "
                                       "that fit, slower start)", limits=">= 0"),

@@ -2,8 +2,8 @@
 - ``batch``: one rank's slab of a 128^3 crop at S = 2, 4 and 8 against the whole crop, 32 crops per step: the
   compute-only efficiency at the setup benchmarks/spatial_model.py projects;
 - ``memory``: a training step's memory per crop edge (batch 1) until one does not fit, then one rank's slab of a
-  128^3 and a 256^3 crop at S = 2, 4 and 8 and of a 384^3 and a 512^3 crop at S = 8 (its JSON is written after every case, so
-  a run stopped at its limit keeps what it measured);
+  128^3 and a 256^3 crop at S = 2, 4 and 8 and of a 384^3 and a 512^3 crop at S = 8 (its JSON is written after
+  every case, so a run stopped at its limit keeps what it measured);
 - ``check``: two gloo ranks sharing the GPU, S = 2 against the unsharded model (fp32), and the compiled ``*_opt``
   step under DDP against one eager process.
 
