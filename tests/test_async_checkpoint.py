@@ -260,6 +260,23 @@ def validation_curve(run_dir):
     return [(point.step, point.value) for point in events.Scalars("Loss/valid")]
 
 
+
+def test_a_run_resumed_mid_epoch_trains_and_logs_as_the_unbroken_one(tiny_argv, tmp_path):
+    """The fast suite's resume check (the kill -9 tests run under --full): from a checkpoint 3 steps into epoch 2 the
+    run serves the rest of that epoch's crops with the saved optimizer state, and its epoch loss counts the steps
+    before the stop (the checkpoint's loss sum) over the whole epoch, as the unbroken run's does."""
+    argv = tiny_argv + ["--deterministic", "--checkpoint_every_n_steps", "1", "--keep_checkpoints", "20"]
+    runs = tmp_path / "runs" / "tiny" / "1GPU"
+    whole = train.main(argv + ["--run_num", "whole"])  # 2 epochs of 8 steps
+    middle = runs / "whole" / "checkpoints" / "ckpt_step00000011.pt"
+    resumed = train.main(argv + ["--run_num", "resumed", "--resume", str(middle)])
+
+    def train_losses(run_num):
+        return [line.split("=")[1] for line in (runs / run_num / "out.log").read_text().splitlines()
+                if "Avg train loss=" in line]
+    assert train_losses("resumed") == train_losses("whole")[1:] and len(train_losses("whole")) == 2
+    assert resumed == whole  # the final validation loss, exactly
+
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 @pytest.mark.parametrize("stopped_epoch", [1, 2])
 def test_a_stop_at_an_epochs_end_checkpoints_before_validating_and_the_rerun_validates_first(tiny_argv, tmp_path,

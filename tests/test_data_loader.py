@@ -35,8 +35,19 @@ def test_plan_is_a_pure_function_of_seed_epoch_index():
     np.testing.assert_array_equal(elements, elements2[:100])
     assert not np.array_equal(corners, sample_plan(0, "train", 4, 100, 24, 8)[0])
     assert not np.array_equal(corners, sample_plan(1, "train", 3, 100, 24, 8)[0])
-    assert corners.min() >= 0 and corners.max() <= 24 - 8
-    assert len(np.unique(sample_plan(0, "train", 3, 1000, 24, 8)[1])) == 48  # every symmetry is used
+    many_corners, many_elements = sample_plan(0, "train", 3, 1000, 24, 8)
+    assert many_corners.min() == 0 and many_corners.max() == 24 - 8  # every corner the box allows, and no other
+    assert len(np.unique(many_elements)) == 48  # every symmetry is used
+
+
+def test_a_crop_as_large_as_the_box_is_the_whole_box(tiny_params, tiny_files):
+    """data_size equal to a box is allowed: the one corner (0, 0, 0), the box itself."""
+    params = tiny_params(data_size=16)  # the validation box's edge
+    assert sample_plan(0, "val", 0, 50, 16, 16, augment=False)[0].max() == 0
+    inp, tar = RandomCropDataset(params, "val")[(0, 3)]
+    with h5py.File(tiny_files[1], "r") as f:
+        np.testing.assert_array_equal(inp.numpy(), f["Nbody"][...])
+        np.testing.assert_array_equal(tar.numpy(), f["Hydro"][...])
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # on purpose, on 2 cores

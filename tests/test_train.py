@@ -28,6 +28,23 @@ def test_one_step_lowers_the_loss_on_a_fixed_batch(tiny_params):
     assert after < before
 
 
+
+def test_validation_loss_is_the_mean_over_crops_when_the_last_batch_is_short(tiny_params):
+    """6 crops at batch 4: batches of 4 and 2. The validation loss weights each crop once, not each batch."""
+    params = tiny_params(Nsamples_val=6)
+    state = train.build_training(params, init_distributed("cpu"))
+    loader = get_data_loader(params, "val")[0]
+    batches = list(loader)
+    assert [len(inp) for inp, _ in batches] == [4, 2]
+    val_loss, _ = train.validate(state, loader)
+    state.model.eval()
+    with torch.no_grad():
+        per_crop = [train.forward_loss(state, state.model, inp[k:k + 1], tar[k:k + 1])[1].item()
+                    for inp, tar in batches for k in range(len(inp))]
+    assert val_loss == pytest.approx(sum(per_crop) / len(per_crop), rel=1e-5)
+    per_batch = [sum(per_crop[:4]) / 4, sum(per_crop[4:]) / 2]
+    assert abs(sum(per_batch) / 2 - val_loss) > 1e-6 * val_loss  # the mean of batch means differs here
+
 def test_a_comm_hook_without_an_all_reduce_is_said_to_be_unused(tiny_params):
     """One process has no gradient all-reduce to compress: the start-up log says so rather than dropping it."""
     notes = train.build_training(tiny_params(ddp_comm_hook="bf16"), init_distributed("cpu")).notes
