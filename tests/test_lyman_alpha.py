@@ -298,3 +298,23 @@ def test_a_rank_without_samples_reduces_on_its_own_device(monkeypatch):
     with pytest.raises(ValueError, match="no optical depths"):
         lya.solve_amplitude([], 0.7, info)
     assert devices == [torch.device("meta")]
+
+
+@pytest.mark.parametrize("other", [1, 2])
+def test_skewers_along_each_axis_take_that_axis_velocity(other):
+    """Redshift-space distortion uses the velocity along the skewer: a box with axes 0 and ``other`` swapped (and
+    their velocity components with them) has, along ``other``, the optical depths the first box has along x."""
+    _, hydro = md.make_dataset(16, seed=3, progress=False)
+    swapped = np.swapaxes(hydro, 1, 1 + other).copy()
+    swapped[[1, 1 + other]] = swapped[[1 + other, 1]]                     # vx <-> v_other
+    settings = lya.LymanAlphaSettings(skewer_stride=1)
+    along_x = lya.optical_depth_of_fields(torch.from_numpy(hydro)[None], settings, axis=0).reshape(16, 16, 16)
+    along_other = lya.optical_depth_of_fields(torch.from_numpy(swapped)[None], settings, axis=other)
+    along_other = along_other.reshape(16, 16, 16)
+    if other == 2:  # skewers listed by the transverse axes in order: (z, y) there, (y, z) for x
+        along_other = along_other.transpose(0, 1)
+    torch.testing.assert_close(along_other, along_x)
+    at_rest = hydro.copy()
+    at_rest[1] = 0.0                                                      # no x velocity: other optical depths
+    assert not torch.allclose(along_x.flatten(), lya.optical_depth_of_fields(torch.from_numpy(at_rest)[None],
+                                                                             settings, axis=0).flatten(), rtol=1e-2)

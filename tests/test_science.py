@@ -269,6 +269,40 @@ def test_a_periodic_box_is_measured_without_a_window(generated):
     assert "periodic box" in science_plots.power_spectrum_figure(metrics).axes[0].get_title()
 
 
+
+def density_fields(rho_over_mean):
+    """(B, 5, S, S, S) normalised hydro fields: ``rho_over_mean`` (B, S, S, S) as gas density, zeros elsewhere."""
+    fields = torch.zeros(rho_over_mean.shape[0], 5, *rho_over_mean.shape[1:])
+    fields[:, 0] = (rho_over_mean.log() / units.DENSITY_LOG_SCALE).float()
+    return fields
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_a_periodic_boxs_power_sums_to_its_variance_along_every_axis(axis):
+    """Parseval in absolute units: the shells' P(k) times their modes add up to the sum of delta^2 over the cells,
+    whichever axis the wave runs along (a wave along x or y lies in the kz = 0 plane that rfftn stores once)."""
+    x = torch.arange(CROP, dtype=torch.float64)
+    wave = (1 + 0.5 * torch.cos(2 * math.pi * 3 * x / CROP)).reshape([CROP if a == axis else 1 for a in range(3)])
+    fields = density_fields(wave.expand(CROP, CROP, CROP)[None])
+    metrics = science.ScienceMetrics(CROP, "cpu", periodic=True)
+    metrics.update(fields, fields)
+    rho = units.to_physical(fields, "hydro", channel_axis=1)[:, 0].double()
+    total = (metrics.power_spectra()["power_true"] * metrics.modes_per_shell).sum()
+    assert total == pytest.approx(((rho - rho.mean()) ** 2).sum().item(), rel=1e-4)
+
+
+def test_the_windowed_power_of_white_noise_is_its_variance():
+    """The Hann window is scaled to mean(w^2) = 1, so a crop's windowed P(k) of white noise is its variance in
+    absolute units (not just in the ratio of prediction to truth, which any scale would keep)."""
+    noise = torch.randn(64, CROP, CROP, CROP, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    fields = density_fields(1 + 0.05 * noise)
+    metrics = metrics_of(fields, fields, batch=16)
+    rho = units.to_physical(fields, "hydro", channel_axis=1)[:, 0].double()
+    variance = ((rho - rho.mean(dim=(1, 2, 3), keepdim=True)) ** 2).mean().item()
+    power = metrics.power_spectra()["power_true"]
+    assert power[1:].mean() == pytest.approx(variance, rel=0.05)  # shell 1 holds the crop mean's leakage
+    assert np.all(np.abs(power[1:] / variance - 1) < 0.2)
+
 def test_cross_correlation_of_an_independent_field_is_near_zero(generated):
     """The prediction of another box has the right power but the wrong structures: r ~ 0 at every scale."""
     _, hydro = generated
