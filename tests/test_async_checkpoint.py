@@ -20,7 +20,7 @@ from utils import Preempted, checkpoint
 from utils.checkpoint import (AsyncCheckpointer, CheckpointError, RunControl, load_checkpoint,
                               rng_state, save_checkpoint)
 from utils.config import load_config
-from conftest import REPO_ROOT, OsWith, free_port, rank_env
+from conftest import REPO_ROOT, OsWith, free_port, rank_env, write_random_box
 
 
 def trained_model_and_optimizer(steps=2):
@@ -276,6 +276,34 @@ def test_a_run_resumed_mid_epoch_trains_and_logs_as_the_unbroken_one(tiny_argv, 
                 if "Avg train loss=" in line]
     assert train_losses("resumed") == train_losses("whole")[1:] and len(train_losses("whole")) == 2
     assert resumed == whole  # the final validation loss, exactly
+
+@pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
+def test_a_run_goes_on_with_its_data_moved_and_refuses_it_regenerated_in_place(tiny_argv, tmp_path):
+    """The checkpoints record the data's content: a copy at another path (a job's own node-local folder) trains on
+    exactly as the unbroken run, through --resume PATH and through the run's own folder; the file regenerated with
+    another seed at its old path is refused, in one line, before the data loads."""
+    (tmp_path / "data").mkdir(), (tmp_path / "staged").mkdir()
+    for folder in ("data", "staged"):
+        write_random_box(tmp_path / folder / "train.h5", 24, seed=1), write_random_box(tmp_path / folder / "val.h5", 16)
+
+    def files(folder):
+        return ["--train_path", str(tmp_path / folder / "train.h5"), "--val_path", str(tmp_path / folder / "val.h5")]
+    argv = tiny_argv + ["--deterministic", "--checkpoint_every_n_steps", "1", "--keep_checkpoints", "20"]
+    runs = tmp_path / "runs" / "tiny" / "1GPU"
+    whole = train.main(argv + files("data") + ["--run_num", "whole"])
+    middle = runs / "whole" / "checkpoints" / "ckpt_step00000011.pt"
+    assert train.main(argv + files("staged") + ["--run_num", "staged", "--resume", str(middle)]) == whole
+    moved = f"data files moved, with the same content: train_path {tmp_path}/data/train.h5 -> {tmp_path}/staged/"
+    assert moved in (runs / "staged" / "out.log").read_text()
+    train.main(argv + files("staged") + ["--run_num", "whole"])  # the finished run, found by its number
+    assert "This run already finished (16 of 16 steps)" in (runs / "whole" / "out.log").read_text()
+    write_random_box(tmp_path / "data" / "train.h5", 24, seed=3)
+    with pytest.raises(CheckpointError, match=f"run {runs / 'whole'} was written with a different config: "
+                                              f"train_path content sha256:[0-9a-f]{{12}} -> sha256:[0-9a-f]{{12}}; the "
+                                              f"checkpoint records the data's content: restore the files"):
+        train.main(argv + files("data") + ["--run_num", "whole"])
+    assert "Data loader:" not in (runs / "whole" / "out.log").read_text().split("already finished")[-1]
+
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 @pytest.mark.parametrize("stopped_epoch", [1, 2])

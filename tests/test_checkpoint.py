@@ -2,13 +2,14 @@ import errno
 import io
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import OsWith
+from conftest import OsWith, write_random_box
 from networks.UNet import UNet, loss_func
 from utils import checkpoint
 from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, RUN_DEFINING_KEYS, CheckpointError, check_compatible,
@@ -16,6 +17,7 @@ from utils.checkpoint import (RESUME_MAY_CHANGE_KEYS, RUN_DEFINING_KEYS, Checkpo
                               load_model_state, load_optimizer_state, rng_state, save_checkpoint,
                               set_rng_state)
 from utils.config import REPO_ROOT, SCHEMA, load_config
+from utils.data import data_fingerprints
 
 
 def tiny_model(seed=0, channels=(4, 8)):
@@ -347,6 +349,32 @@ def test_config_differences_name_run_defining_keys_only():
         "use --resume never or a new --run_num")
     older_format = {key: value for key, value in saved.items() if key != "lambda_rho"}
     assert config_differences(older_format, saved) == [("lambda_rho", "<absent>", 0.0)]
+
+
+def test_a_checkpoint_follows_its_data_by_content_not_by_path(tmp_path):
+    """Data copied to another path (a purged scratch restored elsewhere, a job's own node-local folder) continues the
+    run, named in the log; other data under the same path (regenerated with another seed) is refused, where the paths
+    alone would have let it through. Without a record (config.yaml, older checkpoints) the paths decide."""
+    (tmp_path / "staged").mkdir()
+    files = {key: write_random_box(tmp_path / name, box, seed=seed)
+             for key, name, box, seed in (("train_path", "train.h5", 16, 1), ("val_path", "val.h5", 8, 2))}
+    saved = dict(load_config("quickstart", overrides={key: str(path) for key, path in files.items()}))
+    record = data_fingerprints(saved)
+    assert set(record) == {"train_path", "val_path"} and record["train_path"] != record["val_path"]
+    assert data_fingerprints({**saved, "data_loader_config": "synthetic"}) == {}
+    staged = {key: shutil.copy(path, tmp_path / "staged" / path.name) for key, path in files.items()}
+    moved = {**saved, **{key: str(path) for key, path in staged.items()}}
+    assert check_compatible(saved, moved, data=record) == [
+        (key, str(files[key]), str(staged[key])) for key in ("train_path", "val_path")]
+    with pytest.raises(CheckpointError, match="train_path .*train.h5 -> .*staged/train.h5"):
+        check_compatible(saved, moved)  # no record: the paths decide, as before
+    write_random_box(files["train_path"], 16, seed=3)  # regenerated in place
+    with pytest.raises(CheckpointError) as caught:
+        check_compatible(saved, saved, source="checkpoint c.pt", data=record)
+    assert str(caught.value) == (
+        f"checkpoint c.pt was written with a different config: train_path content {record['train_path'][:19]} -> "
+        f"{data_fingerprints(saved)['train_path'][:19]}; the checkpoint records the data's content: restore the "
+        f"files it trained on, or use --resume never or a new --run_num")
 
 
 def test_rng_round_trip_through_a_checkpoint(tmp_path):

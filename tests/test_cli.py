@@ -290,6 +290,11 @@ def test_a_new_run_says_how_its_command_differs_from_the_closest_run_beside_it(t
     assert new_run_note(tmp_path, tmp_path / "3", params).endswith(
         "in box_size ([64, 64] there, [128, 64] here), lr_schedule.start_lr (0.01 there, 0.002 here), num_epochs (2 "
         "there, 4 here) and 1 more key(s); the same command continues its run, any other starts a new one")  # seed
+    (tmp_path / "1" / "config.yaml").write_text(yaml.safe_dump({**dict(params), "train_path": "/old/train.h5"}))
+    assert new_run_note(tmp_path, tmp_path / "3", params).endswith(
+        "in train_path (/old/train.h5 there, data/quickstart_train.h5 here); the same command continues its run, any "
+        "other starts a new one (if the data only moved, --run_num 1 continues that run: its checkpoints know the "
+        "files by their content)")
     (tmp_path / "1" / "config.yaml").write_text(yaml.safe_dump(dict(params)))
     assert new_run_note(tmp_path, tmp_path / "3", params) is None  # the same command: nothing to explain
 

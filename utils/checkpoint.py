@@ -35,6 +35,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from utils import (STOP_SIGNALS, CheckpointError, Interrupted, NonFiniteLoss, Preempted, StorageError, first_line,
                    os_error_in, storage_cause, write_atomically)
 from utils.config import DATA_FILES, SCHEMA, differences, listed
+from utils.data import data_fingerprints
 from utils.distributed import all_reduce_sum
 from utils.metrics import environment, environment_changes
 
@@ -320,17 +321,27 @@ def config_differences(saved, current, keys=RUN_DEFINING_KEYS):
 RUN_ADVICE, PATH_ADVICE = "use --resume never or a new --run_num", "give the flags it was written with"
 
 
+def _peek(path):
+    """A checkpoint's payload memory-mapped (its config and data record without reading the weights), or None where
+    it does not load: resume() verifies the whole file and says what is wrong with it."""
+    try:
+        return torch.load(Path(path).expanduser(), map_location="cpu", mmap=True, weights_only=True)
+    except Exception:
+        return None
+
+
 def refuse_other_config(run_dir, params, resume="auto"):
     """check_compatible now, not after every rank has loaded the data and built the model: against the config.yaml
-    of a run that has checkpoints (the command that made it), or a ``--resume PATH`` checkpoint's own config."""
+    of a run that has checkpoints (the command that made it) and its newest checkpoint's data record, or a
+    ``--resume PATH`` checkpoint's own config. Files the config will generate are not there yet: resume() checks
+    them."""
     if resume != "auto":
-        try:  # memory-mapped: the config without reading the weights (resume() verifies the whole file)
-            saved = torch.load(Path(resume).expanduser(), map_location="cpu", mmap=True, weights_only=True)["config"]
-        except Exception:
-            return  # resume() says what is wrong with the file
-        return check_compatible(saved, dict(params), f"checkpoint {resume}", PATH_ADVICE)
-    path = Path(run_dir) / "config.yaml"
-    if not list_checkpoints(Path(run_dir) / "checkpoints") or not path.is_file():
+        payload = _peek(resume)
+        if payload is not None:
+            check_compatible(payload["config"], dict(params), f"checkpoint {resume}", PATH_ADVICE, payload.get("data"))
+        return
+    path, found = Path(run_dir) / "config.yaml", list_checkpoints(Path(run_dir) / "checkpoints")
+    if not found or not path.is_file():
         return
     try:
         saved = yaml.safe_load(path.read_text())
@@ -339,14 +350,27 @@ def refuse_other_config(run_dir, params, resume="auto"):
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path} is unreadable or no config ({str(saved)[:80]}); restore it, or delete it so "
                               f"that this command's config replaces it (the checkpoints still check theirs)")
-    check_compatible(saved, dict(params), f"run {run_dir}")
+    check_compatible(saved, dict(params), f"run {run_dir}", data=(_peek(found[0]) or {}).get("data"))
 
 
-def check_compatible(saved, current, source="the checkpoint", advice=RUN_ADVICE):
-    """CheckpointError naming every run-defining key whose value differs between the configs."""
-    differences = config_differences(saved, current)
+def check_compatible(saved, current, source="the checkpoint", advice=RUN_ADVICE, data=None):
+    """CheckpointError naming every run-defining key whose value differs between the configs. ``data``: the
+    checkpoint's record of its files' content ({key: fingerprint}; config.yaml and older checkpoints have none),
+    which decides for those files instead of their paths: the same content at another path continues (returned, as
+    (key, path there, path here), for the log), other content at the same path is refused."""
+    differences, moved, here = config_differences(saved, current), [], data_fingerprints(current) if data else {}
+    for key in sorted((data or {}).keys() & here.keys()):
+        path_changed = [entry for entry in differences if entry[0] == key]
+        differences = [entry for entry in differences if entry[0] != key]
+        if data[key] == here[key]:
+            moved += path_changed
+        else:  # the first 12 hex digits name it in the log
+            differences.append((f"{key} content", data[key][:19], here[key][:19]))
     if differences:
-        raise CheckpointError(f"{source} was written with a different config: {listed(differences)}; {advice}")
+        restore = ("; the checkpoint records the data's content: restore the files it trained on, or "
+                   if any(key.endswith(" content") for key, _, _ in differences) else "; ")
+        raise CheckpointError(f"{source} was written with a different config: {listed(differences)}{restore}{advice}")
+    return moved
 
 
 # --- 3. the background writer ----------------------------------------------------------------------------------------
@@ -541,6 +565,9 @@ class CheckpointManager:
         self.directory = Path(run_dir) / "checkpoints"
         self.background = self.tensorboard = None  # rank 0's AsyncCheckpointer (_background); running()'s events
         self.validation_pending = False  # resumed from a stop saved before its epoch's validation: that comes first
+        # What the checkpoints record of the data's content, which a resume compares (rank 0's; check_compatible)
+        self.data = data_fingerprints(state.params) if state.info.is_main else {}
+        self.moved = []  # rank 0: data files the resumed checkpoint found at another path, with the same content
 
     def resume(self, resume_from="auto", fallback=None):
         """Load the newest valid checkpoint (or ``resume_from``; nothing for "never"); returns the epoch's saved loss
@@ -548,23 +575,21 @@ class CheckpointManager:
         state, info, params = self.state, self.state.info, self.state.params
         if resume_from == "never":
             return 0.0
-        chosen, loaded = [None, False, None], None  # rank 0's choice: (file or None, from --resume PATH, its error)
+        chosen, loaded = [None, None], None  # rank 0's choice, checked against this config: (file or None, its error)
         if info.is_main:
             try:
-                *chosen[:2], loaded = self._choose(resume_from, fallback)
+                chosen[0], loaded = self._choose(resume_from, fallback)
             except CheckpointError as err:
-                chosen[2] = str(err)
+                chosen[1] = str(err)
         if info.enabled:
             dist.broadcast_object_list(chosen, src=0)  # every rank loads the file rank 0 chose
-        if chosen[2] is not None:
-            raise CheckpointError(chosen[2] if info.is_main else f"rank 0: {chosen[2]}")
+        if chosen[1] is not None:
+            raise CheckpointError(chosen[1] if info.is_main else f"rank 0: {chosen[1]}")
         if chosen[0] is None:
             return 0.0
-        path, given = Path(chosen[0]), chosen[1]
+        path = Path(chosen[0])
         payload = loaded if loaded is not None else load_checkpoint(path, log=logger.warning)
         source = f"checkpoint {path}"
-        if not given:  # a --resume PATH was checked by rank 0 (_start_from) before it pruned anything
-            check_compatible(payload["config"], params, source)
         changed = config_differences(payload["config"], params, keys=RESUME_MAY_CHANGE_KEYS)
         other_environment = (environment_changes(payload.get("environment"), environment(info.device.type))
                              if info.is_main else [])  # rank 0 logs it
@@ -580,13 +605,14 @@ class CheckpointManager:
                     + (f"; changed settings: {listed(changed)}" if changed else "")
                     + (f"; another environment ({', '.join(other_environment)}): it goes on from there, but not "
                        f"bit for bit as it would have" if other_environment else "")
+                    + (f"; data files moved, with the same content: {listed(self.moved)}" if self.moved else "")
                     + ("; its epoch's validation, skipped by the stopped run, comes first"
                        if self.validation_pending else ""))
         return payload["epoch_loss_sum"] if info.is_main else 0.0
 
     def _choose(self, resume_from, fallback):
-        """Rank 0, before the others load anything: (file to resume from or None, whether it is the user's --resume
-        PATH, its payload if loaded here). Its errors reach every rank (resume broadcasts them)."""
+        """Rank 0, before the others load anything: (file to resume from or None, its payload), checked against this
+        config. Its errors reach every rank (resume broadcasts them)."""
         origin, redirected = self.directory / ORIGIN_FILE, False
         if resume_from != "auto":
             if not continues(self.directory, resume_from):
@@ -597,7 +623,9 @@ class CheckpointManager:
             if redirected:
                 logger.info(f"This command resumed from {fallback} before and its run went on: it continues from its "
                             f"newest checkpoint (to go back to {Path(fallback).name} again, delete {origin})")
-            return str(found[0]), False, found[1]
+            self.moved = check_compatible(found[1]["config"], self.state.params, f"checkpoint {found[0]}",
+                                          data=found[1].get("data"))
+            return str(found[0]), found[1]
         damaged = list_checkpoints(self.directory)
         if damaged:  # starting over would delete them at the first save: a read error may be passing, bit rot not
             again = f" (delete {origin} first)" if redirected else ""
@@ -608,7 +636,7 @@ class CheckpointManager:
             return self._start_from(fallback)
         with suppress(OSError):
             origin.unlink(missing_ok=True)  # a history from step 0 starts from no PATH
-        return None, False, None
+        return None, None
 
     def _start_from(self, given):
         """Rank 0: load checkpoint ``given`` (a --resume PATH), check it, and make it this run's history: going back
@@ -616,7 +644,8 @@ class CheckpointManager:
         from where it got to rather than from ``given``."""
         path = Path(given).expanduser().resolve()
         payload = load_checkpoint(path, log=logger.warning)
-        check_compatible(payload["config"], self.state.params, f"checkpoint {path}", PATH_ADVICE)
+        self.moved = check_compatible(payload["config"], self.state.params, f"checkpoint {path}", PATH_ADVICE,
+                                      payload.get("data"))
         if path.parent == self.directory.resolve():  # a restart before the first save must not jump forward again
             _remove([p for p in list_checkpoints(self.directory) if checkpoint_step(p) > payload["step"]],
                     f"going back to step {payload['step']}")
@@ -626,7 +655,7 @@ class CheckpointManager:
         except OSError as err:
             raise CheckpointError(f"cannot write {self.directory / ORIGIN_FILE} ({storage_cause(err)}); free space "
                                   f"there or choose another --expdir") from None
-        return str(path), True, payload
+        return str(path), payload
 
     @contextmanager
     def running(self, tensorboard=None):
@@ -743,7 +772,7 @@ class CheckpointManager:
                 "optimizer": state.optimizer.state_dict(), "scaler": state.scaler.state_dict(),
                 "rng": rng_state(state.info.device), "epoch_loss_sum": epoch_loss_sum,
                 "validation_pending": validation_pending, "environment": environment(state.info.device.type),
-                "epoch_end_s": state.epoch_end_s}
+                "epoch_end_s": state.epoch_end_s, "data": self.data}
 
     def _background(self):
         """Rank 0's background writer (first use starts its clock); None elsewhere."""

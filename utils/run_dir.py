@@ -84,8 +84,11 @@ def new_run_note(parent, run_dir, params):
     keys = found[number]
     shown = listed(keys[:3], "{key} ({there} there, {here} here)")
     more = f" and {len(keys) - 3} more key(s)" if len(keys) > 3 else ""
+    moved = all(key in DATA_FILES for key, _, _ in keys)  # the same data at a new path, perhaps
     return (f"a new run: this command differs from run {number}'s (the closest beside it) in {shown}{more}; the "
-            f"same command continues its run, any other starts a new one")
+            f"same command continues its run, any other starts a new one"
+            + (f" (if the data only moved, --run_num {number} continues that run: its checkpoints know the files by "
+               f"their content)" if moved else ""))
 
 
 def takes_history(run_dir, branch):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from utils import DataError
 from utils.config import resolve_path
 from utils.distributed import env_ranks_per_node
-from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, check_data_file, check_normalised,
+from utils.data.torch_loader import (RandomCropDataset, ShardedSampler, check_data_file, check_normalised, fingerprint,
                                      get_torch_loader, read_volume_shapes, sample_plan, volume_bytes)
 
 __all__ = ["DataError", "RandomCropDataset", "ShardedSampler", "check_data", "check_host_memory", "get_data_loader",
@@ -52,6 +52,15 @@ def data_files(params):
         from utils.make_dataset import npy_paths
         files = [file for file in files if not all(twin.exists() for twin in npy_paths(file[0]))]
     return files
+
+
+def data_fingerprints(config):
+    """{key: fingerprint} of the config's training and validation files that exist (none for synthetic data): what a
+    checkpoint records of its data, and what a resume compares it with (utils/checkpoint.py's check_compatible)."""
+    if config["data_loader_config"] == "synthetic":
+        return {}
+    return {key: fingerprint(path) for key in ("train_path", "val_path")
+            if (path := resolve_path(config[key])).is_file()}
 
 
 def check_data(params):

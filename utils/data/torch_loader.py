@@ -11,6 +11,7 @@ The P ranks sharing a crop (spatial parallelism) are one data rank, each served 
 faster loaders (fast.py, gpu.py, dali.py) build on ``SplitSpec``, ``sample_plan`` and the sampler: the same stream.
 """
 import atexit
+import hashlib
 import multiprocessing.util  # registers its exit handler first, so that ours (below) runs before it
 import os
 import sys
@@ -93,6 +94,22 @@ def check_normalised(path, datasets=("Nbody", "Hydro")):
                     raise DataError(f"{path}: '{key}' channel {channel} holds values from {low:.4g} to {high:.4g}; "
                                     f"expected the normalised fields in [-1, 1] (README 'Data': utils/units.py's "
                                     f"normalize_*)")
+
+
+def fingerprint(path, datasets=("Nbody", "Hydro")):
+    """What a data file holds, for the price of a few KB read: the SHA-256 of each dataset's shape and dtype and of
+    the line of cells through the box's centre (every channel). Checkpoints record it, so that a resume refuses a file
+    regenerated or replaced in place (another seed changes every cell) and accepts the same file at a new path (a
+    purged scratch copied back elsewhere, data staged to a job's own node-local folder). Every rank checks it before
+    the data loads, so it reads little: an edit off that line goes unnoticed."""
+    digest = hashlib.sha256()
+    with h5py.File(path, "r") as f:
+        for key in datasets:
+            middle = f[key].shape[1] // 2
+            line = np.ascontiguousarray(f[key][:, middle, middle, :])  # one contiguous read per channel
+            digest.update(f"{key} {f[key].shape} {line.dtype.str}".encode())
+            digest.update(line.tobytes())
+    return f"sha256:{digest.hexdigest()}"
 
 
 def volume_bytes(box, in_channels, out_channels):
