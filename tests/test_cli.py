@@ -147,6 +147,31 @@ def test_a_resume_path_that_is_no_file_is_one_line_before_any_run_folder(tiny_ar
     assert resume_on_restart(str(tmp_path / "missing.pt"), restarted)[:2] == ("auto", str(tmp_path / "missing.pt"))
 
 
+def test_only_a_restart_count_above_zero_makes_a_restart():
+    """Slurm sets SLURM_RESTART_COUNT=0 (torchrun TORCHELASTIC_RESTART_COUNT=0) on a job's first attempt: --resume is
+    then kept as given; from 1 on, the attempt continues the run."""
+    from utils.run_dir import resume_on_restart
+    for first in ({"SLURM_RESTART_COUNT": "0"}, {"TORCHELASTIC_RESTART_COUNT": "0"}, {}):
+        assert resume_on_restart("never", first) == ("never", None, None)
+    resume, fallback, note = resume_on_restart("never", {"SLURM_RESTART_COUNT": "2"})
+    assert (resume, fallback) == ("auto", None) and "SLURM_RESTART_COUNT=2" in note
+
+
+def test_a_restarted_job_finds_the_newest_run_folder_it_held_with_its_command(tmp_path):
+    """Two folders held by the same job and command (a requeue after a --run_num change, say): the newest lock wins;
+    another job's or another command's folders are not its own."""
+    from utils.run_dir import own_run
+    holders = {"3": ("Slurm job 42", "train.py a", 200), "5": ("Slurm job 42", "train.py a", 100),
+               "6": ("Slurm job 42", "train.py b", 300), "7": ("Slurm job 43", "train.py a", 400)}
+    for name, (job, command, mtime) in holders.items():
+        (tmp_path / name).mkdir()
+        lock = tmp_path / name / ".lock"
+        lock.write_text(f"process 1 on host ({job})\ncommand: {command}\n")
+        os.utime(lock, (mtime, mtime))
+    assert own_run(tmp_path, "Slurm job 42", "train.py a") == "3"
+    assert own_run(tmp_path, "Slurm job 44", "train.py a") is None
+
+
 def test_a_directory_as_data_path_is_one_line(tiny_argv, tmp_path, capsys):
     code, err = run_train_cli(tiny_argv + ["--train_path", str(tmp_path)], capsys)
     assert code == 2 and f"data path {tmp_path} is a directory" in err

@@ -135,6 +135,23 @@ def test_buffers_are_recycled_only_when_free_and_an_early_stop_is_clean(tiny_par
                         batches(get_fast_loader, params, epoch=3)[0])
 
 
+def test_a_buffer_pair_is_not_refilled_while_either_of_its_batches_is_alive():
+    """A consumer that keeps only the targets (or only the inputs) of its batches must find them unchanged."""
+    buffers = fast_loader.BatchBuffers([(2, 3), (2, 4)], pin_memory=False)
+    for kept in (0, 1):
+        views = buffers.take(2)
+        batch = torch.from_numpy(views[kept])
+        batch.fill_(7.0)
+        del views                                            # the other half of the pair is dropped
+        inp, tar = buffers.take(2)                           # the next batch: filled in another pair
+        inp.fill(-1.0)
+        tar.fill(-1.0)
+        assert (batch == 7.0).all()
+        del batch, inp, tar
+    assert len(buffers.pool) == 2                            # and once both are free, the pairs go round again
+    assert all(ref() is None for _, refs in buffers.pool for ref in refs)
+
+
 def test_a_worker_error_reaches_the_consumer(tiny_params):
     loader, _ = get_fast_loader(tiny_params(num_data_workers=2), "train")
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from train import initial_lr, learning_rate
+from train import initial_lr, learning_rate, warmup_steps
 
 SQRT = {"scaling": "sqrt", "start_lr": 2e-4, "end_lr": 0.0, "warmup_steps": 128}
 
@@ -35,3 +35,18 @@ def test_end_lr_and_no_warmup_without_scaling():
     assert learning_rate(0, schedule, 512, 64, 100) == pytest.approx(1e-3)
     assert learning_rate(50, schedule, 512, 64, 100) == pytest.approx(5.5e-4)
     assert learning_rate(100, schedule, 512, 64, 100) == pytest.approx(1e-4)
+
+
+def test_a_warmup_longer_than_the_run_is_cut_to_the_run():
+    """warmup_steps 128 in a 100-step run: the rate rises linearly over the 100 steps (half the peak at step 50)."""
+    assert warmup_steps(SQRT, 256, 64, 100) == 100
+    assert learning_rate(50, SQRT, 256, 64, 100) == pytest.approx(2e-4)     # 4e-4 x 50 / 100
+    assert learning_rate(99, SQRT, 256, 64, 100) == pytest.approx(3.96e-4)
+
+
+def test_a_batch_below_the_base_scales_the_rate_down_without_warmup():
+    """global 16 < base 64: linear scaling gives a quarter of start_lr from step 0; warm-up is for scaling up only."""
+    linear = {**SQRT, "scaling": "linear"}
+    assert warmup_steps(linear, 16, 64, 1000) == 0
+    assert learning_rate(0, linear, 16, 64, 1000) == pytest.approx(5e-5)
+    assert learning_rate(0, SQRT, 16, 64, 1000) == pytest.approx(1e-4)        # sqrt(1/4) = 1/2

@@ -177,6 +177,18 @@ def test_perfect_prediction_and_p1d_bands(generated):
     assert lya.format_summary(scalars).endswith("[cells] 2-4: 1, 4-8: 1, 8-16: 1, 16-32: 1")
 
 
+@pytest.mark.parametrize("pred_flux", [0.51, 0.91])
+def test_flux_pdf_distances_of_uniform_fluxes_are_one_and_their_flux_difference(pred_flux):
+    """True F = 0.71 and predicted F uniform, darker or brighter: the CDFs differ by 1 between the two fluxes, so
+    KS = 1 either way, and Wasserstein-1 (the mean flux change that turns one into the other) = |0.71 - F| = 0.2."""
+    stats = lya.FluxStatistics(8, lya.LymanAlphaSettings(mean_flux=0.71), periodic=True)
+    stats.add_optical_depth(torch.full((3, 8), -math.log(pred_flux)), torch.full((3, 8), -math.log(0.71)))
+    stats.finalize()
+    assert stats.amplitude == pytest.approx(1.0, rel=1e-6)
+    ks, w1 = stats.flux_pdf_distances()
+    assert ks == pytest.approx(1.0) and w1 == pytest.approx(0.2)
+
+
 def test_p1d_of_a_known_flux_wave():
     """F = 0.7 (1 + eps cos(2 pi m j / N)) on a periodic skewer: <F> = 0.7 so A = 1, and P1D(k_m) = N dv eps^2 / 4."""
     n, m, eps = 32, 5, 0.2
@@ -194,6 +206,21 @@ def test_p1d_of_a_known_flux_wave():
     assert spectra["k"][m - 1] == pytest.approx(2 * math.pi * m / (n * dv))        # s/km
     # the variance of delta_F is the sum over all +-k modes: 2 x P1D(k_m) / (N dv)
     assert 2 * spectra["true"].sum() / (n * dv) == pytest.approx(eps ** 2 / 2, rel=1e-5)
+
+
+def test_the_windowed_p1d_of_white_noise_flux_on_crops_is_its_variance():
+    """Crops' skewers are Hann-windowed, the window normalised to mean(w^2) = 1: white-noise flux still reads
+    P1D(k) = var(delta_F) dv at every k (the windowed power is the variance, not 1.5x it)."""
+    torch.manual_seed(0)
+    n = 32
+    tau = -torch.log(0.7 * (1 + 0.05 * torch.randn(2000, n, dtype=torch.float64)))
+    stats = lya.FluxStatistics(n, lya.LymanAlphaSettings())                        # crops: windowed
+    stats.add_optical_depth(tau, tau)
+    stats.finalize()
+    flux = torch.exp(-stats.amplitude * tau)
+    variance = ((flux / flux.mean() - 1) ** 2).mean().item()
+    ratio = stats.p1d()["true"][1:] / stats.settings.velocity_per_cell / variance  # k = 2 .. 16 (k = 1 loses its mean)
+    assert ratio.mean() == pytest.approx(1.0, abs=0.05) and np.abs(ratio - 1).max() < 0.15
 
 
 def test_settings_from_config_and_files(tmp_path):

@@ -377,6 +377,22 @@ def test_normalisation_round_trip_numpy_and_torch():
         units.to_physical(nbody, "hydro")
 
 
+def test_every_normaliser_clips_both_signs_to_the_same_bound():
+    """Stored values lie in [-CLIP, CLIP] (the tanh output's range), at the low end as at the high end."""
+    assert units.normalize_velocity(-1e9) == pytest.approx(-units.CLIP)
+    assert units.normalize_velocity(np.array([-600.0, 600.0])).tolist() == pytest.approx([-units.CLIP, units.CLIP])
+    assert units.normalize_temperature(1.0) == pytest.approx(-units.CLIP)            # log10 T = 0 < 2
+    assert units.normalize_temperature(1e9) == pytest.approx(units.CLIP)
+    assert units.normalize_density(1e300) == pytest.approx(units.CLIP)
+
+
+def test_the_shock_temperature_is_that_of_a_strong_shock():
+    """T = 3/16 mu m_p v^2 / k_B (Rankine-Hugoniot, gamma 5/3) for mu = 0.6: 13.6 K per (km/s)^2, from SI constants."""
+    proton_mass, boltzmann = 1.67262192e-27, 1.380649e-23                         # kg, J/K
+    assert md._SHOCK_T_PER_KMS2 == pytest.approx(3 / 16 * 0.6 * proton_mass * 1e6 / boltzmann, rel=1e-4)
+    assert md._SHOCK_T_PER_KMS2 * 100.0 ** 2 == pytest.approx(1.363e5, rel=1e-3)   # a 100 km/s jump: 1.4e5 K
+
+
 # --- statistics ---------------------------------------------------------------------------------
 def test_mass_conservation(fields48):
     nbody, hydro = fields48

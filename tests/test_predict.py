@@ -15,6 +15,7 @@ import torch
 
 import predict
 import utils.cpu_amp
+from science import lyman_alpha as lya
 from utils import inference
 from utils.distributed import no_cuda_reason
 from conftest import REPO_ROOT
@@ -195,6 +196,22 @@ def test_whole_box_l1_and_lyman_alpha_against_the_inputs_hydro(run_dir, model, t
     assert {"p1d_ratio/wavelength_4-8_cells", "flux_pdf_ks", "flux_pdf_w1", "tau_amplitude"} <= set(flux)
     assert group["p1d_k_s_per_km"].shape == group["p1d_pred_km_s"].shape == group["p1d_true_km_s"].shape == (8,)
     assert group["flux_pdf_edges"].shape == (51,) and np.isclose(group["flux_pdf_true"].sum() / 50, 1.0)
+
+
+def test_whole_box_skewers_are_every_strideth_row_of_the_box_whatever_the_slabs():
+    """predict.py feeds WholeBoxScience slabs that need not start at multiples of the skewer stride: the skewers are
+    still the box's rows x, y = 1, 3, 5, 7 (stride 2, from 1), each once, and L1 is per cell of the whole box."""
+    _, hydro = make_dataset(8, seed=2, progress=False)
+    prediction = hydro * 0.9
+    whole = inference.WholeBoxScience(8, hydro, lya.LymanAlphaSettings(), stride=2, device="cpu")
+    for x0, x1 in ((0, 3), (3, 8)):
+        whole.add(x0, x1, prediction[:, x0:x1])
+    settings = lya.LymanAlphaSettings(skewer_stride=2)
+    expected = [lya.optical_depth_of_fields(torch.from_numpy(box)[None], settings, axis=2)
+                for box in (prediction, hydro)]
+    for which, tau in zip(("pred", "true"), expected):
+        assert torch.equal(torch.cat(whole.flux._tau[which]), tau)                 # 16 skewers, in row order
+    np.testing.assert_allclose(whole.l1 / 8 ** 3, np.abs(prediction - hydro).mean(axis=(1, 2, 3)), rtol=1e-6)
 
 
 def test_without_a_truth_only_the_predictions_own_flux_statistics(run_dir, tmp_path, capsys):

@@ -154,6 +154,26 @@ def test_fit_recovers_a_constructed_relation(generated):
     assert all(math.isnan(v) for v in science.fit_temperature_density(empty))
 
 
+def test_the_t_rho_line_is_a_least_squares_fit_weighted_by_each_columns_cell_count():
+    """Three density columns whose cells sit in one temperature bin each (median: the bin's centre), off a line:
+    the fitted slope and intercept are the count-weighted least-squares ones, by the closed-form formula."""
+    histogram = np.zeros((science.NUM_DENSITY_BINS, science.NUM_TEMPERATURE_BINS))
+    density_edges, temperature_edges = science.log_density_edges(), science.log_temperature_edges()
+    density_centres = 0.5 * (density_edges[1:] + density_edges[:-1])
+    columns = [int(np.argmin(np.abs(density_centres - x))) for x in (-0.9, -0.5, -0.2)]
+    rows, counts = [80, 110, 97], np.array([1000.0, 10.0, 1000.0])  # medians 4.0125, 4.7625, 4.4375: not a line
+    for column, row, count in zip(columns, rows, counts):
+        histogram[column, row] = count
+    x = density_centres[columns]
+    y = 0.5 * (temperature_edges[rows] + temperature_edges[np.array(rows) + 1])
+    x_mean, y_mean = np.average(x, weights=counts), np.average(y, weights=counts)
+    slope = np.sum(counts * (x - x_mean) * (y - y_mean)) / np.sum(counts * (x - x_mean) ** 2)
+    gamma, t0 = science.fit_temperature_density(histogram)
+    assert gamma == pytest.approx(1 + slope, rel=1e-9)
+    assert t0 == pytest.approx(10 ** (y_mean - slope * x_mean), rel=1e-9)
+    assert abs(gamma - (1 + np.polyfit(x, y, 1)[0])) > 0.05  # unweighted, the middle column would pull it
+
+
 def test_two_accumulators_sum_to_one_over_both_batches(generated):
     _, hydro = generated
     prediction = hydro * 0.9 + 0.01
@@ -289,6 +309,21 @@ def test_a_periodic_boxs_power_sums_to_its_variance_along_every_axis(axis):
     rho = units.to_physical(fields, "hydro", channel_axis=1)[:, 0].double()
     total = (metrics.power_spectra()["power_true"] * metrics.modes_per_shell).sum()
     assert total == pytest.approx(((rho - rho.mean()) ** 2).sum().item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("wavevector, shell", [((0, 0, 8), 8), ((8, 0, 0), 8), ((2, 2, 0), 3), ((1, 1, 1), 2)])
+def test_a_wave_lands_in_the_shell_nearest_its_wavenumber_with_all_its_power(wavevector, shell):
+    """Shells are |k| rounded (|(2, 2, 0)| = 2.83 is shell 3, |(1, 1, 1)| = 1.73 shell 2), and Parseval holds at the
+    Nyquist frequency too, where rfftn's last kz plane, like kz = 0, stands for itself alone."""
+    x = torch.stack(torch.meshgrid(*[torch.arange(CROP, dtype=torch.float64)] * 3, indexing="ij"))
+    phase = sum(k * x[a] for a, k in enumerate(wavevector))
+    fields = density_fields((1 + 0.5 * torch.cos(2 * math.pi * phase / CROP))[None])
+    metrics = science.ScienceMetrics(CROP, "cpu", periodic=True)
+    metrics.update(fields, fields)
+    rho = units.to_physical(fields, "hydro", channel_axis=1)[:, 0].double()
+    power = metrics.power_spectra()["power_true"] * metrics.modes_per_shell
+    assert power[shell - 1] / power.sum() > 0.99
+    assert power.sum() == pytest.approx(((rho - rho.mean()) ** 2).sum().item(), rel=1e-4)
 
 
 def test_the_windowed_power_of_white_noise_is_its_variance():

@@ -322,6 +322,18 @@ def test_the_first_epochs_steady_rate_leaves_out_its_first_log_interval(monkeypa
     assert single.summary(30.0, 10, 64, 1.0, None)["steady_samples_per_sec"] is None
 
 
+def test_each_log_intervals_data_wait_is_its_own_and_the_epochs_is_the_total(monkeypatch):
+    """The log line's "data wait" is the share of that interval spent waiting for data, not the epoch's so far."""
+    clock = iter([0.0, 1.0, 2.0, 2.0, 4.0])  # start; a 1 s wait in the first 2 s interval; none in the next 2 s
+    monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    meter = metrics.StepMeter(torch.device("cpu"))
+    with meter.waiting():
+        pass
+    assert meter.interval(10, 64)["wait_share"] == pytest.approx(0.5)
+    assert meter.interval(20, 64)["wait_share"] == 0.0
+    assert meter.summary(4.0, 20, 64, 1.0, None)["wait_share"] == pytest.approx(0.25)
+
+
 def test_user_files_that_do_not_exist_are_never_generated(tmp_path, capsys):
     missing = tmp_path / "mine" / "train.h5"
     with pytest.raises(SystemExit) as exit_info:
