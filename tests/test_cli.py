@@ -147,6 +147,16 @@ def test_a_resume_path_that_is_no_file_is_one_line_before_any_run_folder(tiny_ar
     assert resume_on_restart(str(tmp_path / "missing.pt"), restarted)[:2] == ("auto", str(tmp_path / "missing.pt"))
 
 
+def test_a_resume_path_holding_only_weights_is_one_line(tiny_argv, tmp_path, capsys):
+    """A model's state_dict saved by hand is no checkpoint: the early config check passes it on to resume(), which
+    names what it lacks, rather than failing on its missing config with a KeyError."""
+    weights = tmp_path / "weights.pt"
+    torch.save({"conv.weight": torch.zeros(2)}, weights)
+    code, err = run_train_cli(tiny_argv + ["--resume", str(weights)], capsys)
+    assert code == 2 and err == (f"error: {weights} is not a training checkpoint of this code (missing step, config, "
+                                 f"model, optimizer)")
+
+
 def test_only_a_restart_count_above_zero_makes_a_restart():
     """Slurm sets SLURM_RESTART_COUNT=0 (torchrun TORCHELASTIC_RESTART_COUNT=0) on a job's first attempt: --resume is
     then kept as given; from 1 on, the attempt continues the run."""

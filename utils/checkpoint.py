@@ -325,9 +325,10 @@ def _peek(path):
     """A checkpoint's payload memory-mapped (its config and data record without reading the weights), or None where
     it does not load: resume() verifies the whole file and says what is wrong with it."""
     try:
-        return torch.load(Path(path).expanduser(), map_location="cpu", mmap=True, weights_only=True)
+        payload = torch.load(Path(path).expanduser(), map_location="cpu", mmap=True, weights_only=True)
     except Exception:
         return None
+    return payload if isinstance(payload, dict) and isinstance(payload.get("config"), dict) else None
 
 
 def refuse_other_config(run_dir, params, resume="auto"):
