@@ -368,6 +368,10 @@ def test_a_checkpoint_follows_its_data_by_content_not_by_path(tmp_path):
         (key, str(files[key]), str(staged[key])) for key in ("train_path", "val_path")]
     with pytest.raises(CheckpointError, match="train_path .*train.h5 -> .*staged/train.h5"):
         check_compatible(saved, moved)  # no record: the paths decide, as before
+    other = write_random_box(tmp_path / "staged" / "other.h5", 16, seed=4)
+    with pytest.raises(CheckpointError, match=r"config: train_path \S+/train.h5 -> \S+/other.h5, train_path content "
+                                              r"sha256:[0-9a-f]{12} -> sha256:[0-9a-f]{12}; the checkpoint records"):
+        check_compatible(saved, {**saved, "train_path": str(other)}, data=record)
     write_random_box(files["train_path"], 16, seed=3)  # regenerated in place
     with pytest.raises(CheckpointError) as caught:
         check_compatible(saved, saved, source="checkpoint c.pt", data=record)

@@ -56,7 +56,7 @@ def test_the_default_runs_code_stays_within_its_budget():
     """A ratchet on what a reader of the default run meets (README section 18): about today's size, so it can only
     shrink towards the readability goal of 2,500 lines in at most 12 files, never grow by accident."""
     reached = code_reach.reach(REPO_ROOT / "train.py")
-    assert len(reached) <= 12 and sum(reached.values()) <= 3540, {p.name: n for p, n in reached.items()}
+    assert len(reached) <= 12 and sum(reached.values()) <= 3539, {p.name: n for p, n in reached.items()}
 
 
 def test_the_readme_quotes_todays_count():

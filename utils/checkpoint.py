@@ -358,13 +358,12 @@ def check_compatible(saved, current, source="the checkpoint", advice=RUN_ADVICE,
     """CheckpointError naming every run-defining key whose value differs between the configs. ``data``: the
     checkpoint's record of its files' content ({key: fingerprint}; config.yaml and older checkpoints have none),
     which decides for those files instead of their paths: the same content at another path continues (returned, as
-    (key, path there, path here), for the log), other content at the same path is refused."""
+    (key, path there, path here), for the log), other content is refused wherever it is."""
     differences, moved, here = config_differences(saved, current), [], data_fingerprints(current) if data else {}
     for key in sorted((data or {}).keys() & here.keys()):
-        path_changed = [entry for entry in differences if entry[0] == key]
-        differences = [entry for entry in differences if entry[0] != key]
         if data[key] == here[key]:
-            moved += path_changed
+            moved += [entry for entry in differences if entry[0] == key]
+            differences = [entry for entry in differences if entry[0] != key]
         else:  # the first 12 hex digits name it in the log
             differences.append((f"{key} content", data[key][:19], here[key][:19]))
     if differences:
