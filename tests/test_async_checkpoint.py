@@ -3,6 +3,7 @@ and the wall-clock interval."""
 import errno
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,6 +216,20 @@ def test_agree_carries_the_checkpoint_flag_on_one_process():
         control.close()
 
 
+def test_under_ddp_the_first_failed_write_is_held_for_the_agreement():
+    """A failed write waits for the next agreement; a later failure meanwhile (the run log) must not hide its cause."""
+    from utils import StorageError
+    control = RunControl()
+    control.attach(SimpleNamespace(device=torch.device("cpu"), enabled=True))
+    try:
+        first = CheckpointError("disk full")
+        control.write_failed(first)  # held, not raised: the other ranks stop with it at the agreement
+        control.write_failed(StorageError("cannot write out.log"))
+        assert control.failed_write is first
+    finally:
+        control.close()
+
+
 def checkpoint_steps(run_dir):
     return sorted(int(path.name[9:17]) for path in (run_dir / "checkpoints").glob("ckpt_step*.pt"))
 
@@ -276,6 +291,18 @@ def test_a_run_resumed_mid_epoch_trains_and_logs_as_the_unbroken_one(tiny_argv, 
                 if "Avg train loss=" in line]
     assert train_losses("resumed") == train_losses("whole")[1:] and len(train_losses("whole")) == 2
     assert resumed == whole  # the final validation loss, exactly
+    # the run's last line compares it with the mean predictor's L1 on the validation crops (lower is better)
+    from science import mean_predictor_l1
+    from utils.data import get_data_loader
+    from utils.distributed import DistInfo
+    found = re.search(r"Final validation L1 (\S+) vs (\S+) for the mean predictor \(ratio (\S+); lower is better\)",
+                      (runs / "whole" / "out.log").read_text())
+    params = load_config("tiny", tiny_argv[1])
+    val_loader, val_sampler = get_data_loader(params, "val")
+    host = SimpleNamespace(info=DistInfo(), to_device=lambda tensor: tensor)
+    baseline = mean_predictor_l1(params, val_loader, val_sampler, host)
+    assert found.groups() == (f"{whole:.5f}", f"{baseline:.5f}", f"{whole / baseline:.3f}")
+
 
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_a_run_goes_on_with_its_data_moved_and_refuses_it_regenerated_in_place(tiny_argv, tmp_path):

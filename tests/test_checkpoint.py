@@ -381,6 +381,18 @@ def test_a_checkpoint_follows_its_data_by_content_not_by_path(tmp_path):
         f"files it trained on, or use --resume never or a new --run_num")
 
 
+@pytest.mark.parametrize("dataset", ["Nbody", "Hydro"])
+def test_the_data_fingerprint_reads_the_inputs_and_the_targets(tmp_path, dataset):
+    """Targets replaced under the same inputs (another hydro run of the same N-body box) are other data too."""
+    import h5py
+    from utils.data.torch_loader import fingerprint
+    path = write_random_box(tmp_path / "train.h5", 8, seed=1)
+    before = fingerprint(path)
+    with h5py.File(path, "r+") as f:
+        f[dataset][...] = np.random.default_rng(5).uniform(-0.9, 0.9, f[dataset].shape)
+    assert fingerprint(path) != before
+
+
 def test_rng_round_trip_through_a_checkpoint(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     np.random.standard_normal()  # leaves a cached Gaussian in numpy's state

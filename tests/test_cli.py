@@ -796,6 +796,23 @@ def test_out_of_memory_offers_the_next_micro_batch_split(tiny_argv, capsys, monk
                           "smaller micro-batches (--micro_batches 4: the same training, 1 crop(s) at a time)"), err
 
 
+def test_out_of_memory_counts_the_crops_of_a_data_rank_and_offers_only_what_applies(monkeypatch):
+    """4 ranks, 2 sharing each crop: 2 data ranks of 4 crops, each crop shared; bf16 already on, and the GPU loader's
+    volumes already fp16, are not offered again (on a CPU where bf16 is fast); fp32 volumes of another loader are
+    not the GPU loader's."""
+    from utils.distributed import DistInfo
+    from utils.out_of_memory import training_report
+    monkeypatch.setattr(utils.cpu_amp, "amp_time_ratio", lambda amp_mode: 0.8)
+    params = load_config("quickstart", overrides={"spatial_parallel": 2, "amp_mode": "bf16",
+                                                  "data_loader_config": "gpu", "gpu_storage_dtype": "fp16"})
+    report = str(training_report(torch.OutOfMemoryError(CUDA_OOM), params, DistInfo(world_size=4)))
+    assert report == (f"out of memory on cpu with 4 crop(s) of 32^3 per rank, each shared by 2 ranks; try smaller "
+                      f"micro-batches (--micro_batches 2: the same training, 2 crop(s) at a time) or more ranks "
+                      f"sharing each crop (train.py --spatial_parallel S, README section 12). PyTorch said: {CUDA_OOM}")
+    inmem = load_config("quickstart", overrides={"gpu_storage_dtype": "fp32", "amp_mode": "bf16"})
+    assert "--gpu_storage_dtype" not in str(training_report(MemoryError(), inmem, DistInfo()))
+
+
 def test_any_other_runtime_error_keeps_its_traceback(tiny_argv, monkeypatch):
     def broken_step(state, inp, tar):
         raise RuntimeError("a bug, not a lack of memory")

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from train import config_overrides, parse_args
-from utils.config import DEFAULT_YAML, ConfigError, load_config
+from utils.config import DEFAULT_YAML, NULL, ConfigError, load_config
 from utils.run_dir import save_config
 
 NAMED = ["base", "short", "short_opt", "bs64_opt", "bs256_opt", "bs512_test", "bs512_opt", "bs2048_opt",
@@ -149,6 +149,11 @@ def test_misspelt_key_is_named(tmp_path):
     # other data layouts: the augmentation and the science metrics failed on them with a traceback
     ("N_in_channels", 1, "'N_in_channels' must be one of 4, got 1"),
     ("N_out_channels", 6, "'N_out_channels' must be one of 5, got 6"),
+    # a level of width 0, or no level at all, failed in torch; true is no number (YAML's yes would be one epoch)
+    ("model_channels", [16, 0], "'model_channels' must be a list of one or more positive integers, got \\[16, 0\\]"),
+    ("model_channels", [], "'model_channels' must be a list of one or more positive integers, got \\[\\]"),
+    ("num_epochs", True, "'num_epochs' must be a positive integer, got True"),
+    ("lyman_alpha.mean_flux", 1.0, "'lyman_alpha.mean_flux' must be a finite number > 0 and < 1, got 1.0"),
 ])
 def test_bad_values_are_named(tmp_path, key, value, expected):
     section, _, sub = key.rpartition(".")
@@ -157,6 +162,47 @@ def test_bad_values_are_named(tmp_path, key, value, expected):
         load_config("base", path)
     with pytest.raises(ConfigError, match=expected):  # the same from its flag
         load_config("base", overrides={key: value})
+
+
+def test_null_is_taken_only_where_a_key_is_nullable(tmp_path):
+    """A null num_epochs would fail as a TypeError deep in the run; peak_tflops and profile_dir take null."""
+    path = write_yaml(tmp_path, lambda c: c.update(num_epochs=None))
+    with pytest.raises(ConfigError, match="^config key 'num_epochs' must be a positive integer, got None$"):
+        load_config("base", path)
+    with pytest.raises(ConfigError, match="^config key 'num_epochs' must be a positive integer, got None$"):
+        load_config("base", overrides={"num_epochs": NULL})  # --num_epochs null
+    params = load_config("base", overrides={"peak_tflops": NULL, "profile_dir": NULL})
+    assert params.peak_tflops is None and params.profile_dir is None
+
+
+def test_numbers_of_float_keys_are_floats_however_yaml_reads_them(tmp_path):
+    """PyYAML (YAML 1.1) reads 2e-4 as a string and 1 as an integer: a float key takes both, as floats."""
+    path = write_yaml(tmp_path, lambda c: (c["lr_schedule"].update(start_lr="2e-4"), c.update(lambda_rho=1)))
+    path.write_text(path.read_text().replace("'2e-4'", "2e-4"))
+    assert yaml.safe_load(path.read_text())["base"]["lr_schedule"]["start_lr"] == "2e-4"
+    params = load_config("base", path)
+    assert params.lr_schedule["start_lr"] == 2e-4 and type(params.lr_schedule["start_lr"]) is float
+    assert params.lambda_rho == 1.0 and type(params.lambda_rho) is float
+
+
+def test_the_consistency_checks_refuse_exactly_what_cannot_run():
+    """Their bounds, each at the edge: a crop as large as the box and one step per epoch run; full_scale: false
+    halves the crop one time fewer (5 levels of base's 6)."""
+    assert load_config("base", overrides={"data_size": 64, "box_size": [64, 64]}).data_size == 64
+    assert load_config("base", overrides={"Nsamples": 64, "global_batch_size": 64}).Nsamples == 64
+    assert load_config("base", overrides={"full_scale": False, "data_size": 32}).data_size == 32
+    with pytest.raises(ConfigError, match=r"^data_size 16 must be divisible by 2\^5 \(the U-Net halves the crop 5 "):
+        load_config("base", overrides={"full_scale": False, "data_size": 16})
+
+
+def test_the_batch_is_split_over_the_data_ranks_not_every_rank():
+    """With spatial_parallel S the world's W ranks are W / S data ranks, each taking global batch / (W / S) crops."""
+    from utils.config import check_batch_split
+    check_batch_split(2, world_size=4, spatial_parallel=2)  # 1 crop per data rank, shared by 2 ranks
+    check_batch_split(6, world_size=4, spatial_parallel=2, micro_batches=3)  # 3 crops per data rank, in 3 chunks
+    with pytest.raises(ConfigError, match=r"^global batch size 3 is not divisible by the 2 data ranks \(4 ranks / "
+                                          r"spatial_parallel 2\); set global_batch_size to a multiple of 2 "):
+        check_batch_split(3, world_size=4, spatial_parallel=2)
 
 
 @pytest.mark.parametrize("given", [2.0e-3, [2.0e-3]])

@@ -149,6 +149,7 @@ SLURM_NODES = {"SLURM_PROCID": "5", "SLURM_STEP_TASKS_PER_NODE": "2(x3),3"}
 
 @pytest.mark.parametrize("env, ranks", [
     ({}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 4),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x3),3"}, 1),  # no SLURM_PROCID: not one of the step's tasks, alone
     ({**SLURM_NODES, "SLURM_NODEID": "1"}, 3),  # the step's nodes unknown: the most any node runs
     ({**SLURM_NODES, "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_NUM_NODES": "4"}, 2),  # its own
     ({**SLURM_NODES, "SLURM_NODEID": "3", "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_NUM_NODES": "4"}, 3)])

@@ -40,6 +40,8 @@ def test_init_and_shapes():
     out = model(torch.randn(2, 4, 16, 16, 16))
     assert out.shape == (2, 5, 16, 16, 16) and out.abs().max() < 1  # tanh output
     assert UNet([8, 16, 16], full_scale=False).num_levels == 2
+    # full_scale: false drops the coarsest level, keeping the finest widths
+    assert [block[0].out_channels for block in UNet([8, 16, 32], full_scale=False).down] == [8, 16]
 
 
 def test_the_config_offers_the_upsample_modes_the_model_builds():
@@ -65,6 +67,7 @@ def test_default_activation_is_the_references():
         activations = [block[1] for block in model.down]
         assert all(type(a) is torch.nn.LeakyReLU for a in activations)
         assert all(a.negative_slope == 0.01 == torch.nn.LeakyReLU().negative_slope and a.inplace for a in activations)
+        assert all(type(block[1]) is torch.nn.ReLU for block in model.up)  # the up path: plain ReLU
         # the reference's layers: plain nn.Conv3d and nn.ConvTranspose3d
         assert all(type(block[0]) is torch.nn.Conv3d for block in model.down)
         assert all(type(block[0]) is torch.nn.ConvTranspose3d for block in model.up)
@@ -179,6 +182,14 @@ def test_loss_lambda_rho():
     assert torch.isclose(loss_func(pred, target), torch.tensor(0.1))
     extra = torch.exp(torch.tensor(1.4)) - 1  # |exp(14 * 0.1) - exp(0)| on the density channel
     assert torch.isclose(loss_func(pred, target, lambda_rho=0.5), 0.1 + 0.5 * extra)
+
+
+def test_the_density_term_compares_the_density_channels():
+    """lambda_rho's term is the gas density's (channel 0 of both), not any other field's."""
+    pred, target = torch.zeros(1, 5, 2, 2, 2), torch.full((1, 5, 2, 2, 2), 0.3)
+    target[:, 0] = 0.1
+    extra = torch.exp(torch.tensor(1.4)) - 1  # |exp(14 * 0.1) - exp(0)|
+    assert torch.isclose(loss_func(pred, target, lambda_rho=0.5), (0.1 + 4 * 0.3) / 5 + 0.5 * extra)
 
 
 @pytest.mark.parametrize("upsample, expected", [("transposed", []), ("resize_conv", ["networks.upsample"])])

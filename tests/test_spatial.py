@@ -234,6 +234,13 @@ def test_one_rank_equals_the_model():
     check_unet(SpatialGroup(), 16, expected=set())
 
 
+def test_one_rank_pads_lo_planes_before_and_hi_after():
+    """halo_exchange on one rank (pad_depth) is torch's padding, also for a halo that differs on the two faces."""
+    x = torch.randn(1, 2, 4, 3, 3)
+    assert torch.equal(halo_exchange(x, 1, 2, SpatialGroup()), F.pad(x, (0, 0, 0, 0, 1, 2)))
+    assert torch.equal(halo_exchange(x, 2, 0, SpatialGroup()), F.pad(x, (0, 0, 0, 0, 2, 0)))
+
+
 def test_periodic_one_rank_equals_circular_padding():
     check_layers(SpatialGroup(), [(False, 8), (True, 4)], periodic=True)
     x = torch.randn(1, 2, 6, 3, 3)

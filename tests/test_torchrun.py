@@ -32,6 +32,14 @@ def test_torchrun_trains_quickstart_with_two_ranks(tmp_path):
     assert "Generating 128^3 dataset" in log and (data / "train.h5").exists() and (data / "val.h5").exists()
     assert epoch_throughput(log) > 0
     assert "Avg val loss=" in log
+    # The epoch's loss averages both ranks' steps (their sum over steps x ranks): near rank 0's own step losses, which
+    # TensorBoard records; without the ranks in the divisor it would read twice as large.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(runs / "quickstart" / "2GPU" / "torchrun" / "logs"))
+    events.Reload()
+    rank0 = [point.value for point in events.Scalars("Loss/train_step")]
+    average = float(log.split("Avg train loss=")[1].split()[0])
+    assert len(rank0) == 8 and abs(average / (sum(rank0) / 8) - 1) < 0.3, (average, rank0)
 
     # benchmark mode under DDP, then continue training (the reference crashed here)
     benchy = command[:command.index("--run_num")] + ["--run_num", "benchy", "--enable_benchy", "--benchy_continue"]

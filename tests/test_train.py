@@ -185,6 +185,26 @@ def test_device_cuda_without_a_gpu_says_why_in_one_line(monkeypatch, cuda_versio
         init_distributed("cuda")
 
 
+def test_ddp_syncs_buffers_unless_the_config_says_not_to():
+    from utils.distributed import ddp_buffer_sync
+    assert ddp_buffer_sync(True) == {}  # DDP's default
+    assert list(ddp_buffer_sync(False).values()) == [False]  # under the name this torch knows
+
+
+def test_only_a_restart_under_the_agents_store_rendezvous_through_a_prefixed_store(monkeypatch):
+    """Without torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) there is no store to join: env:// as usual."""
+    from utils import distributed
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert distributed._rendezvous() == {"init_method": "env://"}
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setattr(distributed.dist, "TCPStore", lambda host, port, is_master, timeout: ("store", host, port))
+    monkeypatch.setattr(distributed.dist, "PrefixStore", lambda prefix, store: (prefix, store))
+    assert distributed._rendezvous() == {"store": ("restart_1", ("store", "127.0.0.1", 29500))}
+
+
 @pytest.mark.slow  # integration (a whole training run or a subprocess): run with --full
 def test_end_to_end_run_generates_data_and_writes_logs(tmp_path):
     data = tmp_path / "data"
