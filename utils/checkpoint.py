@@ -360,16 +360,16 @@ def check_compatible(saved, current, source="the checkpoint", advice=RUN_ADVICE,
     which decides for those files instead of their paths: the same content at another path continues (returned, as
     (key, path there, path here), for the log), other content is refused wherever it is."""
     differences, moved, here = config_differences(saved, current), [], data_fingerprints(current) if data else {}
+    restore = ""
     for key in sorted((data or {}).keys() & here.keys()):
         if data[key] == here[key]:
             moved += [entry for entry in differences if entry[0] == key]
             differences = [entry for entry in differences if entry[0] != key]
         else:  # the first 12 hex digits name it in the log
             differences.append((f"{key} content", data[key][:19], here[key][:19]))
+            restore = "the checkpoint records the data's content: restore the files it trained on, or "
     if differences:
-        restore = ("; the checkpoint records the data's content: restore the files it trained on, or "
-                   if any(key.endswith(" content") for key, _, _ in differences) else "; ")
-        raise CheckpointError(f"{source} was written with a different config: {listed(differences)}{restore}{advice}")
+        raise CheckpointError(f"{source} was written with a different config: {listed(differences)}; {restore}{advice}")
     return moved
 
 
